@@ -1,0 +1,79 @@
+"""What parallel plugins need to know of a model, declared by the model itself.
+
+Plugins never guess at a model's structure: a model that wants to be parallelised exposes a
+:class:`ModelSpec` through a ``spec`` attribute. Our Llama does; a user's model can too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Structure and sizes of a decoder-only transformer, for validation and for the plugins.
+
+    Module names are attribute paths relative to the model (``"layers"``) or to one block
+    (``"attention"``). ``layers`` must be an ``nn.ModuleDict`` keyed ``"0" .. "n-1"`` so that a
+    pipeline stage can drop the blocks it does not own and keep the fully qualified names
+    (checkpoints and per-parameter seeding stay layout independent).
+
+    Example:
+        >>> from lightning_ultrascale.models import build_model
+        >>> model = build_model("llama_tiny", device="meta")
+        >>> model.spec.n_layers, model.spec.layers
+        (4, 'layers')
+    """
+
+    name: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    dim: int
+    vocab_size: int
+    n_experts: int = 0
+    embedding: str = "tok_embeddings"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    head: str = "output"
+    attention: str = "attention"
+    mlp: str = "feed_forward"
+    # Tensor-parallel plan: ``tp_plan(sequence_parallel) -> (top_level_plan, per_block_plan)``,
+    # each a mapping of module name to a DTensor ``ParallelStyle``.
+    tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    def pipeline_split_points(self) -> list[str]:
+        """Module names before which a pipeline stage may begin: every block boundary."""
+        return [f"{self.layers}.{i}" for i in range(1, self.n_layers)]
+
+
+@runtime_checkable
+class SpecifiedModel(Protocol):
+    """An ``nn.Module`` that declares its :class:`ModelSpec` and can initialise itself.
+
+    ``init_weights(seed)`` must give every parameter a value that depends only on ``seed`` and the
+    parameter's fully qualified name, never on the rank or on how the model is sharded.
+    """
+
+    spec: ModelSpec
+
+    def init_weights(self, seed: int) -> None: ...
+
+    def flops_per_token(self, seq_len: int) -> float: ...
+
+
+def require_spec(model: nn.Module) -> ModelSpec:
+    """The model's :class:`ModelSpec`, or a ``TypeError`` that says how to provide one."""
+    spec = getattr(model, "spec", None)
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(
+            f"{type(model).__name__} has no `spec: ModelSpec` attribute; lightning_ultrascale needs it to "
+            "parallelise the model (see lightning_ultrascale.models.spec.ModelSpec)"
+        )
+    return spec

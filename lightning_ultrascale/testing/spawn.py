@@ -1,0 +1,151 @@
+"""Run a function on N gloo processes and collect what each returns.
+
+Forking is ~40x faster than spawning (FACTS.md: 0.25 s vs 10 s for two processes), so workers
+are forked from a parent that has already imported torch. Fork is only safe when the parent has
+not started its intra-op thread pool, so ``run_workers`` pins it to one thread first.
+
+Every worker initialises the default group with a timeout and always destroys it; a worker that
+raises sends its traceback to the parent, which stops the others (they may be blocked in a
+collective waiting for the dead rank) and raises :class:`WorkerError` with that rank's message.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised, died or ran past its deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    conn: Connection,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        result = fn(*args, **kwargs)
+        conn.send(("ok", _dumps(result)))
+    except BaseException:  # report everything, KeyboardInterrupt included, then die
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` forked gloo processes; return results by rank.
+
+    Inside ``fn`` the default process group exists and ``RANK``/``WORLD_SIZE``/``MASTER_*`` are set,
+    as under torchrun. Results travel back through ``torch.save``, so tensors are fine.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> def rank_sum():
+        ...     t = torch.ones(1) * dist.get_rank()
+        ...     dist.all_reduce(t)
+        ...     return t.item()
+        >>> run_workers(rank_sum, 2)
+        [1.0, 1.0]
+
+    Raises:
+        WorkerError: a worker raised (its traceback is in the message), died without a word, or
+            the run passed ``timeout_s`` (the ranks still running are named).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    # Fork after the intra-op pool started deadlocks the children (FACTS.md).
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs: list[mp.process.BaseProcess] = []
+    conns: dict[Connection, int] = {}
+    for rank in range(world_size):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, timeout_s, args, kwargs, child_end),
+            name=f"ultrascale-worker-{rank}",
+        )
+        proc.start()
+        child_end.close()
+        procs.append(proc)
+        conns[parent_end] = rank
+
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while conns:
+            ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerError(
+                    f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(conns.values())} "
+                    f"of {world_size} (a hang in a collective, or a too-small timeout_s)"
+                )
+            for conn in ready:
+                rank = conns.pop(conn)  # type: ignore[call-overload]
+                try:
+                    status, payload = conn.recv()  # type: ignore[union-attr]
+                except EOFError:
+                    raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})")
+                if status == "error":
+                    raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
+                results[rank] = _loads(payload)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world_size)]
+

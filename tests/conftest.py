@@ -1,0 +1,19 @@
+"""Test-wide setup.
+
+Multi-process tests fork gloo workers (lightning_ultrascale.testing.run_workers). Forking is only
+safe while the parent has not started its intra-op thread pool, and is fastest when the parent
+has already imported the distributed packages the workers use (FACTS.md), so both happen here,
+before any test module runs.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import torch.distributed.fsdp  # noqa: E402, F401
+import torch.distributed.pipelining  # noqa: E402, F401
+import torch.distributed.tensor  # noqa: E402, F401
