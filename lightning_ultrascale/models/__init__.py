@@ -1,0 +1,108 @@
+"""Models that declare their parallel plan, and the registry of named configurations.
+
+Example:
+    >>> from lightning_ultrascale.models import build_model, get_model_config
+    >>> get_model_config("llama3_8b").n_kv_heads
+    8
+    >>> model = build_model("llama3_70b", device="meta")  # no memory: materialise after sharding
+    >>> model.spec.n_layers
+    80
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, require_spec
+
+__all__ = [
+    "MODEL_CONFIGS",
+    "Llama",
+    "LlamaConfig",
+    "ModelSpec",
+    "RopeScaling",
+    "SpecifiedModel",
+    "build_model",
+    "get_model_config",
+    "require_spec",
+]
+
+# Published Llama 3.1 / 3.2 architectures (the HF config.json of meta-llama/Llama-3.1-8B etc.);
+# tests check the parameter counts against Meta's model cards.
+_LLAMA31_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_VOCAB = 128256
+_CONTEXT = 131072
+
+MODEL_CONFIGS: dict[str, LlamaConfig] = {
+    # CPU tests and the default job. The rope scaling is on and its bands are placed so that the
+    # head's 8 frequencies fall in all three (kept, interpolated, stretched): tests exercise it.
+    "llama_tiny": LlamaConfig(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=192,
+        rope_scaling=RopeScaling(
+            factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        ),
+        max_seq_len=256, name="llama_tiny",
+    ),
+    "llama3_1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=8192,
+        rope_scaling=_LLAMA32_ROPE, max_seq_len=_CONTEXT, tie_embeddings=True, name="llama3_1b",
+    ),
+    "llama3_3b": LlamaConfig(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=8192,
+        rope_scaling=_LLAMA32_ROPE, max_seq_len=_CONTEXT, tie_embeddings=True, name="llama3_3b",
+    ),
+    "llama3_8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=14336,
+        rope_scaling=_LLAMA31_ROPE, max_seq_len=_CONTEXT, name="llama3_8b",
+    ),
+    "llama3_70b": LlamaConfig(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=28672,
+        rope_scaling=_LLAMA31_ROPE, max_seq_len=_CONTEXT, name="llama3_70b",
+    ),
+    "llama3_405b": LlamaConfig(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=53248,
+        rope_scaling=_LLAMA31_ROPE, max_seq_len=_CONTEXT, name="llama3_405b",
+    ),
+}  # fmt: skip
+
+
+def get_model_config(name: str) -> LlamaConfig:
+    """The named configuration, or a :class:`ConfigError` listing the known names.
+
+    Example:
+        >>> get_model_config("llama_tiny").dim
+        64
+    """
+    try:
+        return MODEL_CONFIGS[name]
+    except KeyError:
+        raise ConfigError(f"model={name} is unknown; valid: {', '.join(MODEL_CONFIGS)}") from None
+
+
+def build_model(
+    name_or_config: str | LlamaConfig, *, device: str | torch.device = "cpu", seed: int = 0
+) -> Llama:
+    """Build a model on ``device``, initialised from ``seed`` unless ``device`` is meta.
+
+    A meta model has shapes and no storage: shard it first, then ``to_empty(device=...)`` and
+    ``init_weights(seed)`` give each rank its part of the same weights a CPU build would have.
+
+    Example:
+        >>> model = build_model("llama_tiny", seed=0)
+        >>> sum(p.numel() for p in model.parameters())
+        238144
+    """
+    cfg = get_model_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    device = torch.device(device)
+    with torch.device(device):
+        model = Llama(cfg)
+    if device.type != "meta":
+        model.init_weights(seed)
+    return model

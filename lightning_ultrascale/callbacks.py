@@ -1,0 +1,236 @@
+"""Throughput, MFU and model-state memory as training runs: the playbook's headline numbers, logged.
+
+:class:`TrainingMetrics` logs, per optimizer step, ``train/tokens_per_s`` (global, all data-parallel
+ranks), ``train/tflops_per_device`` and ``train/mfu`` (model FLOPs utilisation, the playbook's
+"MFU": achieved model FLOPs over the hardware's dense peak), and once, at the first optimizer step,
+the model-state memory of rank 0. :class:`UltraScaleProgressBar` shows loss, tokens/s and MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+from lightning_ultrascale.utils.memory import model_state_bytes
+
+__all__ = ["PEAK_TFLOPS", "TrainingMetrics", "UltraScaleProgressBar", "peak_tflops"]
+
+# (substring of torch.cuda.get_device_name(), bf16 dense TFLOPS, fp8 dense TFLOPS or None).
+# Dense tensor-core peaks from the vendors' datasheets; NVIDIA prints the 2:4-sparse figure with an
+# asterisk, which is twice these. First match wins, so a more specific name precedes its prefix.
+PEAK_TFLOPS: tuple[tuple[str, float, float | None], ...] = (
+    ("GB200", 2500.0, 5000.0),  # GB200 NVL72 datasheet, per GPU: 5 / 10 PFLOPS sparse
+    ("B200", 2250.0, 4500.0),  # HGX B200 datasheet, per GPU: 4.5 / 9 PFLOPS sparse
+    ("H200 NVL", 835.0, 1670.0),  # H200 datasheet, NVL: 1,671* / 3,341* TFLOPS
+    ("H200", 989.0, 1979.0),  # H200 datasheet, SXM: 1,979* / 3,958* TFLOPS
+    ("H100 NVL", 835.0, 1670.0),  # H100 datasheet, NVL: 1,671* / 3,341* TFLOPS
+    ("H100 PCIe", 756.0, 1513.0),  # H100 datasheet, PCIe: 1,513* / 3,026* TFLOPS
+    ("H100", 989.0, 1979.0),  # H100 datasheet, SXM ("NVIDIA H100 80GB HBM3"): 1,979* / 3,958*
+    ("A100", 312.0, None),  # A100 datasheet, SXM and PCIe: 312 (624*); Ampere has no FP8
+    ("L40S", 362.0, 733.0),  # L40S datasheet: 362.05 (733*) / 733 (1,466*)
+    ("L4", 121.0, 242.0),  # L4 datasheet: 242* / 485*
+    ("MI300X", 1307.4, 2614.9),  # AMD Instinct MI300X datasheet, dense
+    ("MI325X", 1307.4, 2614.9),  # AMD Instinct MI325X datasheet, dense (same CDNA3 compute)
+)
+
+
+def peak_tflops(device_name: str, dtype: Literal["bf16", "fp8"] = "bf16") -> float | None:
+    """Dense peak TFLOPS of a device from :data:`PEAK_TFLOPS`, or None when unknown (CPU included).
+
+    Example:
+        >>> peak_tflops("NVIDIA H100 80GB HBM3"), peak_tflops("NVIDIA H100 80GB HBM3", "fp8")
+        (989.0, 1979.0)
+        >>> peak_tflops("cpu") is None
+        True
+    """
+    for key, bf16, fp8 in PEAK_TFLOPS:
+        if key in device_name:
+            return bf16 if dtype == "bf16" else fp8
+    return None
+
+
+def _tokens_and_seq_len(batch: Any) -> tuple[int, int]:
+    input_ids = batch["input_ids"] if isinstance(batch, dict) else batch
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(batch).__name__
+        raise ValueError(
+            f"TrainingMetrics needs a batch that is a dict with 'input_ids' [batch, seq] or a tensor"
+            f" [batch, seq]; got {got}"
+        )
+    return input_ids.numel(), input_ids.shape[1]
+
+
+class TrainingMetrics(L.Callback):
+    """Log global tokens/s, TFLOPS per device, MFU and model-state memory.
+
+    Per optimizer step (through ``pl_module.log``, so only rank 0's logger writes):
+
+    - ``train/tokens_per_s``: tokens of the micro batches of a step (as Lightning hands them to the
+      module) times the data-parallel size, over the step's wall time. The data-parallel size is
+      ``strategy.distributed_sampler_kwargs["num_replicas"]`` for a ``ParallelStrategy``, else 1.
+    - ``train/tflops_per_device``: ``pl_module.flops_per_token(seq_len)`` times global tokens/s over
+      the world size; skipped when the module has no ``flops_per_token``.
+    - ``train/mfu``: that over the device's dense peak (:func:`peak_tflops`); only on a GPU listed
+      in :data:`PEAK_TFLOPS`.
+
+    Throughput is a moving window over the last ``window`` steps, and the first step is left out:
+    it carries warm-up (allocator, kernel autotuning, compilation) that later steps do not.
+    Validation time between two steps is left out too. On CUDA the clock is read after a device
+    synchronisation, so a step's time includes its queued kernels.
+
+    Once, after the first optimizer step (when gradients and optimizer states exist), it logs
+    ``memory/params_mib``, ``memory/grads_mib`` and, when the optimizer has state,
+    ``memory/optimizer_mib`` for rank 0, and prints the same on one line.
+
+    Args:
+        window: number of steps the throughput is averaged over.
+        peak_dtype: which peak MFU divides by: "bf16", or "fp8" for FP8 training.
+
+    Example:
+        >>> trainer = L.Trainer(callbacks=[TrainingMetrics(), UltraScaleProgressBar()])  # doctest: +SKIP
+    """
+
+    def __init__(self, window: int = 10, peak_dtype: Literal["bf16", "fp8"] = "bf16") -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.peak_dtype = peak_dtype
+        self._window: deque[tuple[int, float]] = deque(maxlen=window)
+        self._peak: float | None = None
+        self._step_start: float | None = None
+        self._val_start: float | None = None
+        self._last_global_step = 0
+        self._steps_seen = 0
+        self._tokens = 0
+        self._seq_len = 0
+
+    def _clock(self, trainer: L.Trainer) -> float:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        self._peak = (
+            peak_tflops(torch.cuda.get_device_name(device), self.peak_dtype)
+            if device.type == "cuda"
+            else None
+        )
+        self._last_global_step = trainer.global_step
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_start is None:
+            self._step_start = self._clock(trainer)
+        tokens, self._seq_len = _tokens_and_seq_len(batch)
+        self._tokens += tokens
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.global_step == self._last_global_step:  # accumulating gradients: no step yet
+            return
+        self._last_global_step = trainer.global_step
+        now = self._clock(trainer)
+        assert self._step_start is not None
+        if self._steps_seen == 0:
+            self._log_memory(trainer, pl_module)
+        else:
+            self._window.append((self._tokens * self._dp_size(trainer), now - self._step_start))
+            self._log_throughput(trainer, pl_module)
+        self._steps_seen += 1
+        self._step_start, self._tokens = now, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and self._step_start is not None:
+            self._val_start = self._clock(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._val_start is not None and self._step_start is not None:
+            self._step_start += self._clock(trainer) - self._val_start
+        self._val_start = None
+
+    @staticmethod
+    def _dp_size(trainer: L.Trainer) -> int:
+        strategy = trainer.strategy
+        if isinstance(strategy, ParallelStrategy):
+            return int((strategy.distributed_sampler_kwargs or {}).get("num_replicas", 1))
+        return 1
+
+    def _log_throughput(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tokens = sum(t for t, _ in self._window)
+        seconds = sum(s for _, s in self._window)
+        tokens_per_s = tokens / seconds
+        pl_module.log("train/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False)
+        flops_per_token = getattr(pl_module, "flops_per_token", None)
+        if flops_per_token is None:
+            return
+        tflops = flops_per_token(self._seq_len) * tokens_per_s / trainer.world_size / 1e12
+        pl_module.log("train/tflops_per_device", tflops, on_step=True, on_epoch=False)
+        if self._peak is not None:
+            pl_module.log("train/mfu", tflops / self._peak, on_step=True, on_epoch=False)
+
+    def _log_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        states = model_state_bytes(pl_module, trainer.optimizers)
+        mib = 2**20
+        pl_module.log("memory/params_mib", states.params / mib, on_step=True, on_epoch=False)
+        pl_module.log("memory/grads_mib", states.grads / mib, on_step=True, on_epoch=False)
+        if states.optimizer_states:
+            pl_module.log("memory/optimizer_mib", states.optimizer_states / mib, on_step=True, on_epoch=False)
+        rank_zero_info(f"rank 0 {states.summary()}")
+
+
+class UltraScaleProgressBar(TQDMProgressBar):
+    """A TQDM bar showing the step's loss, global tokens/s and MFU ("n/a" where not measured).
+
+    Reads ``train/tokens_per_s`` and ``train/mfu`` as :class:`TrainingMetrics` logs them, and the
+    loss from what ``training_step`` returned.
+
+    Example:
+        >>> trainer = L.Trainer(callbacks=[TrainingMetrics(), UltraScaleProgressBar()])  # doctest: +SKIP
+        Epoch 0:  40%|████      | 40/100 [00:12<00:18, loss=3.21, tok/s=51,200, mfu=41.3%]
+    """
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self._loss: torch.Tensor | None = None
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._loss = loss.detach()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
+        items = super().get_metrics(trainer, pl_module)
+        metrics = trainer.callback_metrics
+        if self._loss is not None:
+            items["loss"] = f"{self._loss.item():.4g}"
+        tokens_per_s = metrics.get("train/tokens_per_s")
+        items["tok/s"] = f"{float(tokens_per_s):,.0f}" if tokens_per_s is not None else "n/a"
+        mfu = metrics.get("train/mfu")
+        items["mfu"] = f"{100 * float(mfu):.1f}%" if mfu is not None else "n/a"
+        return items

@@ -1,0 +1,98 @@
+"""Token streams cut into fixed-length training sequences.
+
+Sequences are packed: consecutive, non-overlapping windows of ``seq_len`` tokens over the whole
+stream, documents separated only by their bos/eos ids (as nanoGPT and Megatron do), so no token is
+padding and every batch has exactly ``batch * seq_len`` target tokens — which keeps the global
+token count, the loss normaliser (DESIGN.md), independent of the data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from lightning_ultrascale.errors import ConfigError
+
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+class PackedDataset(Dataset[dict[str, torch.Tensor]]):
+    """Item ``i`` is the window ``tokens[i*L : i*L+L]`` and its next-token labels, shifted by one.
+
+    ``len`` is ``(n_tokens - 1) // seq_len``: the last window needs one more token for its labels.
+
+    Example:
+        >>> ds = PackedDataset(torch.arange(10), seq_len=3)
+        >>> len(ds), ds[1]["input_ids"].tolist(), ds[1]["labels"].tolist()
+        (3, [3, 4, 5], [4, 5, 6])
+    """
+
+    def __init__(self, tokens: torch.Tensor | np.ndarray, seq_len: int) -> None:
+        if seq_len <= 0:
+            raise ConfigError(f"data.seq_len={seq_len} must be > 0")
+        # numpy throughout: a memmap stays on disk and is read one window at a time.
+        self.tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        if self.tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} sequences")
+        start = index * self.seq_len
+        # astype copies: the batch must not alias a read-only memmap.
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+
+def _open_token_file(path: Path, dtype: str) -> np.memmap:
+    if dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.dtype={dtype} is not supported; valid: {', '.join(TOKEN_DTYPES)}")
+    if not path.is_file():
+        raise ConfigError(
+            f"data.source={path} does not exist; create it with `ultrascale-tokenize INPUT.txt {path}` "
+            "or use data.source=pydoc (the bundled corpus)"
+        )
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % itemsize:
+        raise ConfigError(
+            f"data.source={path} has {size} bytes, not a multiple of {itemsize} as data.dtype={dtype} needs; "
+            f"set data.dtype to the one the file was written with (valid: {', '.join(TOKEN_DTYPES)})"
+        )
+    if size == 0:
+        raise ConfigError(f"data.source={path} is empty; write tokens into it with `ultrascale-tokenize`")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class MemmapTokenDataset(PackedDataset):
+    """:class:`PackedDataset` over a flat token file (no header, native byte order), read lazily.
+
+    The nanoGPT/Megatron ``.bin`` format, as written by ``ultrascale-tokenize``.
+
+    Example:
+        >>> ds = MemmapTokenDataset("corpus.bin", seq_len=256)  # doctest: +SKIP
+        >>> ds[0]["input_ids"].shape  # doctest: +SKIP
+        torch.Size([256])
+
+    Raises:
+        ConfigError: the file is missing, ``dtype`` is not uint16/uint32, or the file size is not a
+            multiple of the dtype size (the file was written with another dtype), or it is empty.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, dtype: str = "uint16") -> None:
+        self.path = Path(path)
+        self.dtype = dtype
+        super().__init__(_open_token_file(self.path, dtype), seq_len)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickling a memmap copies its data; DataLoader workers started by spawn would each get the
+        # whole file. Reopen it by path instead.
+        return (type(self), (self.path, self.seq_len, self.dtype))

@@ -1,0 +1,225 @@
+"""Convert Llama configs and weights from and to Hugging Face ``transformers`` (``LlamaForCausalLM``).
+
+Our RoPE uses HF's ``rotate_half`` layout, so weights convert by renaming keys only: no q/k
+permutation, no copy. ``transformers`` is imported only by :func:`load_hf_pretrained`; the other
+functions work on plain configs and state dicts.
+
+Example (fine-tune from a downloaded checkpoint):
+    >>> from lightning_ultrascale.models.hf import load_hf_pretrained, state_dict_to_hf
+    >>> model = load_hf_pretrained("/models/Llama-3.2-1B")  # doctest: +SKIP
+    >>> # ... train ...
+    >>> hf_sd = state_dict_to_hf(model.state_dict(), model.config)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+
+__all__ = ["config_from_hf", "config_to_hf", "load_hf_pretrained", "state_dict_from_hf", "state_dict_to_hf"]
+
+# (HF LlamaForCausalLM key, our key); "{}" stands for the layer index.
+_KEY_PAIRS = (
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.layers.{}.input_layernorm.weight", "layers.{}.attention_norm.weight"),
+    ("model.layers.{}.self_attn.q_proj.weight", "layers.{}.attention.wq.weight"),
+    ("model.layers.{}.self_attn.k_proj.weight", "layers.{}.attention.wk.weight"),
+    ("model.layers.{}.self_attn.v_proj.weight", "layers.{}.attention.wv.weight"),
+    ("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attention.wo.weight"),
+    ("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+    ("model.layers.{}.mlp.gate_proj.weight", "layers.{}.feed_forward.w1.weight"),
+    ("model.layers.{}.mlp.down_proj.weight", "layers.{}.feed_forward.w2.weight"),
+    ("model.layers.{}.mlp.up_proj.weight", "layers.{}.feed_forward.w3.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+)
+# Older HF checkpoints saved the RoPE frequencies; they are recomputed from the config.
+_HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """Keyword arguments of ``transformers.LlamaConfig`` for the same architecture.
+
+    Uses the ``rope_theta`` / ``rope_scaling`` spelling, which transformers 4.x reads and 5.x
+    converts to its ``rope_parameters``.
+
+    Example:
+        >>> import transformers
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> hf_config = transformers.LlamaConfig(**config_to_hf(get_model_config("llama3_8b")))
+        >>> hf_config.num_key_value_heads
+        8
+    """
+    s = cfg.rope_scaling
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None
+        if s is None
+        else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        },
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
+    """Our :class:`LlamaConfig` from a ``transformers.LlamaConfig`` (4.x or 5.x).
+
+    Raises :class:`ConfigError` for features our Llama does not have (biases, another activation,
+    a head_dim other than dim / n_heads, a RoPE type other than default or llama3).
+
+    Example:
+        >>> import transformers
+        >>> hf_config = transformers.AutoConfig.from_pretrained("/models/Llama-3.1-8B")  # doctest: +SKIP
+        >>> config_from_hf(hf_config, name="llama3_8b").n_layers  # doctest: +SKIP
+        32
+    """
+    unsupported = {
+        "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
+        "attention_bias": (getattr(hf_config, "attention_bias", False), False),
+        "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
+    }
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is not None:
+        unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
+    for option, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
+
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` / `rope_scaling`.
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"hf rope_type={rope_type!r} is not supported; valid: 'default', 'llama3'")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    return LlamaConfig(
+        dim=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        vocab_size=hf_config.vocab_size,
+        ffn_hidden_dim=hf_config.intermediate_size,
+        norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=float(rope_theta),
+        rope_scaling=scaling,
+        max_seq_len=hf_config.max_position_embeddings,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+        name=name or getattr(hf_config, "name_or_path", "") or "hf_llama",
+    )
+
+
+def _rename(sd: dict[str, Tensor], pairs: list[tuple[str, str]], ignore: re.Pattern[str] | None) -> dict[str, Tensor]:
+    rules = [(re.compile(re.escape(src).replace(r"\{\}", r"(\d+)")), dst) for src, dst in pairs]
+    out: dict[str, Tensor] = {}
+    unknown = []
+    for key, value in sd.items():
+        for pattern, dst in rules:
+            m = pattern.fullmatch(key)
+            if m:
+                out[dst.format(*m.groups())] = value
+                break
+        else:
+            if ignore is None or not ignore.fullmatch(key):
+                unknown.append(key)
+    if unknown:
+        raise KeyError(f"no Llama counterpart for {len(unknown)} key(s): {', '.join(unknown[:5])}")
+    return out
+
+
+def _check_complete(sd: dict[str, Tensor], cfg: LlamaConfig, expected_names: list[str], where: str) -> None:
+    expected = {k.format(i) for k in expected_names for i in range(cfg.n_layers)}
+    missing = sorted(expected - sd.keys())
+    if missing:
+        raise KeyError(f"{where} misses {len(missing)} key(s) for n_layers={cfg.n_layers}: {', '.join(missing[:5])}")
+
+
+def state_dict_from_hf(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """Rename an HF ``LlamaForCausalLM`` state dict to ours (same tensors, no copy).
+
+    With tied embeddings a missing ``lm_head.weight`` (as ``save_pretrained`` writes it) becomes
+    ``output.weight`` = the embedding, as in our own state dicts.
+
+    Example:
+        >>> from lightning_ultrascale.models import Llama
+        >>> sd = state_dict_from_hf(hf_model.state_dict(), cfg)  # doctest: +SKIP
+        >>> Llama(cfg).load_state_dict(sd)  # doctest: +SKIP
+    """
+    sd = _rename(hf_sd, list(_KEY_PAIRS), ignore=_HF_IGNORED)
+    if cfg.tie_embeddings and "tok_embeddings.weight" in sd:
+        sd.setdefault("output.weight", sd["tok_embeddings.weight"])
+    _check_complete(sd, cfg, [ours for _, ours in _KEY_PAIRS], "the HF state dict")
+    return sd
+
+
+def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """Rename our state dict to HF ``LlamaForCausalLM`` keys (same tensors, no copy).
+
+    Example:
+        >>> hf_model.load_state_dict(state_dict_to_hf(model.state_dict(), model.config))  # doctest: +SKIP
+    """
+    hf_sd = _rename(sd, [(ours, hf) for hf, ours in _KEY_PAIRS], ignore=None)
+    if cfg.tie_embeddings and "model.embed_tokens.weight" in hf_sd:
+        hf_sd.setdefault("lm_head.weight", hf_sd["model.embed_tokens.weight"])
+    _check_complete(hf_sd, cfg, [hf for hf, _ in _KEY_PAIRS], "our state dict")
+    return hf_sd
+
+
+def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Llama:
+    """Our :class:`Llama` holding the weights of an HF ``LlamaForCausalLM`` or of a local directory.
+
+    A directory (``config.json`` + safetensors) is read with
+    ``LlamaForCausalLM.from_pretrained(path, local_files_only=True)``: no download; fetch it first,
+    e.g. with ``huggingface-cli download meta-llama/Llama-3.2-1B --local-dir ...``. The weights
+    keep the checkpoint's dtype (cast with ``.float()`` for fp32 master weights) and are shared
+    with the HF model, not copied. ``config.name`` is the HF ``name_or_path``.
+
+    Example:
+        >>> model = load_hf_pretrained("/models/Llama-3.2-1B")  # doctest: +SKIP
+        >>> model.config.tie_embeddings, model.spec.n_layers  # doctest: +SKIP
+        (True, 16)
+    """
+    if isinstance(path_or_model, (str, os.PathLike)):
+        from transformers import LlamaForCausalLM
+
+        hf_model = LlamaForCausalLM.from_pretrained(path_or_model, local_files_only=True)
+    else:
+        hf_model = path_or_model
+    cfg = config_from_hf(hf_model.config)
+    # Meta build + assign: no second allocation, no throw-away random init of billions of weights.
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.load_state_dict(state_dict_from_hf(hf_model.state_dict(), cfg), assign=True)
+    model.init_buffers()
+    model.tie_weights()
+    return model

@@ -1,0 +1,503 @@
+"""Llama 3 (and 3.1 / 3.2): the dense decoder every parallel technique is tested on.
+
+The module tree follows torchtitan's names, which are the :class:`ModelSpec` defaults::
+
+    tok_embeddings
+    layers.{i}.attention_norm  layers.{i}.attention.{wq,wk,wv,wo}
+    layers.{i}.ffn_norm        layers.{i}.feed_forward.{w1,w2,w3}
+    norm
+    output
+
+RoPE uses Hugging Face's ``rotate_half`` layout (dimension ``i`` pairs with ``i + head_dim/2``),
+not Meta's interleaved one (``2i`` with ``2i+1``). HF checkpoints store ``q_proj``/``k_proj`` already
+permuted for that layout, so converting from and to HF is a pure rename (``models/hf.py``); a
+checkpoint in Meta's original format would need the q/k row permutation HF's conversion script does.
+
+Example:
+    >>> import torch
+    >>> from lightning_ultrascale.models import build_model
+    >>> model = build_model("llama_tiny", seed=0)
+    >>> model(torch.randint(0, 320, (2, 16))).shape
+    torch.Size([2, 16, 320])
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.spec import ModelSpec
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "Llama",
+    "LlamaConfig",
+    "RMSNorm",
+    "RopeScaling",
+    "TransformerBlock",
+    "apply_rope",
+    "llama_tp_plan",
+    "param_seed",
+    "rope_inv_freq",
+]
+
+# Path components that activation checkpointing, torch.compile and FSDP1 insert into parameter
+# names. init_weights runs after those wrappers (DESIGN.md's order), and seeding must not depend
+# on them.
+_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling ("llama3" rope type in HF; ``apply_scaling`` in Meta's code).
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` are kept,
+    those longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by
+    ``factor``, and the band between is interpolated smoothly.
+
+    Example:
+        >>> RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        ...             original_max_position_embeddings=8192)  # Llama 3.1
+        RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama 3 model. ``validate()`` checks it; :class:`Llama` calls it.
+
+    ``rope_scaling`` may be given as a mapping (as it comes from a YAML file); it is turned into a
+    :class:`RopeScaling`.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> cfg = replace(get_model_config("llama_tiny"), n_layers=2)
+        >>> cfg.head_dim, cfg.num_params()
+        (16, 139584)
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first setting that cannot build a model.
+
+        Example:
+            >>> from dataclasses import replace
+            >>> from lightning_ultrascale.models import get_model_config
+            >>> replace(get_model_config("llama3_8b"), n_kv_heads=3).validate()
+            Traceback (most recent call last):
+            ...
+            lightning_ultrascale.errors.ConfigError: model.n_kv_heads=3 must divide model.n_heads=32; valid: 1, 2, 4, 8, 16, 32
+        """
+        for option in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
+            value = getattr(self, option)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.{option}={value!r} must be a positive integer")
+        for option in ("norm_eps", "rope_theta"):
+            if not getattr(self, option) > 0:
+                raise ConfigError(f"model.{option}={getattr(self, option)!r} must be > 0")
+        # RoPE rotates pairs of dimensions, so head_dim must be even as well as whole.
+        valid_heads = [h for h in divisors(self.dim) if (self.dim // h) % 2 == 0]
+        if self.n_heads not in valid_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must divide model.dim={self.dim} into an even head_dim; "
+                f"valid: {', '.join(map(str, valid_heads))}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}; "
+                f"valid: {', '.join(map(str, divisors(self.n_heads)))}"
+            )
+        s = self.rope_scaling
+        if s is not None:
+            if not s.factor > 0 or not 0 < s.low_freq_factor < s.high_freq_factor:
+                raise ConfigError(
+                    f"model.rope_scaling={s} needs factor > 0 and 0 < low_freq_factor < high_freq_factor"
+                )
+            if s.original_max_position_embeddings < 1:
+                raise ConfigError(
+                    f"model.rope_scaling.original_max_position_embeddings={s.original_max_position_embeddings} "
+                    "must be a positive integer"
+                )
+
+    def num_params(self) -> int:
+        """Parameter count of the whole model, a tied embedding counted once (no model needed).
+
+        Example:
+            >>> from lightning_ultrascale.models import get_model_config
+            >>> get_model_config("llama3_8b").num_params()
+            8030261248
+        """
+        attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
+        block = attention + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+
+
+def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
+    """RoPE inverse frequencies ``[head_dim // 2]`` in fp32, with Llama 3.1 scaling if configured.
+
+    Same arithmetic as HF's ``_compute_llama3_parameters``, so logits match HF's.
+
+    Example:
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> rope_inv_freq(get_model_config("llama_tiny")).shape
+        torch.Size([8])
+    """
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    old_len = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / s.low_freq_factor, inv_freq / s.factor, smoothed)
+    return torch.where(wavelen < old_len / s.high_freq_factor, inv_freq, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [b, heads, s, head_dim]`` by RoPE angles, HF ``rotate_half`` layout.
+
+    Computed in fp32 and cast back: in bf16 the rotation of far positions loses most of its
+    precision (torchtitan also rotates in fp32).
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    """Generator seed of one parameter: the run seed in the high 32 bits, crc32 of its name below.
+
+    Depends on nothing else (rank, device, which other parameters exist), so every layout
+    initialises a parameter identically.
+
+    Example:
+        >>> param_seed(1, "norm.weight") == (1 << 32) | zlib.crc32(b"norm.weight")
+        True
+    """
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"seed={seed} must be in 0 .. 2**32 - 1")
+    return (seed << 32) | zlib.crc32(fqn.encode())
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, normalised in fp32 then cast back before the weight, as HF does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE.
+
+    Head counts are read from the projections' outputs (``view(..., -1, head_dim)``), so the
+    module works unchanged when tensor parallelism leaves each rank a slice of the heads.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Expanding kv heads ourselves instead of `enable_gqa=True` keeps every SDPA backend
+        # (flash, memory-efficient, cuDNN, CPU) eligible; repeat_interleave is HF's `repeat_kv`
+        # order: query head j reads kv head j // n_rep.
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; w1 is HF's gate_proj, w3 up_proj, w2 down_proj."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def llama_tp_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tensor-parallel plan ``(top_level, per_block)`` of DTensor ``ParallelStyle``s (torchtitan's).
+
+    Megatron pairing: wq/wk/wv and w1/w3 split columns (heads / hidden units), wo and w2 split rows
+    and reduce. The embedding is vocab-parallel; the output projection keeps logits sharded over
+    the vocabulary as a DTensor (``use_local_output=False``) so the loss can run under
+    ``torch.distributed.tensor.parallel.loss_parallel()`` without gathering ``[b, s, vocab]``.
+    With ``sequence_parallel`` the residual stream between blocks is sharded over the sequence
+    (``Shard(1)``): norms run on sequence shards, and the attention/MLP inputs are all-gathered
+    (the all-reduces become reduce-scatters after wo/w2).
+
+    Example:
+        >>> top, block = llama_tp_plan(sequence_parallel=True)
+        >>> sorted(top), "attention.wq" in block
+        (['norm', 'output', 'tok_embeddings'], True)
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    block: dict[str, Any] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+        block |= {
+            "attention_norm": SequenceParallel(),
+            # Attention takes (x, cos, sin): only x is sequence-sharded.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        }
+    return top, block
+
+
+class Llama(nn.Module):
+    """Llama 3 decoder: ``forward(tokens [b, s], position_ids [b, s] | None) -> logits [b, s, vocab]``.
+
+    A pipeline stage holds a subset: ``tok_embeddings``, ``norm`` and ``output`` may be set to
+    ``None`` and blocks deleted from ``layers`` (an ``nn.ModuleDict`` keyed ``"0" .. "n-1"``, so the
+    remaining names do not change). A missing piece passes the hidden state through: without
+    ``tok_embeddings`` the first argument is the hidden state ``[b, s, dim]``, without ``output``
+    the result is.
+
+    ``position_ids`` only set the RoPE angles (context parallelism passes each rank's positions);
+    attention is always causal over the local sequence. They default to ``0 .. s-1`` with ``s``
+    the length of the first argument, so a stage that receives sequence-sharded hidden states must
+    pass them.
+
+    The RoPE inverse frequencies are a non-persistent fp32 buffer: not in checkpoints, and
+    recomputed by ``init_weights`` (after a meta-device build and ``to_empty``) or ``init_buffers``.
+
+    Example:
+        >>> import torch
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> with torch.device("meta"):
+        ...     model = Llama(get_model_config("llama_tiny"))
+        >>> model.to_empty(device="cpu").init_weights(seed=0)
+        >>> tokens = torch.randint(0, 320, (1, 8))
+        >>> model(tokens, position_ids=torch.arange(100, 108)[None]).shape
+        torch.Size([1, 8, 320])
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.spec = ModelSpec(
+            name=config.name,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
+            n_kv_heads=config.n_kv_heads,
+            dim=config.dim,
+            vocab_size=config.vocab_size,
+            tp_plan=llama_tp_plan,
+        )
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if position_ids is None:
+            # From the input, not from h: under sequence parallelism h holds a sequence shard.
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        cos, sin = self._rope_angles(position_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def _rope_angles(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        inv_freq = self.rope_inv_freq
+        if inv_freq.dtype != torch.float32:
+            # `model.to(torch.bfloat16)` casts buffers too, and bf16 frequencies put far positions
+            # at wrong angles; 64-ish numbers are cheap to recompute.
+            inv_freq = rope_inv_freq(self.config)
+        freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1 (heads), s, head_dim]
+        return angles.cos(), angles.sin()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the ``tok_embeddings.weight`` Parameter again, if the config ties them.
+
+        ``to_empty`` and ``load_state_dict(assign=True)`` give each module its own Parameter,
+        silently untying the two; ``init_weights`` calls this. (DTensor parameters are swapped in
+        place and stay tied.)
+        """
+        if self.config.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            if self.output.weight is not self.tok_embeddings.weight:
+                self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE buffer on ``device`` (default: where it is, or the parameters' device
+        if it is on meta, as after ``load_state_dict(assign=True)`` into a meta-built model)."""
+        if device is None:
+            device = self.rope_inv_freq.device
+            if device.type == "meta":
+                device = next((p.device for p in self.parameters()), device)
+        self.rope_inv_freq = rope_inv_freq(self.config, device="cpu").to(device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from ``(seed, its fully qualified name)`` alone.
+
+        Each parameter is drawn on the CPU in fp32 by a generator seeded with
+        :func:`param_seed` and copied in, so a CPU build, a GPU build and a meta build materialised
+        with ``to_empty`` agree bit for bit, whatever the rank or the other layers present.
+        Embeddings and linears get N(0, 0.02); the projections back into the residual stream (wo,
+        w2) N(0, 0.02 / sqrt(2 n_layers)) (GPT-2's scaled init); norms 1. A DTensor parameter (TP,
+        FSDP2) receives its shard of the full tensor. Wrapper names (activation checkpointing,
+        torch.compile) are removed from the names first.
+
+        Example:
+            >>> import torch
+            >>> from lightning_ultrascale.models import build_model
+            >>> a, b = build_model("llama_tiny", seed=1), build_model("llama_tiny", seed=1)
+            >>> torch.equal(a.layers["0"].attention.wq.weight, b.layers["0"].attention.wq.weight)
+            True
+        """
+        self.tie_weights()
+        self.init_buffers()
+        dtensor_type, distribute_tensor = _dtensor_api()
+        for fqn, param in self.named_parameters():
+            name = ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
+            if self.config.tie_embeddings and name == "output.weight":
+                name = "tok_embeddings.weight"  # a last pipeline stage holding only the tied head
+            full = self._initial_value(name, param.shape, seed)
+            if dtensor_type is not None and isinstance(param, dtensor_type):
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+
+    def _initial_value(self, name: str, shape: torch.Size, seed: int) -> Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        std = 0.02
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std /= math.sqrt(2 * self.config.n_layers)
+        generator = torch.Generator().manual_seed(param_seed(seed, name))
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) of the whole model at ``seq_len``.
+
+        ``6 N + 12 L H Q T`` (PaLM, appendix B; torchtitan's
+        ``torchtitan/models/utils.py::get_dense_model_nparams_and_flops``): N the parameters less the
+        token embedding (a lookup, no matmul), 6 = 2 FLOPs per multiply-add x (1 forward + 2
+        backward); the attention term counts QK^T and AV without the causal half and without flash
+        recomputation. As in torchtitan a tied output head is the embedding and is not counted.
+        Computed from the config, so a pipeline stage reports the same number as the full model.
+
+        Example:
+            >>> from lightning_ultrascale.models import build_model
+            >>> f"{build_model('llama3_8b', device='meta').flops_per_token(8192) / 1e9:.1f} GFLOP"
+            '57.9 GFLOP'
+        """
+        cfg = self.config
+        n_non_embedding = cfg.num_params() - cfg.vocab_size * cfg.dim
+        return float(6 * n_non_embedding + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len)
+
+
+def _dtensor_api() -> tuple[type | None, Any]:
+    # torch.distributed is missing from some builds (macOS wheels without USE_DISTRIBUTED).
+    if not torch.distributed.is_available():
+        return None, None
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return DTensor, distribute_tensor

@@ -1,0 +1,136 @@
+"""The LightningModule that pretrains a Llama: loss, logging, optimizer and LR schedule.
+
+It holds no distributed code: parallelism is entirely the strategy's business. The model is built
+in ``configure_model`` under the strategy's init context (the meta device for
+``UltraScaleStrategy``, which then materialises and initialises it; a real device otherwise, in
+which case the module initialises it itself), so the same module trains on one CPU or on a 5D
+mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import LlamaConfig, get_model_config
+from lightning_ultrascale.models.llama import Llama
+from lightning_ultrascale.models.spec import ModelSpec
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and LR schedule: linear warm-up, then cosine decay to ``min_lr_ratio x lr``."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.name={self.name!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr={self.lr} must be > 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Warm-up then cosine decay, as a multiple of the peak LR."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LlamaModule(L.LightningModule):
+    """Causal-LM pretraining of a Llama: next-token cross-entropy, mean over the batch's tokens.
+
+    Args:
+        model: a named config (``"llama_tiny"``, ``"llama3_8b"``, ...) or a ``LlamaConfig``.
+        optim: optimizer and schedule settings.
+        seed: weight-initialisation seed when the module builds the model itself (without
+            ``UltraScaleStrategy``, whose ``seed`` argument rules otherwise).
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
+        >>> trainer = L.Trainer(strategy=UltraScaleStrategy(), accelerator="cpu", devices=2, max_steps=10)  # doctest: +SKIP
+        >>> trainer.fit(LlamaModule("llama_tiny"), UltraScaleDataModule(seq_len=256, micro_batch_size=8))  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str | LlamaConfig = "llama_tiny", optim: OptimConfig | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.config = get_model_config(model) if isinstance(model, str) else model
+        self.optim = optim or OptimConfig()
+        self.seed = seed
+        self.model: Llama | None = None
+        self.save_hyperparameters({"model": self.config.name, "optim": vars(self.optim), "seed": seed})
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model's spec, available before the model is built (the strategy validates with it)."""
+        with torch.device("meta"):
+            return Llama(self.config).spec
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = Llama(self.config)
+        if not any(p.is_meta for p in self.model.parameters()):
+            self.model.init_weights(self.seed)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        assert self.model is not None, "configure_model() builds the model"
+        return self.model(input_ids, position_ids)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), for TFLOP/s and MFU."""
+        with torch.device("meta"):
+            return Llama(self.config).flops_per_token(seq_len)
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch.get("position_ids"))
+        # fp32 loss whatever the compute precision: the softmax over a 128k vocab loses too much in bf16.
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        # Norm gains are not decayed (standard for Llama pretraining).
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if o.name == "adamw":
+            optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10**9
+        schedule = LambdaLR(optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,150 @@
+"""Sizes of the parallel dimensions and everything that can be checked about them without processes.
+
+The mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, row-major, so ``tp`` peers are neighbouring
+ranks (inside a node, as the playbook advises) and ``pp`` stages are the farthest apart. Expert
+parallelism borrows its ranks from ``dp_shard x cp`` (as torchtitan does) and adds no dimension.
+
+Everything here is pure Python: it runs before any process group exists, so a bad layout fails
+in seconds with a message that names the option, its value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.spec import ModelSpec
+
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: The dims whose ranks hold different samples (or sequence chunks) and so reduce gradients.
+DATA_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of parallelism of one run.
+
+    Example:
+        >>> dims = ParallelDims(dp_replicate=2, tp=2)
+        >>> dims.validate(world_size=4)
+        >>> dims.dp, dims.coordinate(3)
+        (2, {'pp': 0, 'dp_replicate': 1, 'dp_shard': 0, 'cp': 0, 'tp': 1})
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name, size in asdict(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ConfigError(f"parallel.{name}={size!r} must be a positive integer")
+
+    @classmethod
+    def infer(cls, world_size: int, infer_dim: str | None = None, **sizes: int) -> ParallelDims:
+        """Sizes with ``infer_dim`` filled in so that the mesh covers ``world_size`` ranks.
+
+        Example:
+            >>> ParallelDims.infer(8, infer_dim="dp_replicate", tp=2).dp_replicate
+            4
+        """
+        if infer_dim is not None:
+            if infer_dim not in MESH_DIMS:
+                raise ConfigError(f"cannot infer parallel.{infer_dim}; valid: {', '.join(MESH_DIMS)}")
+            known = math.prod(sizes.get(d, 1) for d in MESH_DIMS if d != infer_dim)
+            if known < 1 or world_size % known:
+                given = " x ".join(f"{d}={sizes[d]}" for d in MESH_DIMS if d in sizes and d != infer_dim)
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by {given or '1'} = {known}, so "
+                    f"parallel.{infer_dim} cannot be inferred; choose sizes whose product divides "
+                    f"{world_size} (divisors: {', '.join(map(str, divisors(world_size)))})"
+                )
+            sizes = {**sizes, infer_dim: world_size // known}
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp(self) -> int:
+        """Number of distinct data shards: ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        return " x ".join(f"{d}={getattr(self, d)}" for d in MESH_DIMS)
+
+    def validate(self, world_size: int) -> None:
+        """Check that the mesh covers exactly ``world_size`` ranks and EP fits inside it."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"parallel dims {self.describe()} multiply to {self.world_size}, but the job has "
+                f"{world_size} ranks (trainer.devices x trainer.num_nodes); make the product equal "
+                f"{world_size}, e.g. leave one data-parallel size unset so it is inferred"
+            )
+        ep_pool = self.dp_shard * self.cp
+        if ep_pool % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide dp_shard x cp = {ep_pool} (experts borrow those "
+                f"ranks); valid: {', '.join(map(str, divisors(ep_pool)))}"
+            )
+
+    def validate_model(self, spec: ModelSpec) -> None:
+        """Check the sizes against the model's shape (heads, layers, experts)."""
+        for heads, what in ((spec.n_heads, "n_heads"), (spec.n_kv_heads, "n_kv_heads")):
+            if heads % self.tp:
+                raise ConfigError(
+                    f"parallel.tp={self.tp} must divide {what}={heads} of model {spec.name}; "
+                    f"valid: {', '.join(map(str, divisors(heads)))}"
+                )
+        if self.pp > spec.n_layers:
+            raise ConfigError(
+                f"parallel.pp={self.pp} exceeds n_layers={spec.n_layers} of model {spec.name}; "
+                f"valid: 1..{spec.n_layers}"
+            )
+        if self.ep > 1 and spec.n_experts % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide n_experts={spec.n_experts} of model {spec.name}; "
+                f"valid: {', '.join(map(str, divisors(spec.n_experts)))}"
+            )
+
+    def grad_accumulation(self, global_batch_size: int, micro_batch_size: int) -> int:
+        """Micro-steps per optimizer step: ``global_batch_size / (micro_batch_size x dp)``.
+
+        Example:
+            >>> ParallelDims(dp_replicate=2).grad_accumulation(global_batch_size=8, micro_batch_size=2)
+            2
+        """
+        if micro_batch_size < 1:
+            raise ConfigError(f"data.micro_batch_size={micro_batch_size} must be >= 1")
+        per_step = micro_batch_size * self.dp
+        if global_batch_size < 1 or global_batch_size % per_step:
+            raise ConfigError(
+                f"data.global_batch_size={global_batch_size} must be a positive multiple of "
+                f"data.micro_batch_size x dp = {micro_batch_size} x {self.dp} = {per_step}; "
+                f"valid: {per_step}, {2 * per_step}, {3 * per_step}, ..."
+            )
+        return global_batch_size // per_step
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """Position of ``rank`` on each mesh dim (the mesh is row-major over :data:`MESH_DIMS`)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
+        coord: dict[str, int] = {}
+        for dim, size in zip(reversed(MESH_DIMS), reversed(self.shape)):
+            coord[dim] = rank % size
+            rank //= size
+        return {d: coord[d] for d in MESH_DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of the data shard that ``rank`` reads (same for its tp, cp and pp peers)."""
+        c = self.coordinate(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]

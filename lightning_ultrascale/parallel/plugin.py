@@ -1,0 +1,54 @@
+"""The contract between the strategy and each parallelism technique.
+
+A plugin knows its technique and nothing of the others; :class:`UltraScaleStrategy` knows the order
+in which plugins apply and nothing of their insides. The order is fixed by the data flow of
+DESIGN.md (build on meta -> FP8 swap -> pipeline split -> experts -> tensor -> context ->
+recomputation -> compile -> data-parallel wrapping -> materialise), whatever order a user lists
+plugins in: e.g. FSDP must wrap modules that tensor parallel has already turned into DTensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import ClassVar
+
+from torch import nn
+
+from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.mesh import ParallelMesh
+
+#: The fixed order in which plugins are applied to the (meta-device) model.
+APPLY_ORDER: tuple[str, ...] = ("fp8", "pipeline", "expert", "tensor", "context", "recompute", "compile", "data")
+
+
+class ParallelPlugin:
+    """Base class of one technique: declares its mesh sizes, validates, and rewrites the model.
+
+    Subclasses set ``stage`` (their place in :data:`APPLY_ORDER`) and implement :meth:`mesh_sizes`
+    and :meth:`apply`. A size of ``None`` asks the strategy to infer it from the world size (at
+    most one plugin may leave its size open).
+    """
+
+    stage: ClassVar[str]
+
+    def mesh_sizes(self) -> dict[str, int | None]:
+        """The mesh dims this plugin owns and their sizes (``None``: infer from the world size)."""
+        raise NotImplementedError(f"{type(self).__name__} must declare the mesh dims it owns")
+
+    def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
+        """Raise :class:`~lightning_ultrascale.errors.ConfigError` for a layout this technique cannot run."""
+
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+        """Rewrite ``model`` (still on the meta device) for this technique and return it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply()")
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient synchronisation inside this block (non-final gradient-accumulation steps)."""
+        yield
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{k}={v}" for k, v in self.mesh_sizes().items())
+        return f"{type(self).__name__}({sizes})"

@@ -1,0 +1,252 @@
+"""UltraScaleStrategy: one Lightning strategy that composes the playbook's parallelism plugins.
+
+The strategy owns the run's mesh, the fixed order in which plugins rewrite the model, and the
+training step; each plugin owns one technique (see ``parallel/plugin.py``). Lightning's
+``ModelParallelStrategy`` provides process-group setup, launchers and sharded (DCP) checkpoints;
+this class replaces its 2-D mesh with the ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh and its
+user-written ``configure_model`` parallelisation with the plugins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Generator, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from typing_extensions import override
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
+from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.dims import MESH_DIMS, ParallelDims
+from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
+from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_APPLIED = "_ultrascale_applied"
+
+
+class UltraScaleStrategy(ModelParallelStrategy):
+    """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
+
+    Plugins may be listed in any order; they are applied in the fixed order of
+    :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a data-parallel plugin,
+    :class:`~lightning_ultrascale.parallel.data_parallel.DataParallel` takes the ranks left over.
+    At most one plugin may leave its size unset (it is inferred from the world size).
+
+    The LightningModule must hold a model that declares a
+    :class:`~lightning_ultrascale.models.spec.ModelSpec` (our ``Llama`` does) and build it in
+    ``configure_model``: the strategy builds it on the meta device, applies the plugins, then
+    materialises it and calls ``init_weights(seed)``, so every layout starts from the weights a
+    single-process run would have.
+
+    Args:
+        *plugins: parallelism plugins, e.g. ``DataParallel()``.
+        seed: seed of the per-parameter weight initialisation.
+        save_distributed_checkpoint: save sharded (DCP) checkpoints, one file per rank (default),
+            or a single full checkpoint assembled on rank 0.
+        process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
+        timeout: timeout of every collective: a hung rank fails the job after this long.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_ultrascale import UltraScaleStrategy, DataParallel
+        >>> strategy = UltraScaleStrategy(DataParallel(bucket_mb=25))
+        >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    strategy_name = "ultrascale"
+
+    def __init__(
+        self,
+        *plugins: ParallelPlugin,
+        seed: int = 0,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        for plugin in plugins:
+            if not isinstance(plugin, ParallelPlugin):
+                raise TypeError(f"UltraScaleStrategy takes ParallelPlugin objects, got {plugin!r}")
+            if plugin.stage not in APPLY_ORDER:
+                raise TypeError(f"{plugin!r} has stage {plugin.stage!r}; valid: {', '.join(APPLY_ORDER)}")
+        stages = [p.stage for p in plugins]
+        repeated = sorted({s for s in stages if stages.count(s) > 1})
+        if repeated:
+            raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
+        if "data" not in stages:
+            plugins = (*plugins, DataParallel())
+        self.plugins: tuple[ParallelPlugin, ...] = tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.stage)))
+        self.seed = seed
+        self._parallel_dims: ParallelDims | None = None
+        self._mesh: ParallelMesh | None = None
+
+    # ----------------------------------------------------------------------------- sizes & mesh
+    def resolve_dims(self, world_size: int) -> ParallelDims:
+        """The plugins' sizes, with the one left open inferred, validated against ``world_size``."""
+        sizes: dict[str, int] = {}
+        open_dims: list[str] = []
+        for plugin in self.plugins:
+            for dim, size in plugin.mesh_sizes().items():
+                if size is None:
+                    open_dims.append(dim)
+                else:
+                    sizes[dim] = size
+        if len(open_dims) > 1:
+            raise ConfigError(
+                f"only one parallel size can be inferred, but {', '.join(open_dims)} are all unset; "
+                "give all but one of them a size"
+            )
+        dims = ParallelDims.infer(world_size, open_dims[0] if open_dims else None, **sizes)
+        dims.validate(world_size)
+        return dims
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            raise RuntimeError("parallel dims are resolved when the Trainer is created with this strategy")
+        return self._parallel_dims
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """The run's mesh with its named and flattened (``dp``, ``dp_cp``) dims."""
+        if self._mesh is None:
+            raise RuntimeError("the mesh exists once the processes are initialised (setup_environment)")
+        return self._mesh
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this while building the Trainer, once devices and nodes are known: the
+        # earliest point at which the world size is, and long before any process group exists.
+        self._parallel_dims = self.resolve_dims(self.world_size)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        spec = self._declared_spec()
+        if spec is not None:
+            self._validate_model(spec)  # still before any process group
+        self._setup_distributed()
+        self._mesh = build_mesh(self.parallel_dims, self.root_device.type)
+        self._device_mesh = self._mesh.root
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+        log.info("UltraScaleStrategy: mesh %s, plugins %s", self.parallel_dims.describe(), list(self.plugins))
+
+    def _declared_spec(self) -> ModelSpec | None:
+        """A spec the LightningModule declares before its model exists (``model_spec``), if any."""
+        spec = getattr(self.lightning_module, "model_spec", None)
+        return spec if isinstance(spec, ModelSpec) else None
+
+    def _validate_model(self, spec: ModelSpec) -> None:
+        self.parallel_dims.validate_model(spec)
+        for plugin in self.plugins:
+            plugin.validate(self.parallel_dims, spec)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Samplers shard by data-parallel coordinates: tp/cp/pp peers must read the same samples.
+        dp = self.mesh["dp"]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    # ----------------------------------------------------------------------------- model
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Always meta: plugins rewrite the model before any rank allocates it, then setup()
+        # materialises each rank's part and initialises it per parameter.
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    def _find_model(self) -> tuple[nn.Module, str]:
+        """The outermost module that declares a ModelSpec, and its name in the LightningModule."""
+        assert self.lightning_module is not None
+        for name, module in self.lightning_module.named_modules():
+            if isinstance(getattr(module, "spec", None), ModelSpec):
+                return module, name
+        raise TypeError(
+            f"{type(self.lightning_module).__name__} holds no model with a `spec: ModelSpec`; "
+            "UltraScaleStrategy parallelises models that declare one (e.g. lightning_ultrascale.models.Llama, "
+            "built in LightningModule.configure_model)"
+        )
+
+    def _replace(self, name: str, new: nn.Module) -> None:
+        assert self.lightning_module is not None
+        parent_name, _, attr = name.rpartition(".")
+        parent = self.lightning_module.get_submodule(parent_name) if parent_name else self.lightning_module
+        setattr(parent, attr, new)
+
+    def parallelize(self) -> nn.Module:
+        """Apply every plugin in order, then materialise and initialise the weights (idempotent)."""
+        model, name = self._find_model()
+        if getattr(model, _APPLIED, False):
+            return model
+        self._validate_model(model.spec)
+        for plugin in self.plugins:
+            new = plugin.apply(model, self.mesh)
+            if new is not model:
+                if not name:
+                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a LightningModule")
+                self._replace(name, new)
+                model = new
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model.to_empty(device=self.root_device)
+            if not isinstance(model, SpecifiedModel):
+                raise TypeError(f"{type(model).__name__} needs init_weights(seed) to be built on the meta device")
+            model.init_weights(self.seed)
+        setattr(model, _APPLIED, True)
+        assert self.lightning_module is not None
+        leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
+        if leftover:
+            raise RuntimeError(f"parameters outside the parallelised model are still on the meta device: {leftover[:5]}")
+        return model
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.parallelize()
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ----------------------------------------------------------------------------- step
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning enters this on non-final gradient-accumulation micro-steps.
+        with contextlib.ExitStack() as stack:
+            for plugin in self.plugins:
+                stack.enter_context(plugin.no_sync())
+            yield
+
+    def describe(self) -> str:
+        """One line: the mesh and the plugins, for logs."""
+        dims = self.parallel_dims
+        return f"{dims.describe()} ({math.prod(dims.shape)} ranks); plugins: {', '.join(map(repr, self.plugins))}"
+
+
+__all__ = ["MESH_DIMS", "UltraScaleStrategy"]

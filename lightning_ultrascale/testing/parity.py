@@ -1,0 +1,134 @@
+"""Parity harness: a parallel layout must train exactly like one process.
+
+Same seed, same global batch, N optimizer steps, compared with a single-device run of the same
+LightningModule under plain Lightning (not our strategy: the reference must not share our code
+paths). Every run goes through the real Lightning loop (gradient accumulation, zero_grad,
+optimizer step), inside processes forked by :func:`run_workers`.
+
+What is compared, per optimizer step: the loss of the global batch (the mean of every rank's
+micro-batch losses) and every parameter's full gradient just before the optimizer step; and the
+parameters after the last step. Tensors are compared by relative norm error,
+``||x - ref|| / ||ref||``, because element-wise relative error is meaningless for gradients that
+are near zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_ultrascale.testing.spawn import run_workers
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
+
+
+@dataclass
+class RunRecord:
+    """What one run did: per-step global-batch loss, per-step gradients, final parameters."""
+
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ParityRecorder(L.Callback):
+    """Records a :class:`RunRecord` on every rank (collectives inside: every rank must run it)."""
+
+    def __init__(self) -> None:
+        self.record = RunRecord()
+        self._loss_sum = torch.zeros(())
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        # Lightning hands callbacks the loss divided by accumulate_grad_batches: summing the
+        # micro-steps gives this rank's mean over its part of the global batch.
+        self._loss_sum = self._loss_sum + loss.detach().float().cpu()
+        if trainer.fit_loop._should_accumulate():
+            return
+        step_loss = trainer.strategy.reduce(self._loss_sum.to(pl_module.device), reduce_op="mean")
+        self.record.losses.append(float(step_loss))
+        self._loss_sum = torch.zeros(())
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.record.grads.append(
+            {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record.params = {n: _full(p) for n, p in pl_module.named_parameters()}
+
+
+def record_run(
+    make_module: Callable[[], L.LightningModule],
+    make_datamodule: Callable[[], L.LightningDataModule],
+    *,
+    steps: int,
+    accumulate_grad_batches: int = 1,
+    strategy: Callable[[], Any] | None = None,
+    world_size: int = 1,
+    timeout_s: float = 300.0,
+    **trainer_kwargs: Any,
+) -> RunRecord:
+    """Train ``steps`` optimizer steps on ``world_size`` forked CPU processes and record them.
+
+    ``strategy=None`` runs plain Lightning on one device: the reference. Factories (not objects)
+    are passed so that each process builds its own.
+    """
+
+    def worker() -> RunRecord:
+        L.seed_everything(0, verbose=False)
+        recorder = ParityRecorder()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy() if strategy is not None else "auto",
+            max_steps=steps,
+            accumulate_grad_batches=accumulate_grad_batches,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[recorder],
+            **trainer_kwargs,
+        )
+        trainer.fit(make_module(), datamodule=make_datamodule())
+        return recorder.record
+
+    records = run_workers(worker, world_size, timeout_s=timeout_s)
+    return records[0]
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` (absolute error where ``ref`` is all zeros)."""
+    denom = ref.norm().item()
+    diff = (x - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_parity(run: RunRecord, ref: RunRecord, rtol: float = 1e-5, check_params: bool = True) -> None:
+    """Raise ``AssertionError`` naming the first step/tensor whose relative error exceeds ``rtol``."""
+    assert len(run.losses) == len(ref.losses) > 0, f"steps differ: {len(run.losses)} vs {len(ref.losses)}"
+    for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
+        err = abs(a - b) / abs(b)
+        assert err <= rtol, f"step {step}: loss {a:.8f} vs reference {b:.8f} (relative error {err:.2e} > {rtol:.0e})"
+    assert len(run.grads) == len(ref.grads), f"gradient snapshots differ: {len(run.grads)} vs {len(ref.grads)}"
+    for step, (g, g_ref) in enumerate(zip(run.grads, ref.grads)):
+        _assert_tensors_close(g, g_ref, rtol, f"step {step} gradient")
+    if check_params:
+        _assert_tensors_close(run.params, ref.params, rtol, "final parameter")
+
+
+def _assert_tensors_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float, what: str) -> None:
+    assert got.keys() == ref.keys(), f"{what}: names differ: {sorted(got.keys() ^ ref.keys())[:5]}"
+    errors = {n: relative_error(got[n], ref[n]) for n in ref}
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= rtol, f"{what} {worst}: relative error {errors[worst]:.2e} > {rtol:.0e}"

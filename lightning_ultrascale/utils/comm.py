@@ -1,0 +1,294 @@
+"""Count the bytes every collective moves, per mesh dimension: the playbook's comm tables, measured.
+
+:class:`CommTracer` is a ``TorchDispatchMode``: every collective in PyTorch, whoever issues it,
+ends up as one dispatcher op, either a ``torch.ops.c10d.*`` op (``torch.distributed.all_reduce``
+and friends, which FSDP2's all-gather and reduce-scatter use) or a
+``torch.ops._c10d_functional*`` op (the functional collectives that DTensor redistributions
+issue). A dispatch mode sees both. Its stack is thread-local state that the autograd engine copies
+into the thread running a backward pass (``at::ThreadLocalState``), so collectives launched from
+gradient hooks are seen as well; collectives issued from threads *you* start are not.
+
+Payload is what the collective is handed (all-reduce: the tensor; all-gather: the gathered output;
+reduce-scatter and all-to-all: the input; send/recv: the tensor). Wire bytes are what one rank
+sends in the bandwidth-optimal ring algorithm (the playbook's "A1: Distributed Training Basics"):
+all-reduce ``2(n-1)/n`` of the payload, all-gather, reduce-scatter and all-to-all ``(n-1)/n``,
+broadcast, reduce and point-to-point the payload itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CommRecord", "CommTracer", "wire_bytes"]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective call on this rank.
+
+    ``op`` is the playbook's name ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+    "broadcast", "reduce", "gather", "scatter", "send", "recv", "barrier"); ``dim`` the mesh
+    dimension whose group it ran on ("world" for the default group, "other" for any other group);
+    ``torch_op`` the dispatcher op that carried it, e.g. ``"c10d.allreduce_"``.
+    """
+
+    op: str
+    dim: str
+    group_name: str
+    group_size: int
+    payload_bytes: int
+    wire_bytes: int
+    torch_op: str
+
+
+def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends for ``op`` on ``group_size`` ranks with the ring algorithm.
+
+    Example:
+        >>> wire_bytes("all_reduce", 1000, 4)   # 2 (n-1)/n: reduce-scatter then all-gather
+        1500
+        >>> wire_bytes("all_gather", 1000, 4)
+        750
+    """
+    if op in ("send", "recv"):
+        return payload_bytes
+    n = group_size
+    if n <= 1 or op == "barrier":
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload_bytes // n
+    if op in ("broadcast", "reduce"):
+        return payload_bytes
+    # all_gather, reduce_scatter, all_to_all, gather, scatter: each rank moves all but its own 1/n.
+    return (n - 1) * payload_bytes // n
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes of a tensor or of a (nested) list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _process_group(group: Any) -> dist.ProcessGroup:
+    # c10d ops receive the group boxed as a TorchScript object, functional ops receive its name.
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    if isinstance(group, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(group)
+    return group
+
+
+@dataclass(frozen=True)
+class _Collective:
+    """Where a dispatcher op keeps its payload and group (see ``func._schema``).
+
+    Gathers size their payload as the per-rank piece times the group size, because the full
+    list (or the output of a functional all-gather) only exists after the call or on the root.
+    """
+
+    op: str
+    payload_arg: int
+    group_arg: int
+    times_group: bool = False
+
+
+_c10d_ops = torch.ops.c10d
+_funcol_ops = torch.ops._c10d_functional
+_funcol_autograd_ops = torch.ops._c10d_functional_autograd
+
+_COLLECTIVES: dict[Any, _Collective] = {
+    _c10d_ops.allreduce_: _Collective("all_reduce", 0, 1),
+    _c10d_ops.allreduce_coalesced_: _Collective("all_reduce", 0, 1),
+    _c10d_ops.allgather_: _Collective("all_gather", 0, 2),
+    _c10d_ops._allgather_base_: _Collective("all_gather", 0, 2),
+    _c10d_ops.allgather_coalesced_: _Collective("all_gather", 0, 2),
+    _c10d_ops.allgather_into_tensor_coalesced_: _Collective("all_gather", 0, 2),
+    _c10d_ops.reduce_scatter_: _Collective("reduce_scatter", 1, 2),
+    _c10d_ops._reduce_scatter_base_: _Collective("reduce_scatter", 1, 2),
+    _c10d_ops.reduce_scatter_tensor_coalesced_: _Collective("reduce_scatter", 1, 2),
+    _c10d_ops.alltoall_: _Collective("all_to_all", 1, 2),
+    _c10d_ops.alltoall_base_: _Collective("all_to_all", 1, 2),
+    _c10d_ops.broadcast_: _Collective("broadcast", 0, 1),
+    _c10d_ops.reduce_: _Collective("reduce", 0, 1),
+    _c10d_ops.gather_: _Collective("gather", 1, 2, times_group=True),
+    _c10d_ops.scatter_: _Collective("scatter", 0, 2, times_group=True),
+    _c10d_ops.send: _Collective("send", 0, 1),
+    _c10d_ops.recv_: _Collective("recv", 0, 1),
+    _c10d_ops.recv_any_source_: _Collective("recv", 0, 1),
+    _c10d_ops.barrier: _Collective("barrier", 0, 1),
+    _c10d_ops.monitored_barrier_: _Collective("barrier", 0, 1),
+    _funcol_ops.all_reduce: _Collective("all_reduce", 0, 2),
+    _funcol_ops.all_reduce_: _Collective("all_reduce", 0, 2),
+    _funcol_ops.all_reduce_coalesced: _Collective("all_reduce", 0, 2),
+    _funcol_ops.all_reduce_coalesced_: _Collective("all_reduce", 0, 2),
+    _funcol_ops.all_gather_into_tensor: _Collective("all_gather", 0, 2, times_group=True),
+    _funcol_ops.all_gather_into_tensor_out: _Collective("all_gather", 0, 2, times_group=True),
+    _funcol_ops.all_gather_into_tensor_coalesced: _Collective("all_gather", 0, 2, times_group=True),
+    _funcol_ops.reduce_scatter_tensor: _Collective("reduce_scatter", 0, 3),
+    _funcol_ops.reduce_scatter_tensor_out: _Collective("reduce_scatter", 0, 3),
+    _funcol_ops.reduce_scatter_tensor_coalesced: _Collective("reduce_scatter", 0, 3),
+    _funcol_ops.all_to_all_single: _Collective("all_to_all", 0, 3),
+    _funcol_ops.broadcast: _Collective("broadcast", 0, 2),
+    _funcol_ops.broadcast_: _Collective("broadcast", 0, 2),
+    _funcol_ops.isend: _Collective("send", 0, 3),
+    _funcol_ops.irecv: _Collective("recv", 0, 3),
+    _funcol_autograd_ops.all_to_all_single: _Collective("all_to_all", 0, 3),
+    _funcol_autograd_ops.reduce_scatter_tensor: _Collective("reduce_scatter", 0, 3),
+    _funcol_autograd_ops.all_gather_into_tensor: _Collective("all_gather", 0, 2, times_group=True),
+}
+
+
+def _is_subclass_needing_dispatch(t: type) -> bool:
+    # A tensor subclass (DTensor, float8 tensors) must run its own __torch_dispatch__ first so that
+    # it desugars into plain-tensor collectives we can see. nn.Parameter also appears in `types`
+    # but only carries the disabled implementation: deferring to it would hide its collectives.
+    impl = getattr(t, "__torch_dispatch__", None)
+    return t is not torch.Tensor and impl is not None and impl is not torch._C._disabled_torch_dispatch_impl
+
+
+class CommTracer(TorchDispatchMode):
+    """Record every collective this rank issues while active, with bytes, grouped by mesh dim.
+
+    Args:
+        mesh: names the process groups: a call on ``mesh.get_group("tp")`` is filed under "tp",
+            one on a flattened dim (``mesh["dp_replicate", "dp_shard"]._flatten("dp")``) under
+            "dp". Without a mesh, or for groups the mesh does not own, calls are filed under
+            "world" (the default group) or "other". When several dims share one group (a size-1
+            neighbour can make a flattened dim equal a real one), the real dim's name wins.
+
+    Example:
+        >>> with CommTracer(mesh) as tracer:                                  # doctest: +SKIP
+        ...     loss = model(batch).sum(); loss.backward()
+        >>> tracer.total("all_gather", dim="dp_shard")                        # doctest: +SKIP
+        4194304
+        >>> print(tracer.table())                                             # doctest: +SKIP
+    """
+
+    def __init__(self, mesh: DeviceMesh | None = None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.records: list[CommRecord] = []
+        self._dim_by_group: dict[str, str] = {}
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(_is_subclass_needing_dispatch(t) for t in types):
+            return NotImplemented
+        spec = _COLLECTIVES.get(func._overloadpacket)
+        if spec is not None:
+            self._record(spec, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, spec: _Collective, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Some callers pass schema arguments by keyword; look them up by position in the schema.
+        def arg(i: int) -> Any:
+            return args[i] if i < len(args) else kwargs[func._schema.arguments[i].name]
+
+        pg = _process_group(arg(spec.group_arg))
+        size = pg.size()
+        payload = 0 if spec.op == "barrier" else _nbytes(arg(spec.payload_arg))
+        if spec.times_group:
+            payload *= size
+        self.records.append(
+            CommRecord(
+                op=spec.op,
+                dim=self._dim_of(pg.group_name),
+                group_name=pg.group_name,
+                group_size=size,
+                payload_bytes=payload,
+                wire_bytes=wire_bytes(spec.op, payload, size),
+                torch_op=str(func._overloadpacket).removeprefix("_ops."),
+            )
+        )
+
+    def _dim_of(self, group_name: str) -> str:
+        if group_name not in self._dim_by_group:
+            # Rebuilt on a miss: flattened dims may be created after the tracer was.
+            self._dim_by_group = self._group_names_to_dims()
+        return self._dim_by_group.get(group_name, "other")
+
+    def _group_names_to_dims(self) -> dict[str, str]:
+        names: dict[str, str] = {}
+        if self.mesh is not None:
+            root = self.mesh._get_root_mesh()
+            meshes = [root, self.mesh, *root._flatten_mapping.values()]
+            for m in meshes:
+                for dim in m.mesh_dim_names or ():
+                    names.setdefault(m.get_group(dim).group_name, dim)
+        if dist.is_initialized():
+            names.setdefault(dist.distributed_c10d._get_default_group().group_name, "world")
+        return names
+
+    def summary(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Totals as ``{dim: {op: {"calls", "payload_bytes", "wire_bytes"}}}``.
+
+        Example:
+            >>> tracer.summary()["tp"]["all_gather"]                          # doctest: +SKIP
+            {'calls': 4, 'payload_bytes': 65536, 'wire_bytes': 32768}
+        """
+        out: dict[str, dict[str, dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: {"calls": 0, "payload_bytes": 0, "wire_bytes": 0})
+        )
+        for r in list(self.records):
+            row = out[r.dim][r.op]
+            row["calls"] += 1
+            row["payload_bytes"] += r.payload_bytes
+            row["wire_bytes"] += r.wire_bytes
+        return {dim: dict(ops) for dim, ops in out.items()}
+
+    def total(
+        self, op: str | None = None, dim: str | None = None, kind: Literal["payload", "wire"] = "payload"
+    ) -> int:
+        """Sum of payload (or wire) bytes, optionally for one op and/or one mesh dim.
+
+        Example:
+            >>> tracer.total("all_reduce", dim="dp_replicate", kind="wire")  # doctest: +SKIP
+            2097152
+        """
+        if kind not in ("payload", "wire"):
+            raise ValueError(f"kind={kind!r} must be 'payload' or 'wire'")
+        field = "payload_bytes" if kind == "payload" else "wire_bytes"
+        return sum(
+            getattr(r, field)
+            for r in list(self.records)
+            if (op is None or r.op == op) and (dim is None or r.dim == dim)
+        )
+
+    def table(self) -> str:
+        """A small table, one row per (dim, op), sizes in MiB.
+
+        Example:
+            >>> print(tracer.table())                                         # doctest: +SKIP
+            dim       op              calls  payload MiB  wire MiB
+            dp_shard  all_gather          8        12.00      6.00
+            dp_shard  reduce_scatter      4         6.00      3.00
+        """
+        header = ("dim", "op", "calls", "payload MiB", "wire MiB")
+        rows = [
+            (dim, op, str(v["calls"]), f"{v['payload_bytes'] / 2**20:.2f}", f"{v['wire_bytes'] / 2**20:.2f}")
+            for dim, ops in sorted(self.summary().items())
+            for op, v in sorted(ops.items())
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = [
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in [header, *rows]
+        ]
+        return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Model-state memory: what this rank actually holds, and what the playbook's ZeRO formulas predict.
+
+The playbook ("ZeRO: Zero Redundancy Optimizer") counts model state in multiples of the parameter
+count Ψ. With bf16 mixed precision and Adam every parameter costs 2 bytes (bf16 weights) + 2 bytes
+(bf16 gradients) + k = 12 bytes (fp32 master weights, fp32 Adam momentum and variance); ZeRO-1
+shards the k Ψ optimizer part over the N data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3
+also the parameters:
+
+    stage 0:  2Ψ + 2Ψ + kΨ
+    stage 1:  2Ψ + 2Ψ + kΨ/N
+    stage 2:  2Ψ + (2Ψ + kΨ)/N
+    stage 3:  (2Ψ + 2Ψ + kΨ)/N
+
+In plain fp32 training the same parts are 4Ψ parameters, 4Ψ gradients and 8Ψ Adam states (the
+parameters are their own master copy), sharded the same way.
+
+:func:`model_state_bytes` measures the first column of that table on a live model, so a test can
+check that, e.g., ZeRO-2 gradient bytes really are one N-th.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["ModelStateBytes", "format_bytes", "model_state_bytes", "playbook_model_state_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as MiB below one GiB, else GiB.
+
+    Example:
+        >>> format_bytes(3 * 2**20), format_bytes(1.5 * 2**30)
+        ('3.0 MiB', '1.50 GiB')
+    """
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes of model state held by one rank (or predicted for one rank)."""
+
+    params: int
+    grads: int
+    optimizer_states: int
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.params + self.grads + self.optimizer_states)
+
+    def summary(self) -> str:
+        """One line for a log.
+
+        Example:
+            >>> ModelStateBytes(2**20, 2**20, 2 * 2**20).summary()
+            'model state 4.0 MiB = params 1.0 MiB + grads 1.0 MiB + optimizer 2.0 MiB'
+        """
+        return (
+            f"model state {format_bytes(self.total)} = params {format_bytes(self.params)}"
+            f" + grads {format_bytes(self.grads)} + optimizer {format_bytes(self.optimizer_states)}"
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _StorageCounter:
+    """Sums bytes of tensors, counting each underlying storage once.
+
+    Tied weights share a storage, and a data-parallel engine may keep gradients as views into one
+    flat bucket: keying by (storage pointer, storage size) counts such memory once, and counting
+    the whole storage (not the view) charges a flat buffer's padding to it.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int, int]] = set()
+
+    def __call__(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        with torch.no_grad():
+            for t in tensors:
+                local = _local(t)
+                storage = local.untyped_storage()
+                nbytes = storage.nbytes()
+                # Meta storages have no address; the storage object's identity still ties them.
+                ptr = storage.data_ptr() or storage._cdata
+                key = (str(local.device), ptr, nbytes)
+                if nbytes == 0 or key in self._seen:
+                    continue
+                self._seen.add(key)
+                total += nbytes
+        return total
+
+
+def _optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+
+def model_state_bytes(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    extra_grad_buffers: Iterable[torch.Tensor] = (),
+) -> ModelStateBytes:
+    """Bytes of parameters, gradients and optimizer states that this rank holds.
+
+    DTensors (FSDP2 and tensor-parallel parameters, their gradients and Adam states) count their
+    local shard. Tensors sharing a storage count once, in any category where they appear first:
+    parameters, then ``extra_grad_buffers`` (flat gradient buckets of a data-parallel engine whose
+    ``.grad`` are views into them), then ``.grad``, then every tensor in ``optimizer.state``
+    (``exp_avg``, ``exp_avg_sq``, ``step`` when it is a tensor, ...) of ``optimizer``, which may
+    also be a list of optimizers (``trainer.optimizers``).
+
+    Example:
+        >>> model = nn.Linear(4, 4, bias=False)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(1, 4)).sum().backward(); opt.step()
+        >>> model_state_bytes(model, opt)  # fp32: 64 B weights, 64 B grads, 2 x 64 B + 4 B step
+        ModelStateBytes(params=64, grads=64, optimizer_states=132, total=260)
+    """
+    count = _StorageCounter()
+    params = list(model.parameters())
+    param_bytes = count(params)
+    grad_bytes = count(extra_grad_buffers) + count(p.grad for p in params if p.grad is not None)
+    if optimizer is None:
+        optimizers: Iterable[torch.optim.Optimizer] = ()
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = (optimizer,)
+    else:
+        optimizers = optimizer
+    opt_bytes = count(_optimizer_tensors(optimizers))
+    return ModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer_states=opt_bytes)
+
+
+def playbook_model_state_bytes(
+    n_params: int, stage: int, dp: int, k_optimizer: int = 12, mixed_precision: bool = True
+) -> ModelStateBytes:
+    """The playbook's per-rank model-state memory for ZeRO ``stage`` on ``dp`` ranks.
+
+    ``mixed_precision=True``: bf16 params and grads (2Ψ each) and ``k_optimizer``Ψ of fp32 state
+    (12: master weights, Adam m and v); ``False``: fp32 params and grads (4Ψ each) and 8Ψ of Adam
+    state (``k_optimizer`` is ignored). Stage 1 divides the optimizer part by ``dp``, stage 2 also
+    the gradients, stage 3 also the parameters (module docstring has the table).
+
+    Example:
+        >>> playbook_model_state_bytes(10**9, stage=0, dp=8).total     # 16 bytes per parameter
+        16000000000
+        >>> playbook_model_state_bytes(10**9, stage=3, dp=8).total     # all of it / 8
+        2000000000
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
+    param_b, grad_b, opt_b = (2, 2, k_optimizer) if mixed_precision else (4, 4, 8)
+    params, grads, opt = param_b * n_params, grad_b * n_params, opt_b * n_params
+    return ModelStateBytes(
+        params=params // dp if stage >= 3 else params,
+        grads=grads // dp if stage >= 2 else grads,
+        optimizer_states=opt // dp if stage >= 1 else opt,
+    )
