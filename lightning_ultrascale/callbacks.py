@@ -86,9 +86,9 @@ class TrainingMetrics(L.Callback):
     Validation time between two steps is left out too. On CUDA the clock is read after a device
     synchronisation, so a step's time includes its queued kernels.
 
-    Once, after the first optimizer step (when gradients and optimizer states exist), it logs
-    ``memory/params_mib``, ``memory/grads_mib`` and, when the optimizer has state,
-    ``memory/optimizer_mib`` for rank 0, and prints the same on one line.
+    Once, after the first optimizer step (when gradients and optimizer states exist), it writes
+    rank 0's ``memory/params_mib``, ``memory/grads_mib`` and, when the optimizer has state,
+    ``memory/optimizer_mib`` to the trainer's loggers, and prints the same on one line.
 
     Args:
         window: number of steps the throughput is averaged over.
@@ -129,10 +129,10 @@ class TrainingMetrics(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._step_start is None:
-            self._step_start = self._clock(trainer)
         tokens, self._seq_len = _tokens_and_seq_len(batch)
         self._tokens += tokens
+        if self._step_start is None:
+            self._step_start = self._clock(trainer)
 
     def on_train_batch_end(
         self,
@@ -186,12 +186,18 @@ class TrainingMetrics(L.Callback):
 
     def _log_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         states = model_state_bytes(pl_module, trainer.optimizers)
-        mib = 2**20
-        pl_module.log("memory/params_mib", states.params / mib, on_step=True, on_epoch=False)
-        pl_module.log("memory/grads_mib", states.grads / mib, on_step=True, on_epoch=False)
-        if states.optimizer_states:
-            pl_module.log("memory/optimizer_mib", states.optimizer_states / mib, on_step=True, on_epoch=False)
         rank_zero_info(f"rank 0 {states.summary()}")
+        if not trainer.is_global_zero:
+            return
+        mib = 2**20
+        metrics = {"memory/params_mib": states.params / mib, "memory/grads_mib": states.grads / mib}
+        if states.optimizer_states:
+            metrics["memory/optimizer_mib"] = states.optimizer_states / mib
+        # Straight to the loggers: a value given to pl_module.log once is re-emitted at every later
+        # step of the epoch, and only reaches the logger at the next log_every_n_steps boundary.
+        # Lightning's loggers count steps from 0: the step just taken is global_step - 1.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step - 1)
 
 
 class UltraScaleProgressBar(TQDMProgressBar):

@@ -76,7 +76,9 @@ class LlamaModule(L.LightningModule):
         >>> trainer.fit(LlamaModule("llama_tiny"), UltraScaleDataModule(seq_len=256, micro_batch_size=8))  # doctest: +SKIP
     """
 
-    def __init__(self, model: str | LlamaConfig = "llama_tiny", optim: OptimConfig | None = None, seed: int = 0) -> None:
+    def __init__(
+        self, model: str | LlamaConfig = "llama_tiny", optim: OptimConfig | None = None, seed: int = 0
+    ) -> None:
         super().__init__()
         self.config = get_model_config(model) if isinstance(model, str) else model
         self.optim = optim or OptimConfig()
@@ -126,11 +128,16 @@ class LlamaModule(L.LightningModule):
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
         # Norm gains are not decayed (standard for Llama pretraining).
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         if o.name == "adamw":
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
         else:
             optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10**9
-        schedule = LambdaLR(optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio))
+        schedule = LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
 from lightning_ultrascale.parallel.data_parallel import DataParallel
-from lightning_ultrascale.parallel.dims import MESH_DIMS, ParallelDims
+from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
 
@@ -93,7 +93,9 @@ class UltraScaleStrategy(ModelParallelStrategy):
             raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
         if "data" not in stages:
             plugins = (*plugins, DataParallel())
-        self.plugins: tuple[ParallelPlugin, ...] = tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.stage)))
+        self.plugins: tuple[ParallelPlugin, ...] = tuple(
+            sorted(plugins, key=lambda p: APPLY_ORDER.index(p.stage))
+        )
         self.seed = seed
         self._parallel_dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
@@ -148,7 +150,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
         self._device_mesh = self._mesh.root
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        log.info("UltraScaleStrategy: mesh %s, plugins %s", self.parallel_dims.describe(), list(self.plugins))
+        log.info("UltraScaleStrategy: %s", self.describe())
 
     def _declared_spec(self) -> ModelSpec | None:
         """A spec the LightningModule declares before its model exists (``model_spec``), if any."""
@@ -204,19 +206,27 @@ class UltraScaleStrategy(ModelParallelStrategy):
             new = plugin.apply(model, self.mesh)
             if new is not model:
                 if not name:
-                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a LightningModule")
+                    raise TypeError(
+                        f"{plugin!r} replaced the root module; wrap the model in a LightningModule"
+                    )
                 self._replace(name, new)
                 model = new
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=self.root_device)
             if not isinstance(model, SpecifiedModel):
-                raise TypeError(f"{type(model).__name__} needs init_weights(seed) to be built on the meta device")
+                raise TypeError(
+                    f"{type(model).__name__} needs init_weights(seed) to be built on the meta device"
+                )
             model.init_weights(self.seed)
+        for plugin in self.plugins:
+            plugin.on_materialized(model)
         setattr(model, _APPLIED, True)
         assert self.lightning_module is not None
         leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
         if leftover:
-            raise RuntimeError(f"parameters outside the parallelised model are still on the meta device: {leftover[:5]}")
+            raise RuntimeError(
+                f"parameters outside the parallelised model are still on the meta device: {leftover[:5]}"
+            )
         return model
 
     @override
@@ -247,6 +257,3 @@ class UltraScaleStrategy(ModelParallelStrategy):
         """One line: the mesh and the plugins, for logs."""
         dims = self.parallel_dims
         return f"{dims.describe()} ({math.prod(dims.shape)} ranks); plugins: {', '.join(map(repr, self.plugins))}"
-
-
-__all__ = ["MESH_DIMS", "UltraScaleStrategy"]

@@ -9,10 +9,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_ultrascale.testing import spawn
+from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.utils.comm import CommTracer, wire_bytes
 
 FP32 = 4
+
+
+def _row(calls: int, payload_bytes: int, wire_bytes: int) -> dict[str, int]:
+    return {"calls": calls, "payload_bytes": payload_bytes, "wire_bytes": wire_bytes}
 
 
 def test_ring_wire_bytes_follow_the_playbook_formulas() -> None:
@@ -37,14 +41,13 @@ def _plain_all_reduce() -> tuple[list, dict, str]:
 
 
 def test_plain_all_reduce_counts_tensor_bytes_and_nothing_outside() -> None:
-    records, summary, table = spawn.run_workers(_plain_all_reduce, 2)[0]
-    assert [(r.op, r.dim, r.group_size) for r in records] == [("all_reduce", "world", 2), ("barrier", "world", 2)]
+    records, summary, table = run_workers(_plain_all_reduce, 2)[0]
+    assert [(r.op, r.dim, r.group_size) for r in records] == [
+        ("all_reduce", "world", 2),
+        ("barrier", "world", 2),
+    ]
     payload = 1000 * FP32
-    assert summary["world"]["all_reduce"] == {
-        "calls": 1,
-        "payload_bytes": payload,
-        "wire_bytes": 2 * (2 - 1) * payload // 2,
-    }
+    assert summary["world"]["all_reduce"] == _row(1, payload, 2 * (2 - 1) * payload // 2)
     assert summary["world"]["barrier"]["payload_bytes"] == 0
     assert "all_reduce" in table and "world" in table
 
@@ -62,7 +65,7 @@ def _all_reduce_from_grad_hook() -> tuple[int, int, int]:
 
 
 def test_async_all_reduce_launched_from_backward_hook_is_recorded() -> None:
-    launched, payload, wire = spawn.run_workers(_all_reduce_from_grad_hook, 2)[0]
+    launched, payload, wire = run_workers(_all_reduce_from_grad_hook, 2)[0]
     assert launched == 1
     assert payload == 256 * FP32
     assert wire == 256 * FP32  # 2 (n-1)/n = 1 for n = 2
@@ -83,10 +86,10 @@ def _dtensor_redistribute_on_2d_mesh() -> dict:
 
 
 def test_dtensor_all_gather_is_filed_under_its_mesh_dim() -> None:
-    summaries = spawn.run_workers(_dtensor_redistribute_on_2d_mesh, 4)
+    summaries = run_workers(_dtensor_redistribute_on_2d_mesh, 4)
     gathered = 8 * 4 * FP32  # the tp all-gather outputs the full [8, 4] tensor
     for rank, summary in enumerate(summaries):
-        assert summary["tp"] == {"all_gather": {"calls": 1, "payload_bytes": gathered, "wire_bytes": gathered // 2}}
+        assert summary["tp"] == {"all_gather": _row(1, gathered, gathered // 2)}
         assert "dp_replicate" not in summary
         assert summary["dp"]["all_reduce"]["payload_bytes"] == 8 * FP32
         assert ("other" in summary) == (rank in (0, 1))
@@ -105,12 +108,13 @@ def _fsdp2_forward_backward() -> dict:
 
 
 def test_fsdp2_all_gathers_and_reduce_scatters_param_bytes() -> None:
-    summary = spawn.run_workers(_fsdp2_forward_backward, 2)[0]
+    summary = run_workers(_fsdp2_forward_backward, 2)[0]
     layer_bytes = (8 * 8 + 8) * FP32
     # Non-root layers reshard after forward, so each is gathered again for backward.
+    gathers, scatters = 4, 2
     assert summary == {
         "dp_shard": {
-            "all_gather": {"calls": 4, "payload_bytes": 4 * layer_bytes, "wire_bytes": 4 * layer_bytes // 2},
-            "reduce_scatter": {"calls": 2, "payload_bytes": 2 * layer_bytes, "wire_bytes": 2 * layer_bytes // 2},
+            "all_gather": _row(gathers, gathers * layer_bytes, gathers * layer_bytes // 2),
+            "reduce_scatter": _row(scatters, scatters * layer_bytes, scatters * layer_bytes // 2),
         }
     }

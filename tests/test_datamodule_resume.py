@@ -12,6 +12,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.data.prepare import main as tokenize_main
 
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The dirpath has changed",  # the resumed run writes its checkpoints elsewhere, on purpose
+    "ignore:You passed in a `val_dataloader` but have no `validation_step`",
+)
+
 STEPS_PER_EPOCH = 6  # 25 sequences of 16 tokens, micro batch 4 -> 6 steps, one sequence dropped
 MAX_STEPS = 15
 
@@ -41,10 +46,10 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "tokens.bin"
 
 
-def _fit(
-    token_file: Path, root: Path, num_workers: int, ckpt_path: Path | None = None
-) -> list[torch.Tensor]:
-    dm = UltraScaleDataModule(str(token_file), seq_len=16, micro_batch_size=4, val_fraction=0.0, num_workers=num_workers)
+def _fit(token_file: Path, root: Path, num_workers: int, ckpt_path: Path | None = None) -> list[torch.Tensor]:
+    dm = UltraScaleDataModule(
+        str(token_file), seq_len=16, micro_batch_size=4, val_fraction=0.0, num_workers=num_workers
+    )
     model = _Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -76,7 +81,12 @@ def test_resumed_fit_trains_on_the_batches_of_the_uninterrupted_run(
     assert len(full) == MAX_STEPS
     assert not torch.equal(full[0], full[STEPS_PER_EPOCH])  # epochs are shuffled differently
 
-    resumed = _fit(token_file, tmp_path / "resumed", num_workers, ckpt_path=tmp_path / "full" / f"step={resume_step}.ckpt")
+    resumed = _fit(
+        token_file,
+        tmp_path / "resumed",
+        num_workers,
+        ckpt_path=tmp_path / "full" / f"step={resume_step}.ckpt",
+    )
     assert len(resumed) == MAX_STEPS - resume_step
     for step, (got, want) in enumerate(zip(resumed, full[resume_step:], strict=True), start=resume_step):
         assert torch.equal(got, want), f"step {step} trained on other samples after resuming"

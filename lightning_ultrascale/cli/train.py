@@ -64,7 +64,9 @@ def hydra_argv(argv: list[str]) -> list[str]:
             name = arg.split("=", 1)[1]
             available = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
             if name not in available:
-                raise ConfigError(f"recipe={name!r} is unknown; valid: {', '.join(available)} (in {RECIPES_DIR})")
+                raise ConfigError(
+                    f"recipe={name!r} is unknown; valid: {', '.join(available)} (in {RECIPES_DIR})"
+                )
             out += [f"--config-dir={RECIPES_DIR}", f"--config-name={name}"]
         else:
             out.append(arg)
@@ -116,7 +118,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     module = LlamaModule(
         cfg.model.name,
-        optim=OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}),
+        optim=OptimConfig(
+            **{k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
+        ),
         seed=cfg.seed,
     )
     data = cfg.data
@@ -134,7 +138,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
 
-    strategy = UltraScaleStrategy(DataParallel(cfg.parallel.dp, bucket_mb=cfg.parallel.bucket_mb), seed=cfg.seed)
+    strategy = UltraScaleStrategy(
+        DataParallel(cfg.parallel.dp, bucket_mb=cfg.parallel.bucket_mb), seed=cfg.seed
+    )
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
     dims.validate_model(module.model_spec)

@@ -112,7 +112,9 @@ class BucketedAllReduce:
             self._launch_ready(during_backward=True)
 
     def _launch_ready(self, during_backward: bool) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
+            self.buckets[self._next].params
+        ):
             bucket = self.buckets[self._next]
             assert bucket.buffer is not None
             # Pre-divide so the sum is the mean (DDP does the same; keeps bf16 sums in range).

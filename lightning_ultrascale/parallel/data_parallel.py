@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.buckets import BucketedAllReduce
@@ -44,19 +45,23 @@ class DataParallel(ParallelPlugin):
         self.size = size
         self.bucket_mb = bucket_mb
         self.reducer: BucketedAllReduce | None = None
+        self._group: DeviceMesh
 
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"dp_replicate": self.size}
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+        # Replicas keep the model as it is; only gradients are reduced, over every data dim.
+        self._group = mesh["dp_cp"]
+        return model
+
+    def on_materialized(self, model: nn.Module) -> None:
         if self.reducer is not None:
             self.reducer.remove()
-        group = mesh["dp_cp"]
-        if group.size() > 1:
+        if self._group.size() > 1:
             self.reducer = BucketedAllReduce(
-                list(model.parameters()), group.get_group(), bucket_bytes=int(self.bucket_mb * 2**20)
+                list(model.parameters()), self._group.get_group(), bucket_bytes=int(self.bucket_mb * 2**20)
             )
-        return model
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -20,7 +20,16 @@ from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 
 #: The fixed order in which plugins are applied to the (meta-device) model.
-APPLY_ORDER: tuple[str, ...] = ("fp8", "pipeline", "expert", "tensor", "context", "recompute", "compile", "data")
+APPLY_ORDER: tuple[str, ...] = (
+    "fp8",
+    "pipeline",
+    "expert",
+    "tensor",
+    "context",
+    "recompute",
+    "compile",
+    "data",
+)
 
 
 class ParallelPlugin:
@@ -43,6 +52,13 @@ class ParallelPlugin:
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         """Rewrite ``model`` (still on the meta device) for this technique and return it."""
         raise NotImplementedError(f"{type(self).__name__} must implement apply()")
+
+    def on_materialized(self, model: nn.Module) -> None:
+        """Called once the model's parameters have storage and their initial values.
+
+        Materialising (``to_empty``) creates new ``Parameter`` objects, so engines that hook into
+        parameters (e.g. gradient bucketing) bind here, not in :meth:`apply`.
+        """
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

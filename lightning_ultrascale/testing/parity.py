@@ -45,7 +45,9 @@ class ParityRecorder(L.Callback):
         self.record = RunRecord()
         self._loss_sum = torch.zeros(())
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         # Lightning hands callbacks the loss divided by accumulate_grad_batches: summing the
         # micro-steps gives this rank's mean over its part of the global batch.
@@ -56,7 +58,9 @@ class ParityRecorder(L.Callback):
         self.record.losses.append(float(step_loss))
         self._loss_sum = torch.zeros(())
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
         self.record.grads.append(
             {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
         )
@@ -114,20 +118,39 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def assert_parity(run: RunRecord, ref: RunRecord, rtol: float = 1e-5, check_params: bool = True) -> None:
-    """Raise ``AssertionError`` naming the first step/tensor whose relative error exceeds ``rtol``."""
+def assert_parity(
+    run: RunRecord,
+    ref: RunRecord,
+    rtol: float = 1e-5,
+    grad_rtol: float | None = None,
+    check_params: bool = True,
+) -> None:
+    """Raise ``AssertionError`` naming the first step/tensor whose relative error exceeds its bound.
+
+    ``grad_rtol`` (default ``rtol``) bounds the gradients of steps after the first: with Adam the
+    parameters after step 1 differ by reduction-order noise amplified by ``1/sqrt(v)`` for
+    near-zero gradients (FACTS.md), which later gradients inherit. The first step's gradients
+    are always held to ``rtol``.
+    """
     assert len(run.losses) == len(ref.losses) > 0, f"steps differ: {len(run.losses)} vs {len(ref.losses)}"
     for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
         err = abs(a - b) / abs(b)
-        assert err <= rtol, f"step {step}: loss {a:.8f} vs reference {b:.8f} (relative error {err:.2e} > {rtol:.0e})"
-    assert len(run.grads) == len(ref.grads), f"gradient snapshots differ: {len(run.grads)} vs {len(ref.grads)}"
+        assert err <= rtol, (
+            f"step {step}: loss {a:.8f} vs reference {b:.8f} (relative error {err:.2e} > {rtol:.0e})"
+        )
+    assert len(run.grads) == len(ref.grads), (
+        f"gradient snapshots differ: {len(run.grads)} vs {len(ref.grads)}"
+    )
     for step, (g, g_ref) in enumerate(zip(run.grads, ref.grads)):
-        _assert_tensors_close(g, g_ref, rtol, f"step {step} gradient")
+        bound = rtol if step == 0 or grad_rtol is None else grad_rtol
+        _assert_tensors_close(g, g_ref, bound, f"step {step} gradient")
     if check_params:
         _assert_tensors_close(run.params, ref.params, rtol, "final parameter")
 
 
-def _assert_tensors_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float, what: str) -> None:
+def _assert_tensors_close(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float, what: str
+) -> None:
     assert got.keys() == ref.keys(), f"{what}: names differ: {sorted(got.keys() ^ ref.keys())[:5]}"
     errors = {n: relative_error(got[n], ref[n]) for n in ref}
     worst = max(errors, key=errors.__getitem__)

@@ -66,7 +66,9 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         result = fn(*args, **kwargs)
         conn.send(("ok", _dumps(result)))
     except BaseException:  # report everything, KeyboardInterrupt included, then die
@@ -137,7 +139,9 @@ def run_workers(
                 try:
                     status, payload = conn.recv()  # type: ignore[union-attr]
                 except EOFError:
-                    raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})")
+                    raise WorkerError(
+                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                    )
                 if status == "error":
                     raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
                 results[rank] = _loads(payload)
@@ -148,4 +152,3 @@ def run_workers(
                 proc.kill()
                 proc.join()
     return [results[r] for r in range(world_size)]
-

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_ultrascale.utils.memory import format_bytes
+
 __all__ = ["CommRecord", "CommTracer", "wire_bytes"]
 
 
@@ -163,7 +165,12 @@ class CommTracer(TorchDispatchMode):
             one on a flattened dim (``mesh["dp_replicate", "dp_shard"]._flatten("dp")``) under
             "dp". Without a mesh, or for groups the mesh does not own, calls are filed under
             "world" (the default group) or "other". When several dims share one group (a size-1
-            neighbour can make a flattened dim equal a real one), the real dim's name wins.
+            neighbour can make a flattened dim equal a real one), the real dim's name wins; a dim
+            spanning all ranks may reuse the default group, and then takes "world"'s calls too.
+
+    Every op dispatched while the tracer is active passes through Python, a few microseconds
+    each: trace a handful of steps, not a whole run. Collectives inside ``torch.compile``d
+    regions have not been checked.
 
     Example:
         >>> with CommTracer(mesh) as tracer:                                  # doctest: +SKIP
@@ -222,7 +229,8 @@ class CommTracer(TorchDispatchMode):
         if group_name not in self._dim_by_group:
             # Rebuilt on a miss: flattened dims may be created after the tracer was.
             self._dim_by_group = self._group_names_to_dims()
-        return self._dim_by_group.get(group_name, "other")
+            self._dim_by_group.setdefault(group_name, "other")
+        return self._dim_by_group[group_name]
 
     def _group_names_to_dims(self) -> dict[str, str]:
         names: dict[str, str] = {}
@@ -272,17 +280,17 @@ class CommTracer(TorchDispatchMode):
         )
 
     def table(self) -> str:
-        """A small table, one row per (dim, op), sizes in MiB.
+        """A small table, one row per (dim, op).
 
         Example:
             >>> print(tracer.table())                                         # doctest: +SKIP
-            dim       op              calls  payload MiB  wire MiB
-            dp_shard  all_gather          8        12.00      6.00
-            dp_shard  reduce_scatter      4         6.00      3.00
+            dim       op              calls    payload       wire
+            dp_shard  all_gather          8  12.0 MiB    6.0 MiB
+            dp_shard  reduce_scatter      4   6.0 MiB    3.0 MiB
         """
-        header = ("dim", "op", "calls", "payload MiB", "wire MiB")
+        header = ("dim", "op", "calls", "payload", "wire")
         rows = [
-            (dim, op, str(v["calls"]), f"{v['payload_bytes'] / 2**20:.2f}", f"{v['wire_bytes'] / 2**20:.2f}")
+            (dim, op, str(v["calls"]), format_bytes(v["payload_bytes"]), format_bytes(v["wire_bytes"]))
             for dim, ops in sorted(self.summary().items())
             for op, v in sorted(ops.items())
         ]

@@ -31,13 +31,17 @@ __all__ = ["ModelStateBytes", "format_bytes", "model_state_bytes", "playbook_mod
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes as MiB below one GiB, else GiB.
+    """``n`` bytes in B, KiB, MiB or GiB, whichever keeps the number below 1024.
 
     Example:
-        >>> format_bytes(3 * 2**20), format_bytes(1.5 * 2**30)
-        ('3.0 MiB', '1.50 GiB')
+        >>> format_bytes(16), format_bytes(2048), format_bytes(3 * 2**20), format_bytes(1.5 * 2**30)
+        ('16 B', '2.0 KiB', '3.0 MiB', '1.50 GiB')
     """
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:.0f} B"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""Our Llama against Hugging Face's ``LlamaForCausalLM``: same config, same weights, same logits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, build_model, get_model_config
+from lightning_ultrascale.models.hf import (
+    config_from_hf,
+    config_to_hf,
+    load_hf_pretrained,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
+
+transformers = pytest.importorskip("transformers")
+
+TINY = get_model_config("llama_tiny")
+TINY_TIED = replace(TINY, tie_embeddings=True, name="llama_tiny_tied")
+# fp32. With HF's "sdpa" attention the logits come out bit-identical on this CPU (HF "eager"
+# differs by ~2e-7: another softmax); the tolerance leaves room for other kernels. Logits are
+# O(0.01-1), so the absolute floor of 1e-6 only matters for entries near 0, where rtol cannot.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _hf_model(cfg: LlamaConfig, seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    hf_config = transformers.LlamaConfig(**config_to_hf(cfg), attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    # HF initialises every norm to 1; perturb them so that swapping attention_norm and ffn_norm
+    # in the key map would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _tokens(seq: int = 24) -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits(model: transformers.LlamaForCausalLM, tokens: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, use_cache=False, **kwargs).logits
+
+
+def _ours_from_hf(hf: transformers.LlamaForCausalLM, cfg: LlamaConfig) -> Llama:
+    model = build_model(cfg, device="meta")
+    model.load_state_dict(state_dict_from_hf(hf.state_dict(), cfg), assign=True)
+    model.init_buffers()
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_TIED, replace(TINY, rope_scaling=None)], ids=["tiny", "tied", "no-scaling"])
+def test_hf_weights_give_hf_logits(cfg: LlamaConfig) -> None:
+    hf = _hf_model(cfg)
+    ours = _ours_from_hf(hf, cfg)
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), _hf_logits(hf, tokens), **TOL)
+
+
+def test_hf_parity_with_context_parallel_position_ids() -> None:
+    # Row 0 holds zig-zag chunks 0 and 3 of a 48-token sequence (context-parallel rank 0 of 2),
+    # row 1 every other position. An all-ones attention_mask stops HF from reading the position
+    # jumps as boundaries of packed sequences: both sides then apply plain causal attention over
+    # the local tokens, with RoPE at the given positions.
+    hf = _hf_model(TINY)
+    ours = _ours_from_hf(hf, TINY)
+    tokens = _tokens()
+    position_ids = torch.stack([torch.cat([torch.arange(12), torch.arange(36, 48)]), torch.arange(24) * 2 + 5])
+    expected = _hf_logits(hf, tokens, position_ids=position_ids, attention_mask=torch.ones_like(tokens))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens, position_ids), expected, **TOL)
+    # The positions do reach RoPE: logits differ from those of positions 0 .. 23.
+    assert not torch.allclose(expected, _hf_logits(hf, tokens), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["tiny", "tied"])
+def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
+    ours = build_model(cfg, seed=5)
+    hf = _hf_model(cfg, seed=99)
+    hf.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg), strict=True)
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(_hf_logits(hf, tokens), ours(tokens), **TOL)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
+def test_config_round_trips_through_hf(name: str) -> None:
+    cfg = MODEL_CONFIGS[name]
+    hf_config = transformers.LlamaConfig(**config_to_hf(cfg))
+    assert config_from_hf(hf_config, name=name) == cfg
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"attention_bias": True}, "hf attention_bias=True is not supported; valid: False"),
+        ({"hidden_act": "gelu"}, "hf hidden_act='gelu' is not supported; valid: 'silu'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "hf rope_type='linear' is not supported"),
+    ],
+)
+def test_unsupported_hf_config_is_refused(change: dict, message: str) -> None:
+    hf_config = transformers.LlamaConfig(**(config_to_hf(TINY) | change))
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(hf_config)
+
+
+def test_state_dict_conversion_renames_only() -> None:
+    hf = _hf_model(TINY)
+    hf_sd = hf.state_dict()
+    sd = state_dict_from_hf(hf_sd, TINY)
+    assert sd["layers.1.feed_forward.w1.weight"] is hf_sd["model.layers.1.mlp.gate_proj.weight"]
+    assert sd.keys() == build_model(TINY, device="meta").state_dict().keys()
+    back = state_dict_to_hf(sd, TINY)
+    assert back.keys() == hf_sd.keys() and all(back[k] is hf_sd[k] for k in hf_sd)
+
+
+def test_state_dict_conversion_reports_unknown_and_missing_keys() -> None:
+    hf_sd = _hf_model(TINY).state_dict()
+    with pytest.raises(KeyError, match="no Llama counterpart for 1 key"):
+        state_dict_from_hf(hf_sd | {"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}, TINY)
+    del hf_sd["model.layers.3.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match=r"misses 1 key\(s\) for n_layers=4: layers.3.feed_forward.w3.weight"):
+        state_dict_from_hf(hf_sd, TINY)
+
+
+def test_tied_hf_checkpoint_without_lm_head_loads() -> None:
+    hf_sd = _hf_model(TINY_TIED).state_dict()
+    del hf_sd["lm_head.weight"]  # what save_pretrained writes for tied models
+    sd = state_dict_from_hf(hf_sd, TINY_TIED)
+    assert sd["output.weight"] is sd["tok_embeddings.weight"]
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["tiny", "tied"])
+@pytest.mark.parametrize("source", ["model", "directory"])
+def test_load_hf_pretrained(cfg: LlamaConfig, source: str, tmp_path: Path) -> None:
+    hf = _hf_model(cfg)
+    if source == "directory":
+        hf.save_pretrained(tmp_path)
+    model = load_hf_pretrained(tmp_path if source == "directory" else hf)
+    assert replace(model.config, name=cfg.name) == cfg
+    assert (model.output.weight is model.tok_embeddings.weight) == cfg.tie_embeddings
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), _hf_logits(hf, tokens), **TOL)
