@@ -1,0 +1,29 @@
+"""lightning_ultrascale: the Ultra-Scale Playbook's parallelism techniques as Lightning strategy plugins.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy
+    >>> trainer = L.Trainer(strategy=UltraScaleStrategy(DataParallel()), accelerator="cpu", devices=2)  # doctest: +SKIP
+    >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=256, micro_batch_size=8))  # doctest: +SKIP
+"""
+
+from lightning_ultrascale.data import UltraScaleDataModule
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
+from lightning_ultrascale.module import LlamaModule, OptimConfig
+from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.strategy import UltraScaleStrategy
+
+__all__ = [
+    "ConfigError",
+    "DataParallel",
+    "LlamaConfig",
+    "LlamaModule",
+    "OptimConfig",
+    "ParallelDims",
+    "UltraScaleDataModule",
+    "UltraScaleStrategy",
+    "build_model",
+    "get_model_config",
+]

@@ -110,6 +110,7 @@ class TrainingMetrics(L.Callback):
         self._steps_seen = 0
         self._tokens = 0
         self._seq_len = 0
+        self._flops_cache: dict[int, float | None] = {}
 
     def _clock(self, trainer: L.Trainer) -> float:
         device = trainer.strategy.root_device
@@ -119,12 +120,12 @@ class TrainingMetrics(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
-        self._peak = (
-            peak_tflops(torch.cuda.get_device_name(device), self.peak_dtype)
-            if device.type == "cuda"
-            else None
-        )
+        self._peak = peak_tflops(torch.cuda.get_device_name(device), self.peak_dtype) if device.type == "cuda" else None
+        # A fresh start for every fit (a resumed run starts at its restored step, warm-up again).
         self._last_global_step = trainer.global_step
+        self._window.clear()
+        self._step_start, self._val_start = None, None
+        self._steps_seen = self._tokens = 0
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -176,13 +177,20 @@ class TrainingMetrics(L.Callback):
         seconds = sum(s for _, s in self._window)
         tokens_per_s = tokens / seconds
         pl_module.log("train/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False)
-        flops_per_token = getattr(pl_module, "flops_per_token", None)
+        flops_per_token = self._flops_per_token(pl_module)
         if flops_per_token is None:
             return
-        tflops = flops_per_token(self._seq_len) * tokens_per_s / trainer.world_size / 1e12
+        tflops = flops_per_token * tokens_per_s / trainer.world_size / 1e12
         pl_module.log("train/tflops_per_device", tflops, on_step=True, on_epoch=False)
         if self._peak is not None:
             pl_module.log("train/mfu", tflops / self._peak, on_step=True, on_epoch=False)
+
+    def _flops_per_token(self, pl_module: L.LightningModule) -> float | None:
+        # Cached per sequence length: a module may build its model on meta to count (LlamaModule does).
+        if self._seq_len not in self._flops_cache:
+            count = getattr(pl_module, "flops_per_token", None)
+            self._flops_cache[self._seq_len] = None if count is None else float(count(self._seq_len))
+        return self._flops_cache[self._seq_len]
 
     def _log_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         states = model_state_bytes(pl_module, trainer.optimizers)
@@ -204,7 +212,8 @@ class UltraScaleProgressBar(TQDMProgressBar):
     """A TQDM bar showing the step's loss, global tokens/s and MFU ("n/a" where not measured).
 
     Reads ``train/tokens_per_s`` and ``train/mfu`` as :class:`TrainingMetrics` logs them, and the
-    loss from what ``training_step`` returned.
+    loss from what ``training_step`` returned, unless the module already shows a ``train...loss``
+    metric on the bar (``self.log("train/loss", loss, prog_bar=True)``).
 
     Example:
         >>> trainer = L.Trainer(callbacks=[TrainingMetrics(), UltraScaleProgressBar()])  # doctest: +SKIP
@@ -233,7 +242,9 @@ class UltraScaleProgressBar(TQDMProgressBar):
     ) -> dict[str, int | str | float | dict[str, float]]:
         items = super().get_metrics(trainer, pl_module)
         metrics = trainer.callback_metrics
-        if self._loss is not None:
+        # A module that puts its own training loss on the bar (synced over ranks) keeps it.
+        logs_own_loss = any(k == "loss" or (k.startswith("train") and k.endswith("loss")) for k in items)
+        if self._loss is not None and not logs_own_loss:
             items["loss"] = f"{self._loss.item():.4g}"
         tokens_per_s = metrics.get("train/tokens_per_s")
         items["tok/s"] = f"{float(tokens_per_s):,.0f}" if tokens_per_s is not None else "n/a"

@@ -72,8 +72,9 @@ class LlamaModule(L.LightningModule):
     Example:
         >>> import lightning as L
         >>> from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
-        >>> trainer = L.Trainer(strategy=UltraScaleStrategy(), accelerator="cpu", devices=2, max_steps=10)  # doctest: +SKIP
-        >>> trainer.fit(LlamaModule("llama_tiny"), UltraScaleDataModule(seq_len=256, micro_batch_size=8))  # doctest: +SKIP
+        >>> trainer = L.Trainer(strategy=UltraScaleStrategy(), accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> data = UltraScaleDataModule(seq_len=256, micro_batch_size=8)
+        >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=data)  # doctest: +SKIP
     """
 
     def __init__(

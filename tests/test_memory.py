@@ -88,9 +88,7 @@ def test_playbook_zero_formulas() -> None:
     psi, n = 10**9, 8  # mixed precision, Adam: 2Ψ params + 2Ψ grads + 12Ψ optimizer
     assert playbook_model_state_bytes(psi, stage=0, dp=n) == ModelStateBytes(2 * psi, 2 * psi, 12 * psi)
     assert playbook_model_state_bytes(psi, stage=1, dp=n) == ModelStateBytes(2 * psi, 2 * psi, 12 * psi // n)
-    assert playbook_model_state_bytes(psi, stage=2, dp=n) == ModelStateBytes(
-        2 * psi, 2 * psi // n, 12 * psi // n
-    )
+    assert playbook_model_state_bytes(psi, stage=2, dp=n) == ModelStateBytes(2 * psi, 2 * psi // n, 12 * psi // n)
     assert playbook_model_state_bytes(psi, stage=3, dp=n).total == 16 * psi // n
     assert playbook_model_state_bytes(psi, stage=0, dp=n, mixed_precision=False) == ModelStateBytes(
         4 * psi, 4 * psi, 8 * psi

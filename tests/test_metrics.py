@@ -85,6 +85,29 @@ def test_cpu_fit_logs_tokens_per_s_and_tflops_but_no_mfu(tmp_path: Path) -> None
     assert "loss" in shown
 
 
+def test_bar_keeps_a_train_loss_the_module_already_shows(tmp_path: Path) -> None:
+    class LoggingLM(TinyLM):
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+    model, bar = LoggingLM(), UltraScaleProgressBar()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        callbacks=[bar],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, DataLoader(Tokens(), batch_size=4))
+    shown = bar.get_metrics(trainer, model)
+    assert "train/loss" in shown and "loss" not in shown
+    assert shown["tok/s"] == "n/a"  # no TrainingMetrics callback
+
+
 def test_peak_table() -> None:
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0

@@ -147,30 +147,22 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     accumulate = dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
 
     out = Path(run_dir())
+    callbacks: list[Any] = [
+        ModelCheckpoint(dirpath=str(out / "checkpoints"), every_n_train_steps=cfg.checkpoint_every_n_steps, save_last=True),
+        TrainingMetrics(),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    if t.get("enable_progress_bar", True):
+        callbacks.append(UltraScaleProgressBar())
+    # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
     trainer = L.Trainer(
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
+        **OmegaConf.to_container(t, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,
         precision=cfg.precision.precision,
-        max_steps=t.max_steps,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
-        log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=t.val_check_interval,
-        limit_val_batches=t.limit_val_batches,
-        num_sanity_val_steps=t.num_sanity_val_steps,
         logger=CSVLogger(save_dir=str(out), name="", version=""),
-        callbacks=[
-            ModelCheckpoint(
-                dirpath=str(out / "checkpoints"),
-                every_n_train_steps=cfg.checkpoint_every_n_steps,
-                save_last=True,
-            ),
-            TrainingMetrics(),
-            UltraScaleProgressBar(),
-            LearningRateMonitor(logging_interval="step"),
-        ],
+        callbacks=callbacks,
         default_root_dir=str(out),
     )
     if trainer.global_rank == 0:

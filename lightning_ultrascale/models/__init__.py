@@ -86,9 +86,7 @@ def get_model_config(name: str) -> LlamaConfig:
         raise ConfigError(f"model={name} is unknown; valid: {', '.join(MODEL_CONFIGS)}") from None
 
 
-def build_model(
-    name_or_config: str | LlamaConfig, *, device: str | torch.device = "cpu", seed: int = 0
-) -> Llama:
+def build_model(name_or_config: str | LlamaConfig, *, device: str | torch.device = "cpu", seed: int = 0) -> Llama:
     """Build a model on ``device``, initialised from ``seed`` unless ``device`` is meta.
 
     A meta model has shapes and no storage: shard it first, then ``to_empty(device=...)`` and

@@ -118,10 +118,10 @@ class LlamaConfig:
         Example:
             >>> from dataclasses import replace
             >>> from lightning_ultrascale.models import get_model_config
-            >>> replace(get_model_config("llama3_8b"), n_kv_heads=3).validate()
+            >>> replace(get_model_config("llama_tiny"), n_kv_heads=3).validate()
             Traceback (most recent call last):
             ...
-            lightning_ultrascale.errors.ConfigError: model.n_kv_heads=3 must divide model.n_heads=32; valid: 1, 2, 4, 8, 16, 32
+            lightning_ultrascale.errors.ConfigError: model.n_kv_heads=3 must divide model.n_heads=4; valid: 1, 2, 4
         """
         for option in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
             value = getattr(self, option)
@@ -145,9 +145,7 @@ class LlamaConfig:
         s = self.rope_scaling
         if s is not None:
             if not s.factor > 0 or not 0 < s.low_freq_factor < s.high_freq_factor:
-                raise ConfigError(
-                    f"model.rope_scaling={s} needs factor > 0 and 0 < low_freq_factor < high_freq_factor"
-                )
+                raise ConfigError(f"model.rope_scaling={s} needs factor > 0 and 0 < low_freq_factor < high_freq_factor")
             if s.original_max_position_embeddings < 1:
                 raise ConfigError(
                     f"model.rope_scaling.original_max_position_embeddings={s.original_max_position_embeddings} "
@@ -423,8 +421,11 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute the RoPE buffer on ``device`` (default: where it is, or the parameters' device
-        if it is on meta, as after ``load_state_dict(assign=True)`` into a meta-built model)."""
+        """Recompute the RoPE buffer, in fp32 on the CPU (same values everywhere), then move it.
+
+        ``device`` defaults to where the buffer is, or to the parameters' device if that is meta
+        (as after ``load_state_dict(assign=True)`` into a meta-built model).
+        """
         if device is None:
             device = self.rope_inv_freq.device
             if device.type == "meta":

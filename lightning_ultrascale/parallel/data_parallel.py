@@ -32,7 +32,8 @@ class DataParallel(ParallelPlugin):
     Example:
         >>> import lightning as L
         >>> from lightning_ultrascale import UltraScaleStrategy, DataParallel
-        >>> trainer = L.Trainer(strategy=UltraScaleStrategy(DataParallel()), accelerator="cpu", devices=2)  # doctest: +SKIP
+        >>> strategy = UltraScaleStrategy(DataParallel(bucket_mb=25))
+        >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
     """
 
     stage = "data"

@@ -261,9 +261,7 @@ class CommTracer(TorchDispatchMode):
             row["wire_bytes"] += r.wire_bytes
         return {dim: dict(ops) for dim, ops in out.items()}
 
-    def total(
-        self, op: str | None = None, dim: str | None = None, kind: Literal["payload", "wire"] = "payload"
-    ) -> int:
+    def total(self, op: str | None = None, dim: str | None = None, kind: Literal["payload", "wire"] = "payload") -> int:
         """Sum of payload (or wire) bytes, optionally for one op and/or one mesh dim.
 
         Example:

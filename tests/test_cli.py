@@ -1,0 +1,110 @@
+"""The Hydra entry point: composition, recipes, bad input before any process group, a real run."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.strategy import UltraScaleStrategy
+
+TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_compose_applies_command_line_overrides():
+    cfg = _compose("parallel.dp=2", "model=llama_tiny", "trainer.max_steps=50")
+    assert cfg.parallel.dp == 2 and cfg.model.name == "llama_tiny" and cfg.trainer.max_steps == 50
+    assert cfg.data.source == "pydoc" and cfg.precision.precision == "32-true"
+
+
+def test_build_derives_gradient_accumulation_from_the_global_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    cfg = _compose("data.global_batch_size=32", "data.micro_batch_size=4", "trainer.devices=2")
+    trainer, module, datamodule = build(cfg)
+    assert trainer.accumulate_grad_batches == 4  # 32 / (4 x dp=2)
+    assert module.config.name == "llama_tiny" and datamodule.micro_batch_size == 4
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.name=llama_huge"], r"model=llama_huge is unknown; valid: llama_tiny, llama3_1b"),
+        (["data=tokens", "data.source=/nonexistent/corpus.bin"], r"data.source=/nonexistent/corpus.bin"),
+        (["data.global_batch_size=6", "data.micro_batch_size=2"], r"data.global_batch_size=6 .* = 4; valid: 4, 8"),
+        (["parallel.dp=3"], r"dp_replicate=3 .* multiply to 3, but the job has 2 ranks"),
+        (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256"),
+        (["optim.name=lion"], r"optim.name='lion' is unknown; valid: adamw, sgd"),
+    ],
+)
+def test_bad_input_fails_before_any_process_group(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides))
+    assert not dist.is_initialized()
+
+
+def test_strategy_rejects_a_layout_when_the_trainer_is_built():
+    with pytest.raises(ConfigError, match=r"multiply to 3, but the job has 2 ranks"):
+        L.Trainer(strategy=UltraScaleStrategy(DataParallel(3)), accelerator="cpu", devices=2)
+    with pytest.raises(ConfigError, match=r"one plugin per technique; got several for: data"):
+        UltraScaleStrategy(DataParallel(), DataParallel())
+    assert not dist.is_initialized()
+
+
+def test_unknown_recipe_names_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"recipe='llama9' is unknown; valid: llama3_8b, llama_tiny_cpu"):
+        hydra_argv(["recipe=llama9"])
+
+
+def test_recipe_composes_through_the_real_entry_point(tmp_path):
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
+    out = subprocess.run([*TRAIN, "recipe=llama3_8b", "--cfg", "job"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "name: llama3_8b" in out.stdout and "precision: bf16-mixed" in out.stdout
+    assert "global_batch_size: 512" in out.stdout
+
+
+def test_a_config_error_exits_with_one_readable_line(tmp_path):
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
+    out = subprocess.run([*TRAIN, "parallel.dp=3"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ultrascale-train: parallel dims" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_two_process_training_run_shares_one_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = [
+        "trainer.max_steps=6",
+        "trainer.log_every_n_steps=1",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1",
+        "checkpoint_every_n_steps=3",
+        "data.seq_len=64",
+        "data.micro_batch_size=2",
+        "data.global_batch_size=8",
+        "trainer.enable_progress_bar=false",
+    ]
+    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert any(r.get("train/tokens_per_s") for r in rows)
+    assert (run_dir / "checkpoints" / "last.ckpt").is_dir()
+    assert [p.name for p in run_dir.rglob(".hydra")] == [".hydra"]  # rank 0 only
+    assert not (tmp_path / "outputs").exists() and not (Path.cwd() / "outputs" / "run").exists()
