@@ -4,7 +4,8 @@ Example:
     >>> import lightning as L
     >>> from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy
     >>> trainer = L.Trainer(strategy=UltraScaleStrategy(DataParallel()), accelerator="cpu", devices=2)  # doctest: +SKIP
-    >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=256, micro_batch_size=8))  # doctest: +SKIP
+    >>> data = UltraScaleDataModule(seq_len=256, micro_batch_size=8)
+    >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=data)  # doctest: +SKIP
 """
 
 from lightning_ultrascale.data import UltraScaleDataModule

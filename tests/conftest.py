@@ -10,10 +10,10 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
-import torch.distributed.fsdp  # noqa: E402, F401
-import torch.distributed.pipelining  # noqa: E402, F401
-import torch.distributed.tensor  # noqa: E402, F401
+import torch.distributed.fsdp  # noqa: E402
+import torch.distributed.pipelining  # noqa: E402
+import torch.distributed.tensor  # noqa: E402

@@ -148,7 +148,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     out = Path(run_dir())
     callbacks: list[Any] = [
-        ModelCheckpoint(dirpath=str(out / "checkpoints"), every_n_train_steps=cfg.checkpoint_every_n_steps, save_last=True),
+        ModelCheckpoint(
+            dirpath=str(out / "checkpoints"), every_n_train_steps=cfg.checkpoint_every_n_steps, save_last=True
+        ),
         TrainingMetrics(),
         LearningRateMonitor(logging_interval="step"),
     ]

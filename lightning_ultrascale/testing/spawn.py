@@ -141,7 +141,7 @@ def run_workers(
                 except EOFError:
                     raise WorkerError(
                         f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                    )
+                    ) from None
                 if status == "error":
                     raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
                 results[rank] = _loads(payload)
