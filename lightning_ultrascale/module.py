@@ -106,8 +106,7 @@ class LlamaModule(L.LightningModule):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), for TFLOP/s and MFU."""
-        with torch.device("meta"):
-            return Llama(self.config).flops_per_token(seq_len)
+        return self.config.flops_per_token(seq_len)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("position_ids"))

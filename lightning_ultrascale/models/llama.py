@@ -165,6 +165,26 @@ class LlamaConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at ``seq_len``, from the config alone.
+
+        ``6 N + 12 L H Q T`` (PaLM, appendix B; torchtitan's ``get_dense_model_nparams_and_flops``):
+        N the parameters that take part in a matmul, 6 = 2 FLOPs per multiply-add x (1 forward +
+        2 backward); the attention term counts QK^T and AV without the causal half and without
+        flash recomputation. The token embedding is a lookup and is left out; the output head is
+        counted even when tied to it (torchtitan drops it then, but its matmul runs all the same,
+        so leaving it out would overstate MFU of the tied 1B and 3B models).
+
+        Example:
+            >>> from lightning_ultrascale.models import get_model_config
+            >>> f"{get_model_config('llama3_8b').flops_per_token(8192) / 1e9:.1f} GFLOP"
+            '57.9 GFLOP'
+        """
+        matmul_params = self.num_params() - self.vocab_size * self.dim
+        if self.tie_embeddings:
+            matmul_params += self.vocab_size * self.dim
+        return float(6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len)
+
 
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` in fp32, with Llama 3.1 scaling if configured.
@@ -475,23 +495,8 @@ class Llama(nn.Module):
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward) of the whole model at ``seq_len``.
-
-        ``6 N + 12 L H Q T`` (PaLM, appendix B; torchtitan's
-        ``torchtitan/models/utils.py::get_dense_model_nparams_and_flops``): N the parameters less the
-        token embedding (a lookup, no matmul), 6 = 2 FLOPs per multiply-add x (1 forward + 2
-        backward); the attention term counts QK^T and AV without the causal half and without flash
-        recomputation. As in torchtitan a tied output head is the embedding and is not counted.
-        Computed from the config, so a pipeline stage reports the same number as the full model.
-
-        Example:
-            >>> from lightning_ultrascale.models import build_model
-            >>> f"{build_model('llama3_8b', device='meta').flops_per_token(8192) / 1e9:.1f} GFLOP"
-            '57.9 GFLOP'
-        """
-        cfg = self.config
-        n_non_embedding = cfg.num_params() - cfg.vocab_size * cfg.dim
-        return float(6 * n_non_embedding + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len)
+        """Training FLOPs per token (forward + backward) of the whole model: see :meth:`LlamaConfig.flops_per_token`."""
+        return self.config.flops_per_token(seq_len)
 
 
 def _dtensor_api() -> tuple[type | None, Any]:

@@ -1,0 +1,170 @@
+"""Data parallelism: gradient traffic vs the ring all-reduce formula, and speed vs Lightning's ``ddp``.
+
+Prints two tables and writes ``benchmarks/results/dp.json``:
+
+1. Communication per optimizer step, traced (``CommTracer``) around backward on every rank: the
+   bytes handed to all-reduce over the ``dp_cp`` dim (must be Ψ, the gradient bytes) and the
+   per-rank ring traffic 2Ψ(N-1)/N that this implies, against the playbook's formula.
+2. Tokens/s of ``UltraScaleStrategy(DataParallel())`` and Lightning's built-in ``ddp`` on the same
+   model, data and process count, alternated in one run (these machines are noisy: only the
+   ratio measured side by side means anything).
+
+    python benchmarks/dp.py            # full run (~2 minutes on 2 CPU cores)
+    python benchmarks/dp.py --quick    # a few steps, for the test suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L
+import torch
+
+torch.set_num_threads(1)
+
+from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
+from lightning_ultrascale.testing import run_workers  # noqa: E402
+from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "dp.json"
+
+
+class TraceBackward(L.Callback):
+    """Trace the collectives of each backward pass (where DP reduces gradients)."""
+
+    def __init__(self) -> None:
+        self.tracer: CommTracer | None = None
+        self.per_step: list[dict[str, int]] = []
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self.tracer = CommTracer(trainer.strategy.mesh.root)
+        self.tracer.__enter__()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert self.tracer is not None
+        self.tracer.__exit__(None, None, None)
+        self.per_step.append(
+            {
+                "calls": sum(r.op == "all_reduce" for r in self.tracer.records),
+                "payload": self.tracer.total(op="all_reduce", kind="payload"),
+                "wire": self.tracer.total(op="all_reduce", kind="wire"),
+                "dims": sorted({r.dim for r in self.tracer.records}),
+            }
+        )
+
+
+class StepTimer(L.Callback):
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def _trainer(strategy: Any, world_size: int, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+
+
+def comm_worker(world_size: int, seq_len: int, micro_batch: int) -> dict[str, Any]:
+    tracer = TraceBackward()
+    module = LlamaModule("llama_tiny")
+    trainer = _trainer(UltraScaleStrategy(DataParallel()), world_size, 2, [tracer])
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
+    n_params = sum(p.numel() for p in module.parameters())
+    return {"n_params": n_params, "param_bytes": n_params * 4, "steps": tracer.per_step}
+
+
+def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float:
+    timer = StepTimer()
+    strategy: Any = UltraScaleStrategy(DataParallel()) if kind == "ultrascale" else "ddp"
+    trainer = _trainer(strategy, world_size, steps, [timer])
+    data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch)
+    trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
+    warm = timer.ends[2:]  # the first steps pay for allocation and thread start-up
+    seconds_per_step = (warm[-1] - warm[0]) / (len(warm) - 1)
+    return world_size * micro_batch * seq_len / seconds_per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few steps, one repeat (smoke test)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    seq_len, micro_batch = (64, 2) if args.quick else (256, 8)
+    steps, repeats = (5, 1) if args.quick else (30, 3)
+
+    comm_rows = []
+    for n in (2, 4):
+        r = run_workers(comm_worker, n, n, seq_len, micro_batch, timeout_s=300)[0]
+        step = r["steps"][-1]
+        formula = 2 * r["param_bytes"] * (n - 1) / n
+        comm_rows.append(
+            {
+                "N": n,
+                "params": r["n_params"],
+                "grad_bytes": r["param_bytes"],
+                "all_reduce_calls": step["calls"],
+                "all_reduce_payload_bytes": step["payload"],
+                "wire_bytes_per_rank": step["wire"],
+                "formula_2psi_(n-1)/n": formula,
+                "ratio": step["wire"] / formula,
+                "dims": step["dims"],
+            }
+        )
+
+    world = 2
+    speeds: dict[str, list[float]] = {"ultrascale": [], "ddp": []}
+    for _ in range(repeats):  # alternate, so drift on a noisy machine hits both alike
+        for kind in speeds:
+            speeds[kind].append(run_workers(speed_worker, world, kind, world, steps, seq_len, micro_batch)[0])
+    ours, theirs = statistics.median(speeds["ultrascale"]), statistics.median(speeds["ddp"])
+    speed = {
+        "world_size": world,
+        "tokens_per_step": world * micro_batch * seq_len,
+        "ultrascale_tokens_per_s": ours,
+        "ddp_tokens_per_s": theirs,
+        "ratio_ultrascale_over_ddp": ours / theirs,
+        "samples": speeds,
+    }
+
+    print("Gradient all-reduce per optimizer step (fp32, llama_tiny), traced on rank 0")
+    print(f"{'N':>2} {'params':>9} {'calls':>5} {'payload B':>10} {'wire B/rank':>12} {'2Ψ(N-1)/N':>12} {'ratio':>7}")
+    for c in comm_rows:
+        print(
+            f"{c['N']:>2} {c['params']:>9,} {c['all_reduce_calls']:>5} {c['all_reduce_payload_bytes']:>10,} "
+            f"{c['wire_bytes_per_rank']:>12,.0f} {c['formula_2psi_(n-1)/n']:>12,.0f} {c['ratio']:>7.4f}"
+        )
+    print(f"\nTokens/s, {world} CPU processes, median of {repeats} alternated runs of {steps} steps")
+    print(f"{'strategy':<24} {'tokens/s':>10}")
+    print(f"{'UltraScaleStrategy (DP)':<24} {ours:>10,.0f}")
+    print(f"{'Lightning ddp':<24} {theirs:>10,.0f}")
+    print(f"{'ratio':<24} {ours / theirs:>10.3f}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "dp", "quick": args.quick, "device": "cpu", "comm": comm_rows, "speed": speed}
+    args.out.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

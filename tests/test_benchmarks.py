@@ -1,0 +1,26 @@
+"""Benchmarks keep running: each script's --quick mode, with its JSON checked for sense (not speed)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dp_benchmark_quick_run_matches_the_ring_formula(tmp_path):
+    out_file = tmp_path / "dp.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "dp.py"), "--quick", "--out", str(out_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_file.read_text())
+    for row in result["comm"]:
+        # The traced gradient payload is every parameter's fp32 gradient, once.
+        assert row["all_reduce_payload_bytes"] == row["grad_bytes"]
+        assert abs(row["ratio"] - 1) < 0.01
+    assert result["speed"]["ultrascale_tokens_per_s"] > 0 and result["speed"]["ddp_tokens_per_s"] > 0
+    assert "Tokens/s" in out.stdout
