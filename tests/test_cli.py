@@ -15,6 +15,7 @@ from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.strategy import UltraScaleStrategy
+from lightning_ultrascale.testing.spawn import free_port
 
 TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
 
@@ -85,26 +86,78 @@ def test_a_config_error_exits_with_one_readable_line(tmp_path):
     assert "ultrascale-train: parallel dims" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_two_process_training_run_shares_one_run_dir(tmp_path):
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    overrides = [
-        "trainer.max_steps=6",
+def _train_overrides(steps: int = 4) -> list[str]:
+    return [
+        f"trainer.max_steps={steps}",
         "trainer.log_every_n_steps=1",
-        "trainer.val_check_interval=3",
+        "trainer.val_check_interval=2",
         "trainer.limit_val_batches=1",
-        "checkpoint_every_n_steps=3",
         "data.seq_len=64",
         "data.micro_batch_size=2",
         "data.global_batch_size=8",
         "trainer.enable_progress_bar=false",
     ]
+
+
+def test_two_process_training_run_shares_one_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = [*_train_overrides(steps=6), "checkpoint_every_n_steps=3"]
     out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert any(r.get("train/tokens_per_s") for r in rows)
     assert (run_dir / "checkpoints" / "last.ckpt").is_dir()
     assert [p.name for p in run_dir.rglob(".hydra")] == [".hydra"]  # rank 0 only
     assert not (tmp_path / "outputs").exists() and not (Path.cwd() / "outputs" / "run").exists()
+
+
+def test_torchrun_launch_shares_one_run_dir_without_a_rendezvous_id(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_RUN_DIR"}
+    env["OMP_NUM_THREADS"] = "1"
+    port = str(free_port())
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
+    cmd = [*torchrun, "-m", "lightning_ultrascale.cli.train", "cluster=torchrun", *_train_overrides()]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dirs = list((tmp_path / "outputs").iterdir())
+    assert len(run_dirs) == 1 and run_dirs[0].name.startswith("torchrun-"), run_dirs
+    assert (run_dirs[0] / "csv" / "metrics.csv").is_file() and (run_dirs[0] / "checkpoints" / "last.ckpt").is_dir()
+    assert [p.name for p in run_dirs[0].rglob(".hydra")] == [".hydra"]
+
+
+def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
+    """Two processes started as ``srun`` would start them: SLURM's variables, no launcher of ours."""
+    base = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_RUN_DIR" and not k.startswith("SLURM_")}
+    base.update(
+        OMP_NUM_THREADS="1",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="ultrascale",
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="127.0.0.1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    cmd = [*TRAIN, "cluster=slurm", *_train_overrides()]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    run_dir = tmp_path / "outputs" / "slurm-4242"
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242"]
+    assert (run_dir / "csv" / "metrics.csv").is_file()
+    assert [p.name for p in run_dir.rglob(".hydra")] == [".hydra"]

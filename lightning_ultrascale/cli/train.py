@@ -43,10 +43,28 @@ def run_dir() -> str:
             name = f"slurm-{os.environ['SLURM_JOB_ID']}"
         elif os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":
             name = f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            name = _torchrun_agent_name()
         else:
             name = time.strftime("%Y-%m-%d/%H-%M-%S")
         os.environ["ULTRASCALE_RUN_DIR"] = str(Path("outputs") / name)
     return os.environ["ULTRASCALE_RUN_DIR"]
+
+
+def _torchrun_agent_name() -> str:
+    """A name all ranks of a torchrun job without ``--rdzv-id`` share: their agent's pid and start time.
+
+    Timestamps taken by each rank could straddle a second. Ranks on one node are children of one
+    torchrun agent; ranks on several nodes share nothing before the process group exists.
+    """
+    if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        raise ConfigError(
+            "torchrun on several nodes without --rdzv-id: ranks cannot agree on a run directory; "
+            "pass --rdzv-id (any id shared by all nodes) or set ULTRASCALE_RUN_DIR (recipes/torchrun.sh does)"
+        )
+    agent = os.getppid()
+    start = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    return f"torchrun-{agent}-{start}"
 
 
 def _global_rank() -> int:
@@ -86,7 +104,10 @@ def main() -> None:
             f"ultrascale-train: config directory {CONFIG_DIR} not found; install the repository editable "
             "(pip install -e .) or set ULTRASCALE_CONFIG_DIR"
         )
-    run_dir()
+    try:
+        run_dir()
+    except ConfigError as err:
+        raise SystemExit(f"ultrascale-train: {err}") from None
     OmegaConf.register_new_resolver("ultrascale.div", _div, replace=True)
     try:
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]
@@ -163,7 +184,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         precision=cfg.precision.precision,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
-        logger=CSVLogger(save_dir=str(out), name="", version=""),
+        # Its own folder: CSVLogger clears the folder it logs into on a fresh start.
+        logger=CSVLogger(save_dir=str(out), name="csv", version=""),
         callbacks=callbacks,
         default_root_dir=str(out),
     )
