@@ -32,6 +32,7 @@ torch.set_num_threads(1)
 
 from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
+from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
@@ -75,13 +76,8 @@ def _trainer(strategy: Any, world_size: int, steps: int, callbacks: list[L.Callb
         devices=world_size,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
+        **QUIET_TRAINER,
     )
 
 

@@ -186,7 +186,7 @@ class TrainingMetrics(L.Callback):
             pl_module.log("train/mfu", tflops / self._peak, on_step=True, on_epoch=False)
 
     def _flops_per_token(self, pl_module: L.LightningModule) -> float | None:
-        # Cached per sequence length: a module may build its model on meta to count (LlamaModule does).
+        # Cached per sequence length: a module's count may be costly (e.g. built from a meta model).
         if self._seq_len not in self._flops_cache:
             count = getattr(pl_module, "flops_per_token", None)
             self._flops_cache[self._seq_len] = None if count is None else float(count(self._seq_len))

@@ -24,6 +24,16 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.testing.spawn import run_workers
 
+#: Trainer settings for measuring runs: no logging, checkpoints, bars, summaries or validation.
+QUIET_TRAINER: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+}
+
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
@@ -95,14 +105,8 @@ def record_run(
             strategy=strategy() if strategy is not None else "auto",
             max_steps=steps,
             accumulate_grad_batches=accumulate_grad_batches,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
             callbacks=[recorder],
-            **trainer_kwargs,
+            **{**QUIET_TRAINER, **trainer_kwargs},
         )
         trainer.fit(make_module(), datamodule=make_datamodule())
         return recorder.record
