@@ -85,16 +85,16 @@ class UltraScaleStrategy(ModelParallelStrategy):
         for plugin in plugins:
             if not isinstance(plugin, ParallelPlugin):
                 raise TypeError(f"UltraScaleStrategy takes ParallelPlugin objects, got {plugin!r}")
-            if plugin.stage not in APPLY_ORDER:
-                raise TypeError(f"{plugin!r} has stage {plugin.stage!r}; valid: {', '.join(APPLY_ORDER)}")
-        stages = [p.stage for p in plugins]
+            if plugin.applies_at not in APPLY_ORDER:
+                raise TypeError(f"{plugin!r} has applies_at={plugin.applies_at!r}; valid: {', '.join(APPLY_ORDER)}")
+        stages = [p.applies_at for p in plugins]
         repeated = sorted({s for s in stages if stages.count(s) > 1})
         if repeated:
             raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
         if "data" not in stages:
             plugins = (*plugins, DataParallel())
         self.plugins: tuple[ParallelPlugin, ...] = tuple(
-            sorted(plugins, key=lambda p: APPLY_ORDER.index(p.stage))
+            sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at))
         )
         self.seed = seed
         self._parallel_dims: ParallelDims | None = None
@@ -203,6 +203,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
             return model
         self._validate_model(model.spec)
         for plugin in self.plugins:
+            plugin.set_precision(self.precision_plugin.precision)
             new = plugin.apply(model, self.mesh)
             if new is not model:
                 if not name:
@@ -239,6 +240,8 @@ class UltraScaleStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for plugin in self.plugins:
+                plugin.setup_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from lightning_ultrascale.models.spec import ModelSpec
@@ -35,12 +36,12 @@ APPLY_ORDER: tuple[str, ...] = (
 class ParallelPlugin:
     """Base class of one technique: declares its mesh sizes, validates, and rewrites the model.
 
-    Subclasses set ``stage`` (their place in :data:`APPLY_ORDER`) and implement :meth:`mesh_sizes`
+    Subclasses set ``applies_at`` (their place in :data:`APPLY_ORDER`) and implement :meth:`mesh_sizes`
     and :meth:`apply`. A size of ``None`` asks the strategy to infer it from the world size (at
     most one plugin may leave its size open).
     """
 
-    stage: ClassVar[str]
+    applies_at: ClassVar[str]
 
     def mesh_sizes(self) -> dict[str, int | None]:
         """The mesh dims this plugin owns and their sizes (``None``: infer from the world size)."""
@@ -53,12 +54,18 @@ class ParallelPlugin:
         """Rewrite ``model`` (still on the meta device) for this technique and return it."""
         raise NotImplementedError(f"{type(self).__name__} must implement apply()")
 
+    def set_precision(self, precision: str) -> None:
+        """Told the run's Lightning precision (``"32-true"``, ``"bf16-mixed"``, ...) before :meth:`apply`."""
+
     def on_materialized(self, model: nn.Module) -> None:
         """Called once the model's parameters have storage and their initial values.
 
         Materialising (``to_empty``) creates new ``Parameter`` objects, so engines that hook into
         parameters (e.g. gradient bucketing) bind here, not in :meth:`apply`.
         """
+
+    def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Called once Lightning has built the optimizers (e.g. to shard their states)."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

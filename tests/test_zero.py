@@ -1,0 +1,142 @@
+"""ZeRO stages 1-3 and HSDP: parity with one process, meta-device init, bad input."""
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from llama_runs import ADAMW, ADAMW_LATER_GRAD_RTOL, SGD, run_tiny_llama
+
+from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import build_model, get_model_config
+from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
+
+
+@pytest.fixture(scope="module")
+def reference_sgd():
+    return run_tiny_llama(SGD)
+
+
+@pytest.fixture(scope="module")
+def reference_adamw():
+    return run_tiny_llama(ADAMW)
+
+
+ZERO3_LAYOUTS = {
+    "zero3-n2": (lambda: [ZeRO(stage=3)], 2),
+    "zero3-n4": (lambda: [ZeRO(stage=3)], 4),
+    "zero3-keep-gathered": (lambda: [ZeRO(stage=3, reshard_after_forward=False)], 2),
+    "hsdp-2x2": (lambda: [ZeRO(stage=3, replicate=2)], 4),
+}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("layout", list(ZERO3_LAYOUTS))
+def test_zero3_and_hsdp_match_one_process_with_sgd(reference_sgd, layout, accumulate):
+    plugins, world_size = ZERO3_LAYOUTS[layout]
+    assert_parity(run_tiny_llama(SGD, plugins, world_size, accumulate), reference_sgd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["zero3-n2", "hsdp-2x2"])
+def test_zero3_and_hsdp_match_one_process_with_adamw(reference_adamw, layout):
+    plugins, world_size = ZERO3_LAYOUTS[layout]
+    run = run_tiny_llama(ADAMW, plugins, world_size, accumulate=2)
+    assert_parity(run, reference_adamw, rtol=1e-5, grad_rtol=ADAMW_LATER_GRAD_RTOL)
+
+
+# --------------------------------------------------------------------------- meta-device init
+MEDIUM = dataclasses.replace(
+    get_model_config("llama_tiny"), name="medium", dim=512, n_layers=16, n_heads=8, n_kv_heads=4,
+    ffn_hidden_dim=1536, vocab_size=32000,
+)  # fmt: skip
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class _PeakAfterSetup(L.Callback):
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # reset this process's peak RSS (VmHWM)
+        self.baseline = _rss_kib("VmRSS")
+        self.growth_bytes = 0
+        self.local_param_bytes = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        self.growth_bytes = (_rss_kib("VmHWM") - self.baseline) * 1024
+        self.local_param_bytes = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in pl_module.parameters()
+        )
+
+
+def _setup_peak(stage: int, world_size: int) -> tuple[int, int]:
+    peak = _PeakAfterSetup()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(ZeRO(stage=stage)), max_steps=0,
+        callbacks=[peak], **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.fit(LlamaModule(MEDIUM), datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    return peak.growth_bytes, peak.local_param_bytes
+
+
+def test_zero3_on_meta_never_materialises_the_full_model_on_a_rank():
+    full_bytes = MEDIUM.num_params() * 4
+    zero3 = run_workers(_setup_peak, 4, 3, 4, timeout_s=300)
+    dp = run_workers(_setup_peak, 4, 0, 4, timeout_s=300)
+    for growth, local in zero3:
+        assert local < full_bytes / 4 * 1.01
+        # Each rank holds its quarter plus, while initialising, one full parameter at a time
+        # (the largest is the 64 MiB embedding): far below the 318 MiB model.
+        message = f"rank grew {growth / 2**20:.0f} MiB for a {full_bytes / 2**20:.0f} MiB model"
+        assert growth < 0.75 * full_bytes, message
+    # The same measurement sees plain DP materialise the whole model: it can tell the difference.
+    assert all(growth > full_bytes for growth, _ in dp), [g / 2**20 for g, _ in dp]
+
+
+def _zero3_initial_weights() -> dict[str, torch.Tensor]:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3), seed=7), max_steps=0, **QUIET_TRAINER
+    )
+    module = LlamaModule("llama_tiny")
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    return {n: p.full_tensor() for n, p in module.model.named_parameters()}
+
+
+def test_zero3_initialises_the_weights_of_a_single_process_build():
+    sharded = run_workers(_zero3_initial_weights, 2)[0]
+    reference = dict(build_model("llama_tiny", seed=7).named_parameters())
+    assert sharded.keys() == reference.keys()
+    for name, value in sharded.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stage": 4}, r"parallel.zero_stage=4 is not a ZeRO stage; valid: 0, 1, 2, 3"),
+        ({"stage": 2, "bucket_mb": 0}, r"parallel.bucket_mb=0 must be > 0"),
+        ({"stage": 1, "replicate": 2}, r"parallel.replicate=2 \(HSDP\) needs parallel.zero_stage=3, got 1"),
+        ({"stage": 3, "reduce_dtype": "fp16"}, r"parallel.reduce_dtype='fp16'; valid: fp32, bf16"),
+    ],
+)
+def test_bad_zero_settings_fail_at_construction(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ZeRO(**kwargs)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_with_one_data_parallel_rank_warns(stage):
+    spec = build_model("llama_tiny", device="meta").spec
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeRO(stage=stage).validate(ParallelDims(dp_shard=1), spec)
+    assert any(f"ZeRO stage {stage} with one data-parallel rank shards nothing" in str(w.message) for w in caught)
