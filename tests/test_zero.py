@@ -46,7 +46,7 @@ def test_zero3_and_hsdp_match_one_process_with_sgd(reference_sgd, layout, accumu
 def test_zero3_and_hsdp_match_one_process_with_adamw(reference_adamw, layout):
     plugins, world_size = ZERO3_LAYOUTS[layout]
     run = run_tiny_llama(ADAMW, plugins, world_size, accumulate=2)
-    assert_parity(run, reference_adamw, rtol=1e-5, grad_rtol=ADAMW_LATER_GRAD_RTOL)
+    assert_parity(run, reference_adamw, rtol=1e-5, later_grad_rtol=ADAMW_LATER_GRAD_RTOL)
 
 
 # --------------------------------------------------------------------------- meta-device init
@@ -140,3 +140,62 @@ def test_zero12_with_one_data_parallel_rank_warns(stage):
         warnings.simplefilter("always")
         ZeRO(stage=stage).validate(ParallelDims(dp_shard=1), spec)
     assert any(f"ZeRO stage {stage} with one data-parallel rank shards nothing" in str(w.message) for w in caught)
+
+
+# --------------------------------------------------------------------------- bf16
+# Against a one-process run in the same precision. bf16 keeps 8 mantissa bits (unit roundoff
+# 2^-8 = 3.9e-3). Measured over 5 SGD steps: losses within 3e-4 (the loss averages 512 token
+# losses, which averages rounding out), first-step gradients within 8e-3 (a few roundings deep),
+# later gradients up to 5e-2 as the layouts' bf16 weights drift apart by single roundings. An
+# unreduced or wrongly scaled gradient is off by 0.5-1.0: these bounds still catch it.
+BF16_LOSS_RTOL, BF16_FIRST_GRAD_RTOL, BF16_LATER_GRAD_RTOL = 1e-3, 2e-2, 1e-1
+
+
+@pytest.fixture(scope="module")
+def reference_bf16_mixed():
+    return run_tiny_llama(SGD, precision="bf16-mixed")
+
+
+@pytest.mark.parametrize("layout", ["zero3-n2", "hsdp-2x2"])
+def test_zero3_bf16_mixed_matches_one_process_bf16_mixed(reference_bf16_mixed, layout):
+    plugins, world_size = ZERO3_LAYOUTS[layout]
+    run = run_tiny_llama(SGD, plugins, world_size, accumulate=2, precision="bf16-mixed")
+    assert_parity(
+        run,
+        reference_bf16_mixed,
+        rtol=BF16_LOSS_RTOL,
+        grad_rtol=BF16_FIRST_GRAD_RTOL,
+        later_grad_rtol=BF16_LATER_GRAD_RTOL,
+        check_params=False,
+    )
+
+
+def _bf16_mixed_dtypes(reduce_dtype: str) -> tuple[set[torch.dtype], int, int]:
+    from lightning_ultrascale.utils.comm import CommTracer
+
+    class Trace(L.Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.tracer = CommTracer().__enter__()
+
+        def on_after_backward(self, trainer, pl_module):
+            self.tracer.__exit__(None, None, None)
+
+    trace = Trace()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3, reduce_dtype=reduce_dtype)),
+        precision="bf16-mixed", max_steps=1, callbacks=[trace], **QUIET_TRAINER,
+    )  # fmt: skip
+    module = LlamaModule("llama_tiny")
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    master_dtypes = {p.dtype for p in module.parameters()}
+    n_params = sum(p.numel() for p in module.parameters())
+    return master_dtypes, trace.tracer.total(op="reduce_scatter", kind="payload"), n_params
+
+
+@pytest.mark.parametrize(("reduce_dtype", "bytes_per_grad"), [("fp32", 4), ("bf16", 2)])
+def test_zero3_bf16_mixed_keeps_fp32_masters_and_reduces_in_the_chosen_dtype(reduce_dtype, bytes_per_grad):
+    master_dtypes, reduce_scatter_bytes, n_params = run_workers(_bf16_mixed_dtypes, 2, reduce_dtype)[0]
+    assert master_dtypes == {torch.float32}  # the sharded master weights the optimizer updates
+    # One reduce-scatter of every gradient per backward, in the chosen dtype (FSDP2 pads each
+    # parameter's shard to a multiple of the group size: at most a few elements).
+    assert n_params * bytes_per_grad <= reduce_scatter_bytes <= n_params * bytes_per_grad * 1.01

@@ -138,9 +138,13 @@ class ZeRO(ParallelPlugin):
         spec = require_spec(model)
         shard_mesh = mesh.root[("dp_replicate", "dp_shard")] if self.replicate > 1 else mesh["dp_shard"]
         policy = MixedPrecisionPolicy()
+        reduce_dtype = REDUCE_DTYPES[self.reduce_dtype]
         if self.precision == "bf16-mixed":
             # bf16 compute and all-gathers; fp32 sharded master weights and (by default) fp32 reduce-scatter.
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPES[self.reduce_dtype])
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        elif self.precision == "bf16-true":
+            # bf16 parameters everywhere (no master copy); the gradient sum may still run in fp32.
+            policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         blocks = list(model.get_submodule(spec.layers).values())
         for block in blocks:
             fully_shard(block, mesh=shard_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
