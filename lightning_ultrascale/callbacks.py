@@ -18,8 +18,9 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch.distributed.tensor import DTensor
 
-from lightning_ultrascale.utils.memory import model_state_bytes
+from lightning_ultrascale.utils.memory import ModelStateBytes, format_bytes, model_state_bytes
 
 __all__ = ["PEAK_TFLOPS", "TrainingMetrics", "UltraScaleProgressBar", "peak_tflops"]
 
@@ -192,15 +193,46 @@ class TrainingMetrics(L.Callback):
             self._flops_cache[self._seq_len] = None if count is None else float(count(self._seq_len))
         return self._flops_cache[self._seq_len]
 
+    @staticmethod
+    def _expected_state(
+        trainer: L.Trainer, pl_module: L.LightningModule, states: ModelStateBytes
+    ) -> tuple[ModelStateBytes, int] | None:
+        """The strategy's playbook formula for this layout (UltraScaleStrategy has one), with k measured.
+
+        k, the optimizer's state bytes per parameter (8 for fp32 Adam), is read off this rank's
+        states and its own shard of the optimizer's parameters, so the formula checks sharding.
+        """
+        formula = getattr(trainer.strategy, "expected_model_state_bytes", None)
+        if formula is None:
+            return None
+        local = sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel()
+            for optimizer in trainer.optimizers
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
+        k = round(states.optimizer_states / local) if local else 0
+        expected = formula(sum(p.numel() for p in pl_module.parameters()), k)
+        return (expected, k) if expected is not None else None
+
     def _log_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         states = model_state_bytes(pl_module, trainer.optimizers)
-        rank_zero_info(f"rank 0 {states.summary()}")
-        if not trainer.is_global_zero:
-            return
         mib = 2**20
         metrics = {"memory/params_mib": states.params / mib, "memory/grads_mib": states.grads / mib}
         if states.optimizer_states:
             metrics["memory/optimizer_mib"] = states.optimizer_states / mib
+        line = f"rank 0 {states.summary()}"
+        expected = self._expected_state(trainer, pl_module, states)
+        if expected is not None:
+            formula, k = expected
+            metrics["memory/formula_mib"] = formula.total / mib
+            line += (
+                f"; playbook formula {format_bytes(formula.total)} (k={k}),"
+                f" measured/formula {states.total / formula.total:.3f}"
+            )
+        rank_zero_info(line)
+        if not trainer.is_global_zero:
+            return
         # Straight to the loggers: a value given to pl_module.log once is re-emitted at every later
         # step of the epoch, and only reaches the logger at the next log_every_n_steps boundary.
         # Lightning's loggers count steps from 0: the step just taken is global_step - 1.

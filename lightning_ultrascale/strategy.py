@@ -29,6 +29,7 @@ from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
+from lightning_ultrascale.utils.memory import ModelStateBytes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -255,6 +256,14 @@ class UltraScaleStrategy(ModelParallelStrategy):
             for plugin in self.plugins:
                 stack.enter_context(plugin.no_sync())
             yield
+
+    def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
+        """The playbook's per-rank model state for this layout, from the data-parallel plugin."""
+        for plugin in self.plugins:
+            expected = getattr(plugin, "expected_state_bytes", None)
+            if expected is not None:
+                return expected(n_params, k_optimizer)
+        return None
 
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""

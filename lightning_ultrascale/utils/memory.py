@@ -145,14 +145,15 @@ def model_state_bytes(
 
 
 def playbook_model_state_bytes(
-    n_params: int, stage: int, dp: int, k_optimizer: int = 12, mixed_precision: bool = True
+    n_params: int, stage: int, dp: int, k_optimizer: int | None = None, mixed_precision: bool = True
 ) -> ModelStateBytes:
     """The playbook's per-rank model-state memory for ZeRO ``stage`` on ``dp`` ranks.
 
     ``mixed_precision=True``: bf16 params and grads (2Ψ each) and ``k_optimizer``Ψ of fp32 state
-    (12: master weights, Adam m and v); ``False``: fp32 params and grads (4Ψ each) and 8Ψ of Adam
-    state (``k_optimizer`` is ignored). Stage 1 divides the optimizer part by ``dp``, stage 2 also
-    the gradients, stage 3 also the parameters (module docstring has the table).
+    (default 12: master weights, Adam m and v); ``False``: fp32 params and grads (4Ψ each) and
+    ``k_optimizer``Ψ of state (default 8: Adam m and v; 4 for SGD with momentum). Stage 1 divides
+    the optimizer part by ``dp``, stage 2 also the gradients, stage 3 also the parameters (module
+    docstring has the table).
 
     Example:
         >>> playbook_model_state_bytes(10**9, stage=0, dp=8).total     # 16 bytes per parameter
@@ -164,7 +165,8 @@ def playbook_model_state_bytes(
         raise ValueError(f"stage={stage} must be 0, 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp={dp} must be >= 1")
-    param_b, grad_b, opt_b = (2, 2, k_optimizer) if mixed_precision else (4, 4, 8)
+    param_b, grad_b, default_k = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    opt_b = default_k if k_optimizer is None else k_optimizer
     params, grads, opt = param_b * n_params, grad_b * n_params, opt_b * n_params
     return ModelStateBytes(
         params=params // dp if stage >= 3 else params,
