@@ -161,3 +161,36 @@ def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242"]
     assert (run_dir / "csv" / "metrics.csv").is_file()
     assert [p.name for p in run_dir.rglob(".hydra")] == [".hydra"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["parallel=zero3"], "ZeRO(stage=3, dp_replicate=1, dp_shard=None)"),
+        (
+            ["parallel=hsdp", "trainer.devices=4", "data.micro_batch_size=4"],
+            "ZeRO(stage=3, dp_replicate=2, dp_shard=None)",
+        ),
+        (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=2"], "Recompute"),
+    ],
+)
+def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, expected):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    trainer, _, _ = build(_compose(*overrides))
+    assert expected in trainer.strategy.describe()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.zero_stage=4"], r"parallel.zero_stage=4 is not a ZeRO stage; valid: 0, 1, 2, 3"),
+        (["parallel.recompute=most"], r"parallel.recompute='most' is unknown; valid: none, full, selective"),
+        (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=0"], r"recompute_every=0"),
+        (["parallel=zero2", "parallel.bucket_mb=0"], r"parallel.bucket_mb=0 must be > 0"),
+    ],
+)
+def test_bad_parallel_settings_fail_before_any_process_group(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides))
+    assert not dist.is_initialized()

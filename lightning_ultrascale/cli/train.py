@@ -125,6 +125,26 @@ def _hydra_task(cfg: DictConfig) -> None:
     trainer.fit(module, datamodule=datamodule)
 
 
+def plugins(parallel: DictConfig) -> list[Any]:
+    """The parallelism plugins a ``parallel`` config group asks for."""
+    from lightning_ultrascale.parallel.recompute import Recompute
+    from lightning_ultrascale.parallel.zero import ZeRO
+
+    chosen: list[Any] = [
+        ZeRO(
+            stage=parallel.zero_stage,
+            size=parallel.dp,
+            replicate=parallel.replicate,
+            bucket_mb=parallel.bucket_mb,
+            reshard_after_forward=parallel.reshard_after_forward,
+            reduce_dtype=parallel.reduce_dtype,
+        )
+    ]
+    if parallel.recompute != "none":
+        chosen.append(Recompute(parallel.recompute, every=parallel.recompute_every))
+    return chosen
+
+
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """Turn a composed config into (Trainer, LlamaModule, DataModule); validates everything first."""
     import lightning as L
@@ -134,7 +154,6 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     from lightning_ultrascale.callbacks import TrainingMetrics, UltraScaleProgressBar
     from lightning_ultrascale.data import UltraScaleDataModule
     from lightning_ultrascale.module import LlamaModule, OptimConfig
-    from lightning_ultrascale.parallel.data_parallel import DataParallel
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
     module = LlamaModule(
@@ -159,9 +178,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
 
-    strategy = UltraScaleStrategy(
-        DataParallel(cfg.parallel.dp, bucket_mb=cfg.parallel.bucket_mb), seed=cfg.seed
-    )
+    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed)
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
     dims.validate_model(module.model_spec)
