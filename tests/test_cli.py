@@ -194,3 +194,23 @@ def test_bad_parallel_settings_fail_before_any_process_group(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=message):
         build(_compose(*overrides))
     assert not dist.is_initialized()
+
+
+def test_zero3_run_resumes_from_its_sharded_checkpoint(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first, second = tmp_path / "first", tmp_path / "second"
+    base = [*TRAIN, "parallel=zero3", *_train_overrides(steps=4)]
+    out = subprocess.run([*base], env={**env, "ULTRASCALE_RUN_DIR": str(first)}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    checkpoint = first / "checkpoints" / "last.ckpt"
+    assert len(list(checkpoint.glob("*.distcp"))) == 2  # one shard file per rank
+    resume = [*base, "trainer.max_steps=6", f"ckpt_path={checkpoint}"]
+    out = subprocess.run(resume, env={**env, "ULTRASCALE_RUN_DIR": str(second)}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    def logged_steps(run_dir):
+        rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+        return sorted({int(r["step"]) for r in rows if r.get("train/loss")})
+
+    before, after = logged_steps(first), logged_steps(second)
+    # Two more optimizer steps, numbered on from where the first run stopped, not from 0.
+    assert len(before) == 4 and after == [before[-1] + 1, before[-1] + 2], (before, after)

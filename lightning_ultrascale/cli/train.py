@@ -5,6 +5,7 @@ Examples::
     ultrascale-train                                   # tiny Llama, bundled corpus, 2 CPU processes
     ultrascale-train parallel.dp=2 model=llama_tiny trainer.max_steps=50
     ultrascale-train recipe=llama3_8b                  # a whole run from recipes/llama3_8b.yaml
+    ultrascale-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_steps=600   # resume
 
 One run directory for all ranks: Hydra would otherwise make one per process (each with its own
 timestamp; lightning-hydra-template #393, hydra #2070). The directory is fixed once, before any
@@ -122,7 +123,7 @@ def _hydra_task(cfg: DictConfig) -> None:
     except ConfigError as err:
         # One line naming option, value and valid values; no traceback for a config mistake.
         raise SystemExit(f"ultrascale-train: {err}") from None
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
 
 
 def plugins(parallel: DictConfig) -> list[Any]:
