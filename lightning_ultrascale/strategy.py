@@ -257,6 +257,14 @@ class UltraScaleStrategy(ModelParallelStrategy):
                 stack.enter_context(plugin.no_sync())
             yield
 
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Averaged gradients where a plugin keeps them away from ``param.grad`` (ZeRO-1/2), else None."""
+        for plugin in self.plugins:
+            grads = getattr(plugin, "reduced_gradients", lambda: None)()
+            if grads is not None:
+                return grads
+        return None
+
     def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
         """The playbook's per-rank model state for this layout, from the data-parallel plugin."""
         for plugin in self.plugins:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from llama_runs import ADAMW, ADAMW_LATER_GRAD_RTOL, SGD, run_tiny_llama
 
-from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+from lightning_ultrascale import LlamaModule, Recompute, UltraScaleDataModule, UltraScaleStrategy, ZeRO
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.parallel.dims import ParallelDims
@@ -27,7 +27,12 @@ def reference_adamw():
     return run_tiny_llama(ADAMW)
 
 
-ZERO3_LAYOUTS = {
+# Small buckets for stages 0-2: several reductions per backward, so ordering and overlap are exercised.
+LAYOUTS = {
+    "zero1-n2": (lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2),
+    "zero1-n4": (lambda: [ZeRO(stage=1, bucket_mb=0.1)], 4),
+    "zero2-n2": (lambda: [ZeRO(stage=2, bucket_mb=0.1)], 2),
+    "zero2-n4": (lambda: [ZeRO(stage=2, bucket_mb=0.1)], 4),
     "zero3-n2": (lambda: [ZeRO(stage=3)], 2),
     "zero3-n4": (lambda: [ZeRO(stage=3)], 4),
     "zero3-keep-gathered": (lambda: [ZeRO(stage=3, reshard_after_forward=False)], 2),
@@ -36,17 +41,30 @@ ZERO3_LAYOUTS = {
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@pytest.mark.parametrize("layout", list(ZERO3_LAYOUTS))
-def test_zero3_and_hsdp_match_one_process_with_sgd(reference_sgd, layout, accumulate):
-    plugins, world_size = ZERO3_LAYOUTS[layout]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_stages_and_hsdp_match_one_process_with_sgd(reference_sgd, layout, accumulate):
+    plugins, world_size = LAYOUTS[layout]
     assert_parity(run_tiny_llama(SGD, plugins, world_size, accumulate), reference_sgd, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["zero3-n2", "hsdp-2x2"])
-def test_zero3_and_hsdp_match_one_process_with_adamw(reference_adamw, layout):
-    plugins, world_size = ZERO3_LAYOUTS[layout]
+@pytest.mark.parametrize("layout", ["zero1-n2", "zero2-n4", "zero3-n2", "hsdp-2x2"])
+def test_zero_stages_and_hsdp_match_one_process_with_adamw(reference_adamw, layout):
+    plugins, world_size = LAYOUTS[layout]
     run = run_tiny_llama(ADAMW, plugins, world_size, accumulate=2)
     assert_parity(run, reference_adamw, rtol=1e-5, later_grad_rtol=ADAMW_LATER_GRAD_RTOL)
+
+
+@pytest.mark.parametrize(
+    ("stage", "replicate", "world_size", "recompute"),
+    [(0, 1, 2, "full"), (1, 1, 2, "selective_op"), (2, 1, 2, "full"), (3, 1, 2, "selective_op"), (3, 2, 4, "full")],
+)
+def test_every_stage_with_activation_recomputation_matches_one_process(
+    reference_sgd, stage, replicate, world_size, recompute
+):
+    def plugins():
+        return [ZeRO(stage=stage, replicate=replicate, bucket_mb=0.1), Recompute(recompute)]
+
+    assert_parity(run_tiny_llama(SGD, plugins, world_size, accumulate=2), reference_sgd, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- meta-device init
@@ -158,7 +176,7 @@ def reference_bf16_mixed():
 
 @pytest.mark.parametrize("layout", ["zero3-n2", "hsdp-2x2"])
 def test_zero3_bf16_mixed_matches_one_process_bf16_mixed(reference_bf16_mixed, layout):
-    plugins, world_size = ZERO3_LAYOUTS[layout]
+    plugins, world_size = LAYOUTS[layout]
     run = run_tiny_llama(SGD, plugins, world_size, accumulate=2, precision="bf16-mixed")
     assert_parity(
         run,

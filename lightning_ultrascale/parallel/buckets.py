@@ -17,7 +17,8 @@ no extra copy after the first gradient of a step, and model-state accounting see
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,51 @@ class _Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
 
 
+def _dtype_and_device(param: nn.Parameter) -> Hashable:
+    return param.dtype, param.device
+
+
+def plan_buckets(
+    params: Sequence[nn.Parameter],
+    bucket_bytes: int,
+    key: Callable[[nn.Parameter], Hashable] = _dtype_and_device,
+) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets of at most ``bucket_bytes``, in the order backward should fill them.
+
+    Parameters are walked in reverse (backward produces gradients roughly last layer first); only
+    parameters with equal ``key`` share a bucket (one flat buffer needs one dtype and device; the
+    ZeRO engine also keys on the optimizer's param group). Each key keeps one open bucket, closed
+    when the next parameter would overflow it, as DDP's bucket assignment does, so interleaved keys
+    (weight, bias, weight, ...) do not cut each other's buckets short. A parameter larger than
+    ``bucket_bytes`` gets a bucket of its own. Buckets are ordered by the walk position of their
+    last parameter: the order in which their last gradient is expected, hence their launch order.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # 64 B weights, 16 B biases
+        >>> names = {p: n for n, p in model.named_parameters()}
+        >>> [[names[p] for p in b] for b in plan_buckets(list(model.parameters()), 96)]
+        [['2.bias', '2.weight', '1.bias'], ['1.weight', '0.bias'], ['0.weight']]
+        >>> by_kind = lambda p: p.dim()  # weights and biases never share a bucket
+        >>> [[names[p] for p in b] for b in plan_buckets(list(model.parameters()), 96, key=by_kind)]
+        [['2.weight'], ['1.weight'], ['2.bias', '1.bias', '0.bias'], ['0.weight']]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    closed: list[tuple[int, list[nn.Parameter]]] = []
+    # key -> (its open bucket's params, their bytes, walk position of the last one)
+    open_buckets: dict[Hashable, tuple[list[nn.Parameter], int, int]] = {}
+    for position, p in enumerate(reversed(params)):
+        k = key(p)
+        members, size, last = open_buckets.get(k, ([], 0, -1))
+        nbytes = p.numel() * p.element_size()
+        if members and size + nbytes > bucket_bytes:
+            closed.append((last, members))
+            members, size = [], 0
+        open_buckets[k] = ([*members, p], size + nbytes, position)
+    closed.extend((last, members) for members, _, last in open_buckets.values())
+    return [members for _, members in sorted(closed, key=lambda c: c[0])]
+
+
 class BucketedAllReduce:
     """Average the gradients of ``params`` over ``group`` in buckets, overlapped with backward.
 
@@ -47,8 +93,6 @@ class BucketedAllReduce:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.sync = True
@@ -65,24 +109,10 @@ class BucketedAllReduce:
 
     @staticmethod
     def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):
-            fits = current and current[0].dtype == p.dtype and current[0].device == p.device
-            if current and (not fits or size + p.numel() * p.element_size() > bucket_bytes):
-                buckets.append(_Bucket(current, [], 0))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            buckets.append(_Bucket(current, [], 0))
-        for b in buckets:
-            offset = 0
-            for p in b.params:
-                b.offsets.append(offset)
-                offset += p.numel()
-            b.numel = offset
+        buckets = []
+        for members in plan_buckets(params, bucket_bytes):
+            offsets = [0, *itertools.accumulate(p.numel() for p in members)]
+            buckets.append(_Bucket(members, offsets[:-1], offsets[-1]))
         return buckets
 
     def _materialise(self, bucket: _Bucket) -> None:

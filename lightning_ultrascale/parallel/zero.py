@@ -186,6 +186,16 @@ class ZeRO(ParallelPlugin):
 
             self.reducer = ZeroEngine(params, self._mesh, stage=self.stage, bucket_bytes=self._bucket_bytes)
 
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Stages 1-2: each parameter's averaged gradient, gathered from the shards (a collective).
+
+        There ``param.grad`` is the local, unreduced gradient (stage 1) or freed (stage 2): the
+        averaged gradient lives only in the optimizer's shards. For parity tests and debugging.
+        """
+        if self.stage in (1, 2) and self.reducer is not None:
+            return self.reducer.full_grads()
+        return None
+
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.stage in (1, 2) and self.reducer is not None:
             if len(optimizers) != 1:

@@ -68,12 +68,11 @@ class ParityRecorder(L.Callback):
         self.record.losses.append(float(step_loss))
         self._loss_sum = torch.zeros(())
 
-    def on_before_optimizer_step(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
-    ) -> None:
-        self.record.grads.append(
-            {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
-        )
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # A sharded optimizer (ZeRO-1/2) keeps the averaged gradient in its shards, not in .grad.
+        reduced = getattr(trainer.strategy, "reduced_gradients", lambda: None)()
+        grads = {n: reduced.get(p) if reduced is not None else p.grad for n, p in pl_module.named_parameters()}
+        self.record.grads.append({n: _full(g) for n, g in grads.items() if g is not None})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record.params = {n: _full(p) for n, p in pl_module.named_parameters()}

@@ -1,0 +1,440 @@
+"""ZeRO-1 and ZeRO-2: a sharded optimizer over replicated parameters (FSDP2 and torchtitan have no ZeRO-1).
+
+The playbook's "ZeRO: Zero Redundancy Optimizer". Every rank of the N data-parallel ranks keeps the
+whole model (Ψ parameters); gradients are reduce-scattered in buckets, launched from backward hooks
+as soon as a bucket is full so communication overlaps backward; each rank owns 1/N of every
+bucket, steps the optimizer on that shard only, and the updated shards are all-gathered back into
+the replicated parameters after ``optimizer.step()``. Per rank, with bf16 mixed precision and Adam
+(k = 12 bytes of fp32 master weights, momentum and variance per parameter; in fp32 training the
+2Ψ terms are 4Ψ and k = 8):
+
+    stage 1 (optimizer states sharded):       2Ψ + 2Ψ + kΨ/N
+    stage 2 (optimizer states and gradients):  2Ψ + (2Ψ + kΨ)/N
+
+ZeRO-1 keeps the full gradient buffer for the whole run; ZeRO-2 frees each full-gradient bucket as
+soon as its reduce-scatter has completed, so after backward only the 1/N shard gradient is left.
+Traffic per step and rank is the same as DP's all-reduce: a reduce-scatter of Ψ(N-1)/N plus an
+all-gather of Ψ(N-1)/N, i.e. 2Ψ(N-1)/N (payloads: Ψ each, padded to a multiple of N).
+
+Layout. Parameters are planned into buckets (``plan_buckets``, shared with the DP all-reduce), each
+holding parameters of one optimizer param group only, so a shard carries one set of hyperparameters. A bucket's flat
+parameter buffer is padded to a multiple of N, and the model's parameters become views into it, so
+the all-gather writes the updated values straight into the model. Rank r owns the slice
+``[r*c, (r+1)*c)`` (``c = ceil(numel / N)``) of the padded buffer; its optimizer parameter is a
+``DTensor`` with placement ``Shard(0)`` over the *unpadded* bucket, whose local tensor is the
+unpadded part of that slice (a view: same storage). That is exactly DTensor's uneven ``Shard(0)``
+split (chunks of ``c``, the last ranks shorter or empty), the way FSDP2 shards. So:
+
+- the optimizer never sees the padding (weight decay and Adam states are exact, and optimizer-state
+  bytes are Ψ/N plus at most one element per bucket);
+- ``torch.nn.utils.clip_grad_norm_`` over the optimizer's params (Lightning's gradient clipping)
+  computes the global norm: DTensor reduces the per-shard norms across the mesh;
+- the checkpoint (:meth:`ZeroEngine.state_dict`) holds DTensors whose global shape is the unpadded
+  bucket, independent of N: torch.distributed.checkpoint saves them sharded and reshards them on
+  load, so a checkpoint resumes under another N as long as the bucket plan is the same (same
+  model, same optimizer param groups, same ``parallel.bucket_mb``).
+
+The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
+shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
+Muon's orthogonalisation) would be computed over the wrong tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.buckets import plan_buckets
+
+# torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
+# the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class _Bucket:
+    """One flat bucket: the replicated parameter data, its full gradient, and this rank's shard of both."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # unpadded
+    shard_numel: int  # c = ceil(numel / N): every rank's slice of the padded buffer
+    flat_params: torch.Tensor  # padded to N * shard_numel; the model's parameters are views into it
+    shard: nn.Parameter  # DTensor over the unpadded bucket, local = this rank's part of flat_params
+    grad_buffer: torch.Tensor | None = None  # padded full gradient; ZeRO-2 frees it after the reduce-scatter
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    ready: int = 0
+    work: dist.Work | None = None
+    reduced: torch.Tensor | None = None  # reduce-scatter output while in flight (padded shard)
+
+
+class ZeroEngine:
+    """Shard optimizer states (stage 1) and gradients (stage 2) of ``params`` over a 1-D data-parallel mesh.
+
+    Args:
+        params: the model's parameters, with storage and initial values; those with
+            ``requires_grad`` are managed. The ``Parameter`` objects are kept: their data become
+            views into flat bucket buffers at :meth:`attach`.
+        mesh: the 1-D data-parallel mesh; gradients are averaged over it.
+        stage: 1 (optimizer states sharded, full gradients kept) or 2 (gradients sharded too).
+        bucket_bytes: gradient bucket size: larger buckets mean fewer, more efficient collectives;
+            smaller ones start communicating earlier in backward.
+
+    After a synced backward the averaged gradient lives only on the optimizer's shard parameters
+    (``optimizer.param_groups[i]["params"]``, DTensors): the model's ``.grad`` are scratch (ZeRO-1:
+    zeros, ZeRO-2: ``None``). Inside :meth:`no_sync` both stages accumulate full local gradients
+    (as DDP's ``no_sync``), so ZeRO-2 holds full gradients between the micro-steps of one step.
+    Do not move the model (``.to()``) after :meth:`attach`: it would detach the parameters from the
+    buffers.
+
+    Example:
+        >>> engine = ZeroEngine(list(model.parameters()), mesh["dp_cp"], 2, 25 * 2**20)  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)                   # doctest: +SKIP
+        >>> engine.attach(optimizer)       # optimizer now steps this rank's 1/N shard  # doctest: +SKIP
+        >>> model(x).sum().backward()      # reduce-scatters overlap backward            # doctest: +SKIP
+        >>> optimizer.step(); optimizer.zero_grad()   # step all-gathers the new shards  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], mesh: DeviceMesh, stage: Literal[1, 2], bucket_bytes: int
+    ) -> None:
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"parallel.zero_stage={stage!r}: ZeroEngine runs stages 1 and 2 (stage 3 is FSDP2's fully_shard)"
+            )
+        if bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes={bucket_bytes} (from parallel.bucket_mb) must be > 0")
+        if mesh.ndim != 1:
+            raise ValueError(f"mesh must be the 1-D data-parallel mesh, got dims {mesh.mesh_dim_names}")
+        self.mesh = mesh
+        self.stage = stage
+        self.bucket_bytes = bucket_bytes
+        self.group = mesh.get_group()
+        self.group_size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied weights count once
+        if any(isinstance(p, DTensor) for p in self.params):
+            # Flat buffers of local tensors would mix shards of different tensor-parallel ranks.
+            raise ConfigError(
+                f"parallel.zero_stage={stage} needs plain (replicated) parameters, but some are DTensors "
+                "(tensor or expert parallel); use parallel.zero_stage=3 (FSDP2) with those"
+            )
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.buckets: list[_Bucket] = []
+        self.sync = True
+        self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        self._next = 0
+        self._callback_queued = False
+        self._gather_after_step = True
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        #: Bucket indices in launch order during the last synced backward, with a flag saying
+        #: whether backward was still running (True) when each was launched: the overlap proof.
+        self.launch_log: list[tuple[int, bool]] = []
+
+    # ---- layout -------------------------------------------------------------------------------
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` (the same object: LR schedulers hold it) step this rank's shards only.
+
+        Its param groups' ``"params"`` become this rank's flat shard parameters (one per bucket,
+        buckets planned per param group), its state is reset, the model's parameters become views
+        into the flat bucket buffers, and a step post-hook all-gathers the updated shards.
+        """
+        if self.optimizer is not None:
+            raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
+        group_of = self._group_index(optimizer)
+        plan = plan_buckets(self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device))
+        self.buckets = [self._make_bucket(members) for members in plan]
+        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        for index, group in enumerate(optimizer.param_groups):
+            group["params"] = [b.shard for b in self.buckets if group_of[b.params[0]] == index]
+        optimizer.state.clear()
+        self._step_hook = optimizer.register_step_post_hook(self._all_gather_params)
+        self.optimizer = optimizer
+
+    def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+        managed = set(self.params)
+        group_of: dict[nn.Parameter, int] = {}
+        for index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p not in managed:
+                    raise ValueError(
+                        f"optimizer param group {index} holds a parameter of shape {tuple(p.shape)} that this "
+                        "ZeroEngine does not manage (not among its params, or requires_grad=False)"
+                    )
+                group_of[p] = index
+        missing = [tuple(p.shape) for p in self.params if p not in group_of]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters (shapes {missing[:3]}...) are in no optimizer param group; "
+                "ZeRO shards what the optimizer updates: add them to configure_optimizers or set requires_grad=False"
+            )
+        return group_of
+
+    def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
+        numel = offsets[-1]
+        shard_numel = -(-numel // self.group_size)
+        first = params[0]
+        # Padded to a multiple of N: reduce_scatter and all_gather need equal slices on every rank.
+        flat = torch.zeros(shard_numel * self.group_size, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, offset in zip(params, offsets):
+                view = flat[offset : offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+                p.grad = None
+        start = self.rank * shard_numel
+        local = flat[start : start + max(0, min(shard_numel, numel - start))]
+        return _Bucket(params, offsets[:-1], numel, shard_numel, flat, nn.Parameter(self._as_shard(local, numel)))
+
+    def _as_shard(self, local: torch.Tensor, numel: int) -> DTensor:
+        # shape/stride given explicitly: the split is uneven, from_local cannot infer the global size.
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=(numel,), stride=(1,))
+
+    # ---- backward: reduce-scatter ---------------------------------------------------------------
+
+    def _allocate_grads(self, bucket: _Bucket) -> None:
+        # Every parameter's slice is overwritten by its first gradient (or zero-filled if unused),
+        # so only the padding needs zeros.
+        buffer = torch.empty_like(bucket.flat_params)
+        buffer[bucket.numel :].zero_()
+        bucket.grad_buffer = buffer
+        bucket.grad_views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("ZeroEngine.attach(optimizer) must run before the first backward")
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+            if self.sync:
+                self.launch_log = []
+        bucket, i = self._slot[param]
+        if bucket.grad_buffer is None:
+            self._allocate_grads(bucket)
+        view = bucket.grad_views[i]
+        if param.grad is not view:
+            # First gradient since the bucket was reduced (or since the user dropped it): move it
+            # into the bucket; later micro-steps then accumulate in place there.
+            view.copy_(param.grad)
+            param.grad = view
+        bucket.ready += 1
+        if self.sync:
+            self._launch_ready(during_backward=True)
+            self._collect(block=False)
+
+    def _launch_ready(self, during_backward: bool) -> None:
+        # Strictly in index order: collectives must be issued in the same order on every rank.
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            bucket = self.buckets[self._next]
+            assert bucket.grad_buffer is not None
+            # Pre-divide so the sum is the mean (as DDP; keeps low-precision sums in range).
+            bucket.grad_buffer.div_(self.group_size)
+            bucket.reduced = bucket.grad_buffer.new_empty(bucket.shard_numel)
+            bucket.work = _reduce_scatter(bucket.reduced, bucket.grad_buffer, group=self.group, async_op=True)
+            self.launch_log.append((self._next, during_backward))
+            self._next += 1
+
+    def _collect(self, block: bool) -> None:
+        """Hand finished reduce-scatters to the shard gradients (waiting for all of them if ``block``).
+
+        Polled from the hooks too, so ZeRO-2 frees a full-gradient bucket as soon as its
+        reduce-scatter is done, not at the end of backward: that bounds the peak, not only the end.
+        """
+        for bucket in self.buckets[: self._next]:
+            if bucket.work is None or not (block or bucket.work.is_completed()):
+                continue
+            bucket.work.wait()
+            bucket.work = None
+            self._deliver(bucket)
+
+    def _deliver(self, bucket: _Bucket) -> None:
+        assert bucket.reduced is not None and bucket.grad_buffer is not None
+        shard = bucket.shard
+        reduced = bucket.reduced[: shard.to_local().numel()]  # the padding is not part of the shard
+        bucket.reduced = None
+        with torch.no_grad():
+            if shard.grad is None:
+                # After zero_grad(set_to_none=True): a fresh gradient, never stale memory.
+                shard.grad = self._as_shard(reduced, bucket.numel)
+            else:
+                # Torch semantics: gradients accumulate until the user zeroes them.
+                shard.grad.to_local().add_(reduced)
+            if self.stage == 2:
+                for p in bucket.params:
+                    p.grad = None
+                bucket.grad_buffer = None
+                bucket.grad_views = []
+            else:
+                # ZeRO-1 keeps the buffer; zeroed so the next backward accumulates into it in place
+                # (DDP's gradient_as_bucket_view) instead of allocating and copying.
+                bucket.grad_buffer.zero_()
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        if not self.sync:
+            for bucket in self.buckets:
+                bucket.ready = 0
+            return
+        for bucket in self.buckets:
+            if bucket.ready < len(bucket.params):
+                # Parameters that took no part in this backward are still reduced on every rank
+                # (another rank may have used them): they contribute zeros.
+                if bucket.grad_buffer is None:
+                    self._allocate_grads(bucket)
+                for p, view in zip(bucket.params, bucket.grad_views):
+                    if p.grad is not view:
+                        view.zero_()
+                        if p.grad is not None:
+                            view.copy_(p.grad)
+                        p.grad = view
+                bucket.ready = len(bucket.params)
+        self._launch_ready(during_backward=False)
+        self._collect(block=True)
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._next = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block reduce-scatters the sum."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    # ---- optimizer step: all-gather -------------------------------------------------------------
+
+    def _all_gather_params(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._gather_after_step:
+            return
+        # In place: each rank's input is its own slice of the output (NCCL and gloo allow it).
+        works = [
+            _all_gather(
+                b.flat_params,
+                b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel],
+                group=self.group,
+                async_op=True,
+            )
+            for b in self.buckets
+        ]
+        for work in works:
+            work.wait()
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+
+    def _bucket_names(self) -> dict[nn.Parameter, str]:
+        return {b.shard: f"bucket{i}" for i, b in enumerate(self.buckets)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: ``{"state": {"bucket<i>": {...}}, "param_groups": [...]}``.
+
+        Tensors of the shard parameters (Adam's ``exp_avg``, ``exp_avg_sq``) are DTensors over the
+        unpadded bucket, so torch.distributed.checkpoint saves them sharded and can load them back
+        under another N (same model, param groups and bucket size: the same bucket plan). The
+        tensors are the live ones, so ``dcp.load`` into this dict already fills the optimizer;
+        :meth:`load_state_dict` then restores hyperparameters and non-tensor state.
+        Before the first step the optimizer state is created (a step with zero gradients and
+        ``lr=0``, as ``torch.distributed.checkpoint.state_dict`` does) so that there is something
+        to load into.
+        """
+        optimizer = self._require_optimizer()
+        if not optimizer.state:
+            self._init_state(optimizer)
+        names = self._bucket_names()
+        return {
+            "state": {names[p]: dict(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                for g in optimizer.param_groups
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (after ``dcp.load`` filled it)."""
+        optimizer = self._require_optimizer()
+        names = self._bucket_names()
+        ours = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+        theirs = [list(g["params"]) for g in state["param_groups"]]
+        if ours != theirs:
+            raise ValueError(
+                f"the checkpoint's optimizer shards {theirs} do not match this run's {ours}: resuming needs the "
+                "same model, optimizer param groups and parallel.bucket_mb"
+            )
+        index = {name: i for i, name in enumerate(itertools.chain.from_iterable(ours))}
+        optimizer.load_state_dict(
+            {
+                "state": {index[name]: value for name, value in state["state"].items()},
+                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+            }
+        )
+
+    def _init_state(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [b.shard.grad for b in self.buckets]
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        try:
+            self._gather_after_step = False  # lr=0 changes nothing: no need to gather
+            for b in self.buckets:
+                b.shard.grad = torch.zeros_like(b.shard)
+            for g in optimizer.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+            optimizer.step()
+        finally:
+            self._gather_after_step = True
+            for g, lr in zip(optimizer.param_groups, lrs):
+                g["lr"] = lr
+            for b, grad in zip(self.buckets, grads):
+                b.shard.grad = grad
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("ZeroEngine.attach(optimizer) must run first")
+        return self.optimizer
+
+    # ---- accounting and teardown ----------------------------------------------------------------
+
+    def full_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The averaged gradient of every model parameter, gathered from the shards.
+
+        A collective (every rank must call it) that materialises Ψ gradient bytes: for parity
+        tests and debugging, not for training. Empty between ``zero_grad(set_to_none=True)`` and
+        the next synced backward.
+        """
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        for b in self.buckets:
+            if b.shard.grad is None:
+                continue
+            flat = b.shard.grad.full_tensor()
+            grads.update({p: flat[o : o + p.numel()].view_as(p) for p, o in zip(b.params, b.offsets)})
+        return grads
+
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Every gradient tensor this rank holds (for model-state accounting).
+
+        The full flat buckets (ZeRO-1: always once allocated; ZeRO-2: only until their
+        reduce-scatter) and the local parts of the shard gradients.
+        """
+        full = [b.grad_buffer for b in self.buckets if b.grad_buffer is not None]
+        return full + [b.shard.grad.to_local() for b in self.buckets if b.shard.grad is not None]
+
+    def remove(self) -> None:
+        """Detach the gradient hooks and the step hook (the model keeps its current values)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.optimizer is not None:
+            self._step_hook.remove()
