@@ -14,13 +14,20 @@ import logging
 import math
 from collections.abc import Generator, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ultrascale.errors import ConfigError
@@ -256,6 +263,70 @@ class UltraScaleStrategy(ModelParallelStrategy):
             for plugin in self.plugins:
                 stack.enter_context(plugin.no_sync())
             yield
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _sharded_optimizer_state(self, optimizer: Optimizer) -> tuple[ParallelPlugin, dict[str, Any]] | None:
+        for plugin in self.plugins:
+            state = plugin.optimizer_state_dict(optimizer)
+            if state is not None:
+                return plugin, state
+        return None
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        sharded = self._sharded_optimizer_state(inner)
+        if sharded is None:
+            return super().optimizer_state(optimizer)
+        if not self._save_distributed_checkpoint:
+            raise ConfigError(
+                f"{sharded[0]!r} keeps optimizer states sharded across ranks; save them with "
+                "UltraScaleStrategy(save_distributed_checkpoint=True), the default"
+            )
+        return sharded[1]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint of any layout's model: sharded (DCP) or full, DTensor parameters or not.
+
+        Lightning's own loader insists on DTensor parameters, which data-parallel stages 0-2 do not
+        have; and sharded optimizers (ZeRO-1/2) keep states that only their plugin can map.
+        """
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
+        if not _is_sharded_checkpoint(path):
+            if any(isinstance(p, DTensor) for p in self.model.parameters()):
+                return super().load_checkpoint(path, weights_only=weights_only)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+            for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+                optimizer.load_state_dict(state)
+            return checkpoint
+
+        # DCP loads into the tensors of a template state dict, in place, each rank its own part.
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp_load(model_state, checkpoint_id=path)
+        self.model.load_state_dict(model_state["state_dict"], strict=strict)
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            sharded = self._sharded_optimizer_state(optimizer)
+            template = sharded[1] if sharded is not None else get_optimizer_state_dict(self.model, optimizer)
+            state = {key: template}
+            dcp_load(state, checkpoint_id=path)
+            if sharded is not None:
+                sharded[0].load_optimizer_state_dict(optimizer, state[key])
+            else:
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key])
+        # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where a plugin keeps them away from ``param.grad`` (ZeRO-1/2), else None."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -66,6 +66,13 @@ class ParallelPlugin:
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """Called once Lightning has built the optimizers (e.g. to shard their states)."""
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """This rank's state of ``optimizer`` in a DCP-saveable form, if this plugin shards it; else None."""
+        return None
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Restore what :meth:`optimizer_state_dict` gave (its tensors already filled in by DCP)."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

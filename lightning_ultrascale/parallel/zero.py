@@ -196,6 +196,15 @@ class ZeRO(ParallelPlugin):
             return self.reducer.full_grads()
         return None
 
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        if self.stage in (1, 2) and self.reducer is not None:
+            return self.reducer.state_dict()
+        return None
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if self.stage in (1, 2) and self.reducer is not None:
+            self.reducer.load_state_dict(state)
+
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.stage in (1, 2) and self.reducer is not None:
             if len(optimizers) != 1:
