@@ -118,3 +118,19 @@ def test_fsdp2_all_gathers_and_reduce_scatters_param_bytes() -> None:
             "reduce_scatter": _row(scatters, scatters * layer_bytes, scatters * layer_bytes // 2),
         }
     }
+
+
+def _dtensor_state_under_tracer() -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    param = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    with CommTracer() as tracer:
+        torch.zeros_like(param)  # sharding propagation runs on fake tensors: must not break
+        param.full_tensor()
+    return len(tracer.records)
+
+
+def test_dtensor_ops_that_propagate_on_fake_tensors_still_work_under_the_tracer():
+    assert run_workers(_dtensor_state_under_tracer, 2) == [1, 1]  # only the all-gather

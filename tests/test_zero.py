@@ -188,7 +188,7 @@ def test_zero3_bf16_mixed_matches_one_process_bf16_mixed(reference_bf16_mixed, l
     )
 
 
-def _bf16_mixed_dtypes(reduce_dtype: str) -> tuple[set[torch.dtype], int, int]:
+def _reduction_dtypes(stage: int, precision: str, reduce_dtype: str) -> tuple[set[torch.dtype], int, int]:
     from lightning_ultrascale.utils.comm import CommTracer
 
     class Trace(L.Callback):
@@ -200,20 +200,26 @@ def _bf16_mixed_dtypes(reduce_dtype: str) -> tuple[set[torch.dtype], int, int]:
 
     trace = Trace()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3, reduce_dtype=reduce_dtype)),
-        precision="bf16-mixed", max_steps=1, callbacks=[trace], **QUIET_TRAINER,
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=stage, reduce_dtype=reduce_dtype)),
+        precision=precision, max_steps=1, callbacks=[trace], **QUIET_TRAINER,
     )  # fmt: skip
     module = LlamaModule("llama_tiny")
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
     master_dtypes = {p.dtype for p in module.parameters()}
+    reduction = "reduce_scatter" if stage == 3 else "all_reduce"
     n_params = sum(p.numel() for p in module.parameters())
-    return master_dtypes, trace.tracer.total(op="reduce_scatter", kind="payload"), n_params
+    return master_dtypes, trace.tracer.total(op=reduction, kind="payload"), n_params
 
 
+@pytest.mark.parametrize(
+    ("stage", "precision", "master_dtype"),
+    [(3, "bf16-mixed", torch.float32), (0, "bf16-true", torch.bfloat16), (3, "bf16-true", torch.bfloat16)],
+)
 @pytest.mark.parametrize(("reduce_dtype", "bytes_per_grad"), [("fp32", 4), ("bf16", 2)])
-def test_zero3_bf16_mixed_keeps_fp32_masters_and_reduces_in_the_chosen_dtype(reduce_dtype, bytes_per_grad):
-    master_dtypes, reduce_scatter_bytes, n_params = run_workers(_bf16_mixed_dtypes, 2, reduce_dtype)[0]
-    assert master_dtypes == {torch.float32}  # the sharded master weights the optimizer updates
-    # One reduce-scatter of every gradient per backward, in the chosen dtype (FSDP2 pads each
+def test_gradients_are_reduced_in_the_chosen_dtype(stage, precision, master_dtype, reduce_dtype, bytes_per_grad):
+    master_dtypes, reduced_bytes, n_params = run_workers(_reduction_dtypes, 2, stage, precision, reduce_dtype)[0]
+    # bf16-mixed: fp32 master weights (the sharded ones the optimizer updates); bf16-true: none.
+    assert master_dtypes == {master_dtype}
+    # One reduction of every gradient per backward, in the chosen dtype (FSDP2 pads each
     # parameter's shard to a multiple of the group size: at most a few elements).
-    assert n_params * bytes_per_grad <= reduce_scatter_bytes <= n_params * bytes_per_grad * 1.01
+    assert n_params * bytes_per_grad <= reduced_bytes <= n_params * bytes_per_grad * 1.01

@@ -35,6 +35,8 @@ class _Bucket:
     ready: int = 0
     work: dist.Work | None = None
     views: list[torch.Tensor] = field(default_factory=list)
+    # The tensor on the wire when the reduction runs in another dtype than the gradients.
+    wire: torch.Tensor | None = None
 
 
 def _dtype_and_device(param: nn.Parameter) -> Hashable:
@@ -92,8 +94,16 @@ class BucketedAllReduce:
         ...     loss.backward()  # accumulate locally, reduce on the next synced backward
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_bytes: int,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         self.group = group
+        # bf16 gradients summed in fp32: a transient fp32 copy per bucket buys exact sums.
+        self.reduce_dtype = reduce_dtype
         self.group_size = dist.get_world_size(group)
         self.sync = True
         self.buckets = self._make_buckets([p for p in params if p.requires_grad], bucket_bytes)
@@ -119,9 +129,7 @@ class BucketedAllReduce:
         # Allocated lazily: the plugin is applied while parameters are still on the meta device.
         first = bucket.params[0]
         bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
-        bucket.views = [
-            bucket.buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)
-        ]
+        bucket.views = [bucket.buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._callback_queued:
@@ -142,14 +150,15 @@ class BucketedAllReduce:
             self._launch_ready(during_backward=True)
 
     def _launch_ready(self, during_backward: bool) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(
-            self.buckets[self._next].params
-        ):
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
             assert bucket.buffer is not None
+            wire = bucket.buffer
+            if self.reduce_dtype is not None and wire.dtype != self.reduce_dtype:
+                wire = bucket.wire = wire.to(self.reduce_dtype)
             # Pre-divide so the sum is the mean (DDP does the same; keeps bf16 sums in range).
-            bucket.buffer.div_(self.group_size)
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            wire.div_(self.group_size)
+            bucket.work = dist.all_reduce(wire, group=self.group, async_op=True)
             self.launch_log.append((self._next, during_backward))
             self._next += 1
 
@@ -178,6 +187,10 @@ class BucketedAllReduce:
             bucket.work.wait()
             bucket.work = None
             bucket.ready = 0
+            if bucket.wire is not None:
+                assert bucket.buffer is not None
+                bucket.buffer.copy_(bucket.wire)
+                bucket.wire = None
         self._next = 0
 
     @contextlib.contextmanager

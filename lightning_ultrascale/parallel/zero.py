@@ -57,8 +57,9 @@ class ZeRO(ParallelPlugin):
         reshard_after_forward: stage 3: free gathered parameters after each block's forward (and
             gather them again for backward: 3Ψ traffic), or keep them until backward (2Ψ, more
             memory: the ZeRO-2-like point of FSDP).
-        reduce_dtype: dtype of gradient reduction under bf16 parameters: ``"fp32"`` (default,
-            exact sums) or ``"bf16"`` (half the bytes).
+        reduce_dtype: dtype of gradient reduction under bf16 parameters (stages 0 and 3; stages
+            1-2 reduce in the gradients' dtype): ``"fp32"`` (default, exact sums) or ``"bf16"``
+            (half the bytes).
 
     Example:
         >>> from lightning_ultrascale import UltraScaleStrategy, ZeRO
@@ -180,7 +181,12 @@ class ZeRO(ParallelPlugin):
             return
         params = list(model.parameters())
         if self.stage == 0:
-            self.reducer = BucketedAllReduce(params, self._mesh.get_group(), bucket_bytes=self._bucket_bytes)
+            self.reducer = BucketedAllReduce(
+                params,
+                self._mesh.get_group(),
+                bucket_bytes=self._bucket_bytes,
+                reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+            )
         else:
             from lightning_ultrascale.parallel.zero_optimizer import ZeroEngine
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -153,6 +154,10 @@ def _is_subclass_needing_dispatch(t: type) -> bool:
     # A tensor subclass (DTensor, float8 tensors) must run its own __torch_dispatch__ first so that
     # it desugars into plain-tensor collectives we can see. nn.Parameter also appears in `types`
     # but only carries the disabled implementation: deferring to it would hide its collectives.
+    # FakeTensor is the exception: DTensor's sharding propagation runs ops on fake tensors under
+    # this mode, and deferring to them makes that propagation fail; they never communicate.
+    if issubclass(t, FakeTensor):
+        return False
     impl = getattr(t, "__torch_dispatch__", None)
     return t is not torch.Tensor and impl is not None and impl is not torch._C._disabled_torch_dispatch_impl
 
