@@ -175,8 +175,9 @@ def test_zero_memory_is_one_nth(stage):
             assert abs(measured.grads - psi / n) <= pad, f"ZeRO-2 grads must be Ψ/N: {measured}"
             assert all(g is None for g in model_grads), "ZeRO-2 frees the full gradient buckets"
         else:
-            assert abs(measured.grads - psi * (1 + 1 / n)) <= 2 * pad, f"ZeRO-1 grads must be Ψ + Ψ/N: {measured}"
-            assert all(g is not None and not g.any() for g in model_grads), "ZeRO-1 keeps zeroed full buffers"
+            # The playbook's ZeRO-1: the full gradient buffer (Ψ); the reduced shard is a slice of it.
+            assert psi <= measured.grads <= psi + pad, f"ZeRO-1 grads must be Ψ: {measured}"
+            assert all(g is not None for g in model_grads), "ZeRO-1 keeps the full gradient buffers"
 
 
 def _overlap_worker():

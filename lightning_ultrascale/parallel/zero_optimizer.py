@@ -11,17 +11,19 @@ the replicated parameters after ``optimizer.step()``. Per rank, with bf16 mixed 
     stage 1 (optimizer states sharded):       2Ψ + 2Ψ + kΨ/N
     stage 2 (optimizer states and gradients):  2Ψ + (2Ψ + kΨ)/N
 
-ZeRO-1 keeps the full gradient buffer for the whole run; ZeRO-2 frees each full-gradient bucket as
-soon as its reduce-scatter has completed, so after backward only the 1/N shard gradient is left.
+ZeRO-1 keeps the full gradient buffer for the whole run, and the reduced shard gradient is this
+rank's slice of it (no memory of its own; the buffer is zeroed after the optimizer step); ZeRO-2
+frees each full-gradient bucket as soon as its reduce-scatter has completed, so after backward only
+the 1/N shard gradient is left.
 Traffic per step and rank is the same as DP's all-reduce: a reduce-scatter of Ψ(N-1)/N plus an
 all-gather of Ψ(N-1)/N, i.e. 2Ψ(N-1)/N (payloads: Ψ each, padded to a multiple of N).
 
 Layout. Parameters are planned into buckets (``plan_buckets``, shared with the DP all-reduce), each
-holding parameters of one optimizer param group only, so a shard carries one set of hyperparameters. A bucket's flat
-parameter buffer is padded to a multiple of N, and the model's parameters become views into it, so
-the all-gather writes the updated values straight into the model. Rank r owns the slice
-``[r*c, (r+1)*c)`` (``c = ceil(numel / N)``) of the padded buffer; its optimizer parameter is a
-``DTensor`` with placement ``Shard(0)`` over the *unpadded* bucket, whose local tensor is the
+holding parameters of one optimizer param group only, so a shard carries one set of hyperparameters.
+A bucket's flat parameter buffer is padded to a multiple of N, and the model's parameters become
+views into it, so the all-gather writes the updated values straight into the model. Rank r owns the
+slice ``[r*c, (r+1)*c)`` (``c = ceil(numel / N)``) of the padded buffer; its optimizer parameter is
+a ``DTensor`` with placement ``Shard(0)`` over the *unpadded* bucket, whose local tensor is the
 unpadded part of that slice (a view: same storage). That is exactly DTensor's uneven ``Shard(0)``
 split (chunks of ``c``, the last ranks shorter or empty), the way FSDP2 shards. So:
 
@@ -266,21 +268,28 @@ class ZeroEngine:
         reduced = bucket.reduced[: shard.to_local().numel()]  # the padding is not part of the shard
         bucket.reduced = None
         with torch.no_grad():
+            if self.stage == 1:
+                # ZeRO-1 as the playbook lays it out: the full gradient buffer stays (2Ψ) and the
+                # reduced shard lives in this rank's slice of it, not in memory of its own.
+                start = self.rank * bucket.shard_numel
+                region = bucket.grad_buffer[start : start + reduced.numel()]
+                if shard.grad is None:
+                    region.copy_(reduced)
+                    shard.grad = self._as_shard(region, bucket.numel)
+                else:
+                    # Torch semantics: gradients accumulate until the user zeroes them.
+                    shard.grad.to_local().add_(reduced)
+                # The rest of the buffer is zeroed once the optimizer step has used the shard.
+                return
             if shard.grad is None:
                 # After zero_grad(set_to_none=True): a fresh gradient, never stale memory.
                 shard.grad = self._as_shard(reduced, bucket.numel)
             else:
-                # Torch semantics: gradients accumulate until the user zeroes them.
                 shard.grad.to_local().add_(reduced)
-            if self.stage == 2:
-                for p in bucket.params:
-                    p.grad = None
-                bucket.grad_buffer = None
-                bucket.grad_views = []
-            else:
-                # ZeRO-1 keeps the buffer; zeroed so the next backward accumulates into it in place
-                # (DDP's gradient_as_bucket_view) instead of allocating and copying.
-                bucket.grad_buffer.zero_()
+            for p in bucket.params:
+                p.grad = None
+            bucket.grad_buffer = None
+            bucket.grad_views = []
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
@@ -319,6 +328,13 @@ class ZeroEngine:
     # ---- optimizer step: all-gather -------------------------------------------------------------
 
     def _all_gather_params(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.stage == 1:
+            # The step has consumed the shard gradients (slices of the full buffers): zero the
+            # buffers so the next backward accumulates into them in place (DDP's
+            # gradient_as_bucket_view) instead of allocating and copying.
+            for b in self.buckets:
+                if b.grad_buffer is not None:
+                    b.grad_buffer.zero_()
         if not self._gather_after_step:
             return
         # In place: each rank's input is its own slice of the output (NCCL and gloo allow it).

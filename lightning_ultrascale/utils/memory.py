@@ -118,8 +118,9 @@ def model_state_bytes(
 
     DTensors (FSDP2 and tensor-parallel parameters, their gradients and Adam states) count their
     local shard. Tensors sharing a storage count once, in any category where they appear first:
-    parameters, then ``extra_grad_buffers`` (flat gradient buckets of a data-parallel engine whose
-    ``.grad`` are views into them), then ``.grad``, then every tensor in ``optimizer.state``
+    parameters (the model's and the optimizer's), then ``extra_grad_buffers`` (flat gradient
+    buckets of a data-parallel engine whose ``.grad`` are views into them), then ``.grad``, then
+    every tensor in ``optimizer.state``
     (``exp_avg``, ``exp_avg_sq``, ``step`` when it is a tensor, ...) of ``optimizer``, which may
     also be a list of optimizers (``trainer.optimizers``).
 
@@ -130,16 +131,18 @@ def model_state_bytes(
         >>> model_state_bytes(model, opt)  # fp32: 64 B weights, 64 B grads, 2 x 64 B + 4 B step
         ModelStateBytes(params=64, grads=64, optimizer_states=132, total=260)
     """
+    if optimizer is None:
+        optimizers: list[torch.optim.Optimizer] = []
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer]
+    else:
+        optimizers = list(optimizer)
     count = _StorageCounter()
-    params = list(model.parameters())
+    # The optimizer's own parameters too: a sharded optimizer (ZeRO-1/2) updates flat shards that
+    # view the model's parameter buffers (counted once) and holds the reduced gradients on them.
+    params = [*model.parameters(), *(p for opt in optimizers for group in opt.param_groups for p in group["params"])]
     param_bytes = count(params)
     grad_bytes = count(extra_grad_buffers) + count(p.grad for p in params if p.grad is not None)
-    if optimizer is None:
-        optimizers: Iterable[torch.optim.Optimizer] = ()
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        optimizers = (optimizer,)
-    else:
-        optimizers = optimizer
     opt_bytes = count(_optimizer_tensors(optimizers))
     return ModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer_states=opt_bytes)
 
