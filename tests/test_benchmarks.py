@@ -24,3 +24,23 @@ def test_dp_benchmark_quick_run_matches_the_ring_formula(tmp_path):
         assert abs(row["ratio"] - 1) < 0.01
     assert result["speed"]["ultrascale_tokens_per_s"] > 0 and result["speed"]["ddp_tokens_per_s"] > 0
     assert "Tokens/s" in out.stdout
+
+
+def test_zero_benchmark_quick_run_matches_the_playbook_formulas(tmp_path):
+    out_file = tmp_path / "zero.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "zero.py"), "--quick", "--out", str(out_file)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_file.read_text())
+    rows = result["memory_and_comm"]
+    assert {(r["stage"], r["N"]) for r in rows} == {(s, n) for s in range(4) for n in (1, 2, 4)}
+    for row in rows:
+        where = f"stage {row['stage']} N={row['N']}"
+        assert abs(row["memory_ratio"] - 1) < 0.02, f"{where}: model state {row['memory_ratio']:.3f} x formula"
+        if row["comm_ratio"] is not None:
+            assert abs(row["comm_ratio"] - 1) < 0.01, f"{where}: traffic {row['comm_ratio']:.3f} x formula"
+    assert isinstance(result["speed"]["ultrascale_zero3"], float)
