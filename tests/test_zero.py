@@ -174,9 +174,9 @@ def reference_bf16_mixed():
     return run_tiny_llama(SGD, precision="bf16-mixed")
 
 
-@pytest.mark.parametrize("layout", ["zero3-n2", "hsdp-2x2"])
-def test_zero3_bf16_mixed_matches_one_process_bf16_mixed(reference_bf16_mixed, layout):
-    plugins, world_size = LAYOUTS[layout]
+@pytest.mark.parametrize("layout", ["dp-n2", "zero1-n2", "zero2-n2", "zero3-n2", "hsdp-2x2"])
+def test_every_stage_in_bf16_mixed_matches_one_process_bf16_mixed(reference_bf16_mixed, layout):
+    plugins, world_size = {**LAYOUTS, "dp-n2": (lambda: [ZeRO(stage=0, bucket_mb=0.1)], 2)}[layout]
     run = run_tiny_llama(SGD, plugins, world_size, accumulate=2, precision="bf16-mixed")
     assert_parity(
         run,
