@@ -27,14 +27,20 @@ from torch import nn
 
 
 @dataclass
-class _Bucket:
+class GradBucket:
+    """One flat gradient bucket: its parameters, their offsets, and the state of its reduction."""
+
     params: list[nn.Parameter]
     offsets: list[int]
     numel: int
-    buffer: torch.Tensor | None = None
-    ready: int = 0
+    grad_buffer: torch.Tensor | None = None  # the parameters' .grad are views into it
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    ready: int = 0  # gradients accumulated in this backward
     work: dist.Work | None = None
-    views: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _AllReduceBucket(GradBucket):
     # The tensor on the wire when the reduction runs in another dtype than the gradients.
     wire: torch.Tensor | None = None
 
@@ -84,7 +90,113 @@ def plan_buckets(
     return [members for _, members in sorted(closed, key=lambda c: c[0])]
 
 
-class BucketedAllReduce:
+class GradientBuckets:
+    """The backward machinery shared by the DP all-reduce and the ZeRO-1/2 engine.
+
+    A post-accumulate-grad hook moves each gradient into its bucket (``param.grad`` becomes a
+    view, so later micro-steps accumulate in place), launches every bucket that is complete, in
+    index order, and queues a callback that completes the step at the end of backward: buckets of
+    parameters that took no part (another rank may have used them) contribute zeros, then every
+    collective is waited for. Subclasses say how a bucket's gradient memory is allocated
+    (``_allocate_grads``), which collective it launches (``_launch``) and how reductions are
+    completed (``_complete``; ``_poll`` may hand over finished ones during backward).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.sync = True
+        self.buckets: list[GradBucket] = []
+        self._slot: dict[nn.Parameter, tuple[GradBucket, int]] = {}
+        self._next = 0
+        self._callback_queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        #: Bucket indices in launch order during the last synced backward, with a flag saying
+        #: whether backward was still running (True) when each was launched: the overlap proof.
+        self.launch_log: list[tuple[int, bool]] = []
+
+    def _set_buckets(self, buckets: Sequence[GradBucket]) -> None:
+        self.buckets = list(buckets)
+        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+    def _allocate_grads(self, bucket: GradBucket) -> None:
+        raise NotImplementedError
+
+    def _launch(self, bucket: GradBucket) -> dist.Work:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+    def _poll(self) -> None:
+        """Hand over reductions that finished while backward is still running (optional)."""
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+            if self.sync:
+                self.launch_log = []
+        bucket, i = self._slot[param]
+        if bucket.grad_buffer is None:
+            self._allocate_grads(bucket)
+        view = bucket.grad_views[i]
+        if param.grad is not view:
+            # First gradient since zero_grad(set_to_none=True) or since the bucket was freed:
+            # move it into the bucket so later micro-steps accumulate in place there.
+            view.copy_(param.grad)
+            param.grad = view
+        bucket.ready += 1
+        if self.sync:
+            self._launch_ready(during_backward=True)
+            self._poll()
+
+    def _launch_ready(self, during_backward: bool) -> None:
+        # Strictly in index order: collectives must be issued in the same order on every rank.
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            bucket = self.buckets[self._next]
+            bucket.work = self._launch(bucket)
+            self.launch_log.append((self._next, during_backward))
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        if self.sync:
+            for bucket in self.buckets:
+                if bucket.ready == len(bucket.params):
+                    continue
+                # Parameters that took no part in this backward are still reduced on every rank
+                # (another rank may have used them): they contribute zeros.
+                if bucket.grad_buffer is None:
+                    self._allocate_grads(bucket)
+                for p, view in zip(bucket.params, bucket.grad_views):
+                    if p.grad is not view:
+                        view.zero_()
+                        if p.grad is not None:
+                            view.copy_(p.grad)
+                        p.grad = view
+                bucket.ready = len(bucket.params)
+            self._launch_ready(during_backward=False)
+            self._complete()
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._next = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block reduces the sum."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def remove(self) -> None:
+        """Detach the hooks (the model can be parallelised again afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class BucketedAllReduce(GradientBuckets):
     """Average the gradients of ``params`` over ``group`` in buckets, overlapped with backward.
 
     Example:
@@ -101,114 +213,46 @@ class BucketedAllReduce:
         bucket_bytes: int,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        managed = [p for p in params if p.requires_grad]
+        super().__init__(managed)
         self.group = group
+        self.group_size = dist.get_world_size(group)
         # bf16 gradients summed in fp32: a transient fp32 copy per bucket buys exact sums.
         self.reduce_dtype = reduce_dtype
-        self.group_size = dist.get_world_size(group)
-        self.sync = True
-        self.buckets = self._make_buckets([p for p in params if p.requires_grad], bucket_bytes)
-        self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {
-            p: (b, i) for b in self.buckets for i, p in enumerate(b.params)
-        }
-        self._next = 0
-        self._callback_queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._slot]
-        #: Bucket indices in launch order during the last synced backward, with a flag saying
-        #: whether backward was still running (True) when each was launched: the overlap proof.
-        self.launch_log: list[tuple[int, bool]] = []
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
         buckets = []
-        for members in plan_buckets(params, bucket_bytes):
+        for members in plan_buckets(managed, bucket_bytes):
             offsets = [0, *itertools.accumulate(p.numel() for p in members)]
-            buckets.append(_Bucket(members, offsets[:-1], offsets[-1]))
-        return buckets
+            buckets.append(_AllReduceBucket(members, offsets[:-1], offsets[-1]))
+        self._set_buckets(buckets)
 
-    def _materialise(self, bucket: _Bucket) -> None:
+    def _allocate_grads(self, bucket: GradBucket) -> None:
         # Allocated lazily: the plugin is applied while parameters are still on the meta device.
         first = bucket.params[0]
-        bucket.buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
-        bucket.views = [bucket.buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
+        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        bucket.grad_views = [
+            bucket.grad_buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)
+        ]
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-            self.launch_log = []
-        bucket, i = self._slot[param]
-        if bucket.buffer is None:
-            self._materialise(bucket)
-        view = bucket.views[i]
-        if param.grad is not view:
-            # First gradient since zero_grad(set_to_none=True): move it into the bucket so later
-            # micro-steps accumulate in place there.
-            view.copy_(param.grad)
-            param.grad = view
-        bucket.ready += 1
-        if self.sync:
-            self._launch_ready(during_backward=True)
+    def _launch(self, bucket: GradBucket) -> dist.Work:
+        assert isinstance(bucket, _AllReduceBucket) and bucket.grad_buffer is not None
+        wire = bucket.grad_buffer
+        if self.reduce_dtype is not None and wire.dtype != self.reduce_dtype:
+            wire = bucket.wire = wire.to(self.reduce_dtype)
+        # Pre-divide so the sum is the mean (DDP does the same; keeps bf16 sums in range).
+        wire.div_(self.group_size)
+        return dist.all_reduce(wire, group=self.group, async_op=True)
 
-    def _launch_ready(self, during_backward: bool) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            bucket = self.buckets[self._next]
-            assert bucket.buffer is not None
-            wire = bucket.buffer
-            if self.reduce_dtype is not None and wire.dtype != self.reduce_dtype:
-                wire = bucket.wire = wire.to(self.reduce_dtype)
-            # Pre-divide so the sum is the mean (DDP does the same; keeps bf16 sums in range).
-            wire.div_(self.group_size)
-            bucket.work = dist.all_reduce(wire, group=self.group, async_op=True)
-            self.launch_log.append((self._next, during_backward))
-            self._next += 1
-
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        if not self.sync:
-            for bucket in self.buckets:
-                bucket.ready = 0
-            return
+    def _complete(self) -> None:
         for bucket in self.buckets:
-            if bucket.ready < len(bucket.params):
-                # Parameters that took no part in this backward still have to be reduced on
-                # every rank (another rank may have used them): they contribute zeros.
-                if bucket.buffer is None:
-                    self._materialise(bucket)
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is not view:
-                        view.zero_()
-                        if p.grad is not None:
-                            view.copy_(p.grad)
-                        p.grad = view
-                bucket.ready = len(bucket.params)
-        self._launch_ready(during_backward=False)
-        for bucket in self.buckets:
-            assert bucket.work is not None
+            assert isinstance(bucket, _AllReduceBucket) and bucket.work is not None
             bucket.work.wait()
             bucket.work = None
-            bucket.ready = 0
             if bucket.wire is not None:
-                assert bucket.buffer is not None
-                bucket.buffer.copy_(bucket.wire)
+                assert bucket.grad_buffer is not None
+                bucket.grad_buffer.copy_(bucket.wire)
                 bucket.wire = None
-        self._next = 0
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside this block reduces the sum."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
     @property
     def grad_buffers(self) -> list[torch.Tensor]:
         """The flat gradient buffers (for model-state accounting)."""
-        return [b.buffer for b in self.buckets if b.buffer is not None]
-
-    def remove(self) -> None:
-        """Detach the hooks (the model can be parallelised again afterwards)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        return [b.grad_buffer for b in self.buckets if b.grad_buffer is not None]

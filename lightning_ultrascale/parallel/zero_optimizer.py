@@ -43,10 +43,9 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -56,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.parallel.buckets import plan_buckets
+from lightning_ultrascale.parallel.buckets import GradBucket, GradientBuckets, plan_buckets
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
 # the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.
@@ -64,24 +63,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class _Bucket:
-    """One flat bucket: the replicated parameter data, its full gradient, and this rank's shard of both."""
+@dataclass(kw_only=True)
+class _Bucket(GradBucket):
+    """A gradient bucket plus the replicated parameter data and this rank's shard of both."""
 
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int  # unpadded
     shard_numel: int  # c = ceil(numel / N): every rank's slice of the padded buffer
     flat_params: torch.Tensor  # padded to N * shard_numel; the model's parameters are views into it
     shard: nn.Parameter  # DTensor over the unpadded bucket, local = this rank's part of flat_params
-    grad_buffer: torch.Tensor | None = None  # padded full gradient; ZeRO-2 frees it after the reduce-scatter
-    grad_views: list[torch.Tensor] = field(default_factory=list)
-    ready: int = 0
-    work: dist.Work | None = None
     reduced: torch.Tensor | None = None  # reduce-scatter output while in flight (padded shard)
 
 
-class ZeroEngine:
+class ZeroEngine(GradientBuckets):
     """Shard optimizer states (stage 1) and gradients (stage 2) of ``params`` over a 1-D data-parallel mesh.
 
     Args:
@@ -133,16 +125,8 @@ class ZeroEngine:
                 "(tensor or expert parallel); use parallel.zero_stage=3 (FSDP2) with those"
             )
         self.optimizer: torch.optim.Optimizer | None = None
-        self.buckets: list[_Bucket] = []
-        self.sync = True
-        self._slot: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        self._next = 0
-        self._callback_queued = False
         self._gather_after_step = True
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
-        #: Bucket indices in launch order during the last synced backward, with a flag saying
-        #: whether backward was still running (True) when each was launched: the overlap proof.
-        self.launch_log: list[tuple[int, bool]] = []
+        super().__init__(self.params)
 
     # ---- layout -------------------------------------------------------------------------------
 
@@ -157,8 +141,7 @@ class ZeroEngine:
             raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
         group_of = self._group_index(optimizer)
         plan = plan_buckets(self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device))
-        self.buckets = [self._make_bucket(members) for members in plan]
-        self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._set_buckets([self._make_bucket(members) for members in plan])
         for index, group in enumerate(optimizer.param_groups):
             group["params"] = [b.shard for b in self.buckets if group_of[b.params[0]] == index]
         optimizer.state.clear()
@@ -199,7 +182,10 @@ class ZeroEngine:
                 p.grad = None
         start = self.rank * shard_numel
         local = flat[start : start + max(0, min(shard_numel, numel - start))]
-        return _Bucket(params, offsets[:-1], numel, shard_numel, flat, nn.Parameter(self._as_shard(local, numel)))
+        shard = nn.Parameter(self._as_shard(local, numel))
+        return _Bucket(
+            params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard
+        )
 
     def _as_shard(self, local: torch.Tensor, numel: int) -> DTensor:
         # shape/stride given explicitly: the split is uneven, from_local cannot infer the global size.
@@ -218,36 +204,20 @@ class ZeroEngine:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self.optimizer is None:
             raise RuntimeError("ZeroEngine.attach(optimizer) must run before the first backward")
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
-            if self.sync:
-                self.launch_log = []
-        bucket, i = self._slot[param]
-        if bucket.grad_buffer is None:
-            self._allocate_grads(bucket)
-        view = bucket.grad_views[i]
-        if param.grad is not view:
-            # First gradient since the bucket was reduced (or since the user dropped it): move it
-            # into the bucket; later micro-steps then accumulate in place there.
-            view.copy_(param.grad)
-            param.grad = view
-        bucket.ready += 1
-        if self.sync:
-            self._launch_ready(during_backward=True)
-            self._collect(block=False)
+        super()._on_grad_ready(param)
 
-    def _launch_ready(self, during_backward: bool) -> None:
-        # Strictly in index order: collectives must be issued in the same order on every rank.
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            bucket = self.buckets[self._next]
-            assert bucket.grad_buffer is not None
-            # Pre-divide so the sum is the mean (as DDP; keeps low-precision sums in range).
-            bucket.grad_buffer.div_(self.group_size)
-            bucket.reduced = bucket.grad_buffer.new_empty(bucket.shard_numel)
-            bucket.work = _reduce_scatter(bucket.reduced, bucket.grad_buffer, group=self.group, async_op=True)
-            self.launch_log.append((self._next, during_backward))
-            self._next += 1
+    def _launch(self, bucket: GradBucket) -> dist.Work:
+        assert isinstance(bucket, _Bucket) and bucket.grad_buffer is not None
+        # Pre-divide so the sum is the mean (as DDP; keeps low-precision sums in range).
+        bucket.grad_buffer.div_(self.group_size)
+        bucket.reduced = bucket.grad_buffer.new_empty(bucket.shard_numel)
+        return _reduce_scatter(bucket.reduced, bucket.grad_buffer, group=self.group, async_op=True)
+
+    def _poll(self) -> None:
+        self._collect(block=False)
+
+    def _complete(self) -> None:
+        self._collect(block=True)
 
     def _collect(self, block: bool) -> None:
         """Hand finished reduce-scatters to the shard gradients (waiting for all of them if ``block``).
@@ -290,40 +260,6 @@ class ZeroEngine:
                 p.grad = None
             bucket.grad_buffer = None
             bucket.grad_views = []
-
-    def _finish_backward(self) -> None:
-        self._callback_queued = False
-        if not self.sync:
-            for bucket in self.buckets:
-                bucket.ready = 0
-            return
-        for bucket in self.buckets:
-            if bucket.ready < len(bucket.params):
-                # Parameters that took no part in this backward are still reduced on every rank
-                # (another rank may have used them): they contribute zeros.
-                if bucket.grad_buffer is None:
-                    self._allocate_grads(bucket)
-                for p, view in zip(bucket.params, bucket.grad_views):
-                    if p.grad is not view:
-                        view.zero_()
-                        if p.grad is not None:
-                            view.copy_(p.grad)
-                        p.grad = view
-                bucket.ready = len(bucket.params)
-        self._launch_ready(during_backward=False)
-        self._collect(block=True)
-        for bucket in self.buckets:
-            bucket.ready = 0
-        self._next = 0
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside this block reduce-scatters the sum."""
-        previous, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = previous
 
     # ---- optimizer step: all-gather -------------------------------------------------------------
 
@@ -449,8 +385,6 @@ class ZeroEngine:
 
     def remove(self) -> None:
         """Detach the gradient hooks and the step hook (the model keeps its current values)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        super().remove()
         if self.optimizer is not None:
             self._step_hook.remove()
