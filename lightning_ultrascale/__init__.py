@@ -15,6 +15,7 @@ from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.recompute import Recompute
+from lightning_ultrascale.parallel.tensor import TensorParallel
 from lightning_ultrascale.parallel.zero import ZeRO
 from lightning_ultrascale.strategy import UltraScaleStrategy
 
@@ -26,6 +27,7 @@ __all__ = [
     "OptimConfig",
     "ParallelDims",
     "Recompute",
+    "TensorParallel",
     "UltraScaleDataModule",
     "UltraScaleStrategy",
     "ZeRO",

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_ultrascale.errors import ConfigError
@@ -111,7 +112,9 @@ class LlamaModule(L.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("position_ids"))
         # fp32 loss whatever the compute precision: the softmax over a 128k vocab loses too much in bf16.
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

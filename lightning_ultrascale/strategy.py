@@ -36,6 +36,7 @@ from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
+from lightning_ultrascale.utils.grad import clip_grad_norm_
 from lightning_ultrascale.utils.memory import ModelStateBytes
 
 if TYPE_CHECKING:
@@ -205,7 +206,11 @@ class UltraScaleStrategy(ModelParallelStrategy):
         setattr(parent, attr, new)
 
     def parallelize(self) -> nn.Module:
-        """Apply every plugin in order, then materialise and initialise the weights (idempotent)."""
+        """Apply every plugin in order, then materialise and initialise the weights (idempotent).
+
+        Plugins bind to the materialised parameters (:meth:`ParallelPlugin.on_materialized`) in
+        :meth:`setup`, after the precision plugin's conversion and the move to the device.
+        """
         model, name = self._find_model()
         if getattr(model, _APPLIED, False):
             return model
@@ -227,8 +232,6 @@ class UltraScaleStrategy(ModelParallelStrategy):
                     f"{type(model).__name__} needs init_weights(seed) to be built on the meta device"
                 )
             model.init_weights(self.seed)
-        for plugin in self.plugins:
-            plugin.on_materialized(model)
         setattr(model, _APPLIED, True)
         assert self.lightning_module is not None
         leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
@@ -242,9 +245,15 @@ class UltraScaleStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.parallelize()
+        first_setup = not getattr(self._find_model()[0], _APPLIED, False)
+        model = self.parallelize()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if first_setup:
+            # Only now: dtype conversion and .to(device) swap the tensors of subclass parameters
+            # (DTensor), and autograd hooks registered before would stay with the old tensors.
+            for plugin in self.plugins:
+                plugin.on_materialized(model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -343,6 +352,38 @@ class UltraScaleStrategy(ModelParallelStrategy):
             if expected is not None:
                 return expected(n_params, k_optimizer)
         return None
+
+    @contextlib.contextmanager
+    def _step_context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for plugin in self.plugins:
+                stack.enter_context(plugin.step_context())
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # Lightning clips with torch's clip_grad_norm_, which cannot mix tensor-parallel shards
+        # with replicated gradients; ours counts every gradient exactly once in any layout.
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), float(clip_val)
+        )
 
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from typing import Any
 
-from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy
+from lightning_ultrascale import LlamaConfig, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.testing.parity import RunRecord, record_run
 
@@ -24,13 +24,18 @@ def run_tiny_llama(
     world_size: int = 1,
     accumulate: int = 1,
     steps: int = 5,
+    dp: int | None = None,
+    model: str | LlamaConfig = "llama_tiny",
     **trainer_kwargs: Any,
 ) -> RunRecord:
-    """Train llama_tiny on the bundled corpus; ``plugins=None`` is the plain one-device reference."""
-    micro = GLOBAL_BATCH // (world_size * accumulate)
+    """Train a Llama on the bundled corpus; ``plugins=None`` is the plain one-device reference.
+
+    ``dp`` (default: ``world_size``) is the number of data-parallel ranks sharing the global batch.
+    """
+    micro = GLOBAL_BATCH // ((world_size if dp is None else dp) * accumulate)
     strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
     return record_run(
-        lambda: LlamaModule("llama_tiny", optim=optim),
+        lambda: LlamaModule(model, optim=optim),
         lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=micro, seed=0),
         steps=steps,
         accumulate_grad_batches=accumulate,

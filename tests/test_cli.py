@@ -207,6 +207,7 @@ def test_zero3_run_resumes_from_its_sharded_checkpoint(tmp_path):
     resume = [*base, "trainer.max_steps=6", f"ckpt_path={checkpoint}"]
     out = subprocess.run(resume, env={**env, "ULTRASCALE_RUN_DIR": str(second)}, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
+
     def logged_steps(run_dir):
         rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
         return sorted({int(r["step"]) for r in rows if r.get("train/loss")})
@@ -215,3 +216,21 @@ def test_zero3_run_resumes_from_its_sharded_checkpoint(tmp_path):
     # Two more optimizer steps (max_steps 6 - the 4 restored), numbered after the first run's, not
     # from 0. (Lightning's logged step index comes back one ahead after a restore: 5, 6, not 4, 5.)
     assert len(before) == 4 and len(after) == 2 and after[0] > before[-1], (before, after)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.tp=4", "trainer.devices=4"],
+            r"parallel.tp=4 must divide n_kv_heads=2 of model llama_tiny; valid: 1, 2",
+        ),
+        (["parallel.tp=2", "data.seq_len=65"], r"data.seq_len=65 must be divisible by parallel.tp=2"),
+        (["parallel.tp=4"], r"world size 2 is not divisible by tp=4"),
+    ],
+)
+def test_bad_tensor_parallel_layouts_fail_before_any_process_group(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides))
+    assert not dist.is_initialized()

@@ -129,6 +129,7 @@ def _hydra_task(cfg: DictConfig) -> None:
 def plugins(parallel: DictConfig) -> list[Any]:
     """The parallelism plugins a ``parallel`` config group asks for."""
     from lightning_ultrascale.parallel.recompute import Recompute
+    from lightning_ultrascale.parallel.tensor import TensorParallel
     from lightning_ultrascale.parallel.zero import ZeRO
 
     chosen: list[Any] = [
@@ -141,6 +142,8 @@ def plugins(parallel: DictConfig) -> list[Any]:
             reduce_dtype=parallel.reduce_dtype,
         )
     ]
+    if parallel.tp > 1:
+        chosen.append(TensorParallel(parallel.tp, parallel.sequence_parallel, parallel.loss_parallel))
     if parallel.recompute != "none":
         chosen.append(Recompute(parallel.recompute, every=parallel.recompute_every))
     return chosen
@@ -179,7 +182,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
 
-    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed)
+    chosen = plugins(cfg.parallel)
+    for plugin in chosen:
+        check_sequence = getattr(plugin, "validate_sequence", None)
+        if check_sequence is not None:
+            check_sequence(data.seq_len)
+    strategy = UltraScaleStrategy(*chosen, seed=cfg.seed)
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
     dims.validate_model(module.model_spec)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -43,6 +44,41 @@ class GradBucket:
 class _AllReduceBucket(GradBucket):
     # The tensor on the wire when the reduction runs in another dtype than the gradients.
     wire: torch.Tensor | None = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether ``grad`` already lives in ``view`` (as itself, or as a DTensor's local tensor)."""
+    return grad is not None and _local(grad).data_ptr() == view.data_ptr() and _local(grad).shape == view.shape
+
+
+def _grad_in(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` as a gradient shaped like ``like``: a DTensor with ``like``'s placements if it is one.
+
+    Tensor-parallel parameters are DTensors: their gradient stays a DTensor (with its own
+    placements: a sequence-parallel norm's gradient is Partial over tp) whose local tensor is the
+    bucket view, so the data-parallel reduction works on local shards.
+    """
+    if isinstance(like, DTensor):
+        return DTensor.from_local(
+            view, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+    return view
+
+
+def _like_param(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``grad`` with the local shape of ``param``'s shard, for the bucket view.
+
+    DTensor may hand a sharded parameter a gradient in another layout (a vocabulary-parallel
+    embedding gets a Replicate one); redistributing to the parameter's placements is then a local
+    slice. A Partial gradient (sequence-parallel norms) already has the local shape and is kept.
+    """
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.to_local().shape != param.to_local().shape:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def _dtype_and_device(param: nn.Parameter) -> Hashable:
@@ -139,11 +175,12 @@ class GradientBuckets:
         if bucket.grad_buffer is None:
             self._allocate_grads(bucket)
         view = bucket.grad_views[i]
-        if param.grad is not view:
+        if not _holds(param.grad, view):
             # First gradient since zero_grad(set_to_none=True) or since the bucket was freed:
             # move it into the bucket so later micro-steps accumulate in place there.
-            view.copy_(param.grad)
-            param.grad = view
+            grad = _like_param(param.grad, param)
+            view.copy_(_local(grad))
+            param.grad = _grad_in(view, grad)
         bucket.ready += 1
         if self.sync:
             self._launch_ready(during_backward=True)
@@ -168,11 +205,12 @@ class GradientBuckets:
                 if bucket.grad_buffer is None:
                     self._allocate_grads(bucket)
                 for p, view in zip(bucket.params, bucket.grad_views):
-                    if p.grad is not view:
+                    if not _holds(p.grad, view):
                         view.zero_()
+                        grad = p if p.grad is None else _like_param(p.grad, p)
                         if p.grad is not None:
-                            view.copy_(p.grad)
-                        p.grad = view
+                            view.copy_(_local(grad))
+                        p.grad = _grad_in(view, grad)
                 bucket.ready = len(bucket.params)
             self._launch_ready(during_backward=False)
             self._complete()
@@ -221,7 +259,7 @@ class BucketedAllReduce(GradientBuckets):
         self.reduce_dtype = reduce_dtype
         buckets = []
         for members in plan_buckets(managed, bucket_bytes):
-            offsets = [0, *itertools.accumulate(p.numel() for p in members)]
+            offsets = [0, *itertools.accumulate(_local(p).numel() for p in members)]
             buckets.append(_AllReduceBucket(members, offsets[:-1], offsets[-1]))
         self._set_buckets(buckets)
 
@@ -230,7 +268,8 @@ class BucketedAllReduce(GradientBuckets):
         first = bucket.params[0]
         bucket.grad_buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
         bucket.grad_views = [
-            bucket.grad_buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)
+            bucket.grad_buffer[o : o + _local(p).numel()].view_as(_local(p))
+            for p, o in zip(bucket.params, bucket.offsets)
         ]
 
     def _launch(self, bucket: GradBucket) -> dist.Work:

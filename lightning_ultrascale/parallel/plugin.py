@@ -75,6 +75,11 @@ class ParallelPlugin:
         """Restore what :meth:`optimizer_state_dict` gave (its tensors already filled in by DCP)."""
 
     @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Entered around every training/validation step and its backward (e.g. loss parallel)."""
+        yield
+
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient synchronisation inside this block (non-final gradient-accumulation steps)."""
         yield

@@ -1,0 +1,81 @@
+"""Tensor and sequence parallelism: parity with one process alone and composed with ZeRO."""
+
+import dataclasses
+
+import pytest
+from llama_runs import ADAMW, ADAMW_LATER_GRAD_RTOL, SGD, run_tiny_llama
+
+from lightning_ultrascale import Recompute, TensorParallel, ZeRO
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import get_model_config
+from lightning_ultrascale.testing.parity import assert_parity
+
+# llama_tiny has 2 kv heads; tp=4 needs a variant with 4 (multi-head attention).
+TINY_MHA = dataclasses.replace(get_model_config("llama_tiny"), n_kv_heads=4, name="llama_tiny_mha")
+
+
+@pytest.fixture(scope="module")
+def reference_sgd():
+    return run_tiny_llama(SGD)
+
+
+@pytest.fixture(scope="module")
+def reference_sgd_mha():
+    return run_tiny_llama(SGD, model=TINY_MHA)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_matches_one_process(reference_sgd, sequence_parallel):
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(2, sequence_parallel=sequence_parallel)], 2, dp=1)
+    assert_parity(run, reference_sgd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp4_matches_one_process(reference_sgd_mha, sequence_parallel):
+    plugins = lambda: [TensorParallel(4, sequence_parallel=sequence_parallel)]  # noqa: E731
+    run = run_tiny_llama(SGD, plugins, 4, dp=1, model=TINY_MHA)
+    assert_parity(run, reference_sgd_mha, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_dp2_x_tp2_with_zero_matches_one_process(reference_sgd, stage):
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(2), ZeRO(stage=stage)], 4, accumulate=2, dp=2)
+    assert_parity(run, reference_sgd, rtol=1e-5)
+
+
+def test_tp2_with_recomputation_and_accumulation_matches_one_process(reference_sgd):
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(2), Recompute("full")], 2, accumulate=2, dp=1)
+    assert_parity(run, reference_sgd, rtol=1e-5)
+
+
+def test_tp2_with_adamw_matches_one_process():
+    reference = run_tiny_llama(ADAMW)
+    run = run_tiny_llama(ADAMW, lambda: [TensorParallel(2)], 2, dp=1)
+    assert_parity(run, reference, rtol=1e-5, later_grad_rtol=ADAMW_LATER_GRAD_RTOL)
+
+
+# Gradient clipping: a bound small enough to clip every step, so the global norm decides the update.
+@pytest.mark.parametrize(
+    ("layout", "plugins", "world_size", "dp"),
+    [
+        ("dp2", lambda: [ZeRO(stage=0)], 2, 2),
+        ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2),
+        ("zero3", lambda: [ZeRO(stage=3)], 2, 2),
+        ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1),
+        ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2),
+    ],
+)
+def test_gradient_clipping_uses_the_global_norm_counted_once(layout, plugins, world_size, dp):
+    reference = run_tiny_llama(SGD, gradient_clip_val=0.05)
+    run = run_tiny_llama(SGD, plugins, world_size, dp=dp, gradient_clip_val=0.05)
+    assert_parity(run, reference, rtol=1e-5)
+
+
+def test_bad_tensor_parallel_settings_fail_at_construction():
+    with pytest.raises(ConfigError, match=r"parallel.tp=0 must be a positive integer"):
+        TensorParallel(0)
+    with pytest.raises(
+        ConfigError, match=r"data.seq_len=65 must be divisible by parallel.tp=2 .* valid nearby: 64, 66"
+    ):
+        TensorParallel(2).validate_sequence(65)
+    TensorParallel(2, sequence_parallel=False).validate_sequence(65)
