@@ -1,10 +1,10 @@
-"""Sharded (DCP) checkpoints of every ZeRO stage resume exactly where training stopped."""
+"""Sharded (DCP) checkpoints of every ZeRO stage, with and without TP, resume exactly where training stopped."""
 
 import lightning as L
 import pytest
 from llama_runs import ADAMW
 
-from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+from lightning_ultrascale import LlamaModule, TensorParallel, UltraScaleDataModule, UltraScaleStrategy, ZeRO
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, relative_error
 
@@ -20,16 +20,17 @@ class _SaveAtStep(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-def _interrupted_vs_uninterrupted(stage: int, replicate: int, world_size: int, path: str) -> float:
+def _interrupted_vs_uninterrupted(stage: int, replicate: int, tp: int, world_size: int, path: str) -> float:
     def fit(callbacks=(), ckpt_path=None):
         L.seed_everything(0, verbose=False)
-        strategy = UltraScaleStrategy(ZeRO(stage=stage, replicate=replicate, bucket_mb=0.1))
+        plugins = [ZeRO(stage=stage, replicate=replicate, bucket_mb=0.1)] + ([TensorParallel(tp)] if tp > 1 else [])
+        strategy = UltraScaleStrategy(*plugins)
         trainer = L.Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=6, callbacks=list(callbacks),
             **QUIET_TRAINER,
         )  # fmt: skip
         module = LlamaModule("llama_tiny", optim=ADAMW)
-        data = UltraScaleDataModule(seq_len=64, micro_batch_size=8 // world_size)
+        data = UltraScaleDataModule(seq_len=64, micro_batch_size=8 * tp // world_size)
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.named_parameters()}
 
@@ -38,8 +39,12 @@ def _interrupted_vs_uninterrupted(stage: int, replicate: int, world_size: int, p
     return max(relative_error(resumed[n], uninterrupted[n]) for n in uninterrupted)
 
 
-@pytest.mark.parametrize(("stage", "replicate", "world_size"), [(0, 1, 2), (1, 1, 2), (2, 1, 2), (3, 1, 2), (3, 2, 4)])
-def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, stage, replicate, world_size):
+@pytest.mark.parametrize(
+    ("stage", "replicate", "tp", "world_size"),
+    [(0, 1, 1, 2), (1, 1, 1, 2), (2, 1, 1, 2), (3, 1, 1, 2), (3, 2, 1, 4), (0, 1, 2, 2), (3, 1, 2, 4)],
+)
+def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, stage, replicate, tp, world_size):
     # Weights, AdamW states, LR schedule and data position all restored: bit-identical here.
-    error = run_workers(_interrupted_vs_uninterrupted, world_size, stage, replicate, world_size, str(tmp_path / "ckpt"))
+    args = (stage, replicate, tp, world_size, str(tmp_path / "ckpt"))
+    error = run_workers(_interrupted_vs_uninterrupted, world_size, *args)
     assert error[0] == 0.0, f"resumed parameters differ by {error[0]:.2e}"

@@ -79,3 +79,16 @@ def test_bad_tensor_parallel_settings_fail_at_construction():
     ):
         TensorParallel(2).validate_sequence(65)
     TensorParallel(2, sequence_parallel=False).validate_sequence(65)
+
+
+ODD_VOCAB = dataclasses.replace(get_model_config("llama_tiny"), vocab_size=321, name="llama_tiny_vocab321")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_vocab_not_divisible_by_tp_trains_like_one_process(sequence_parallel):
+    # DTensor splits the 321 rows unevenly (161 + 160): no padded logits exist, so none can leak
+    # into the softmax (the padding bug Megatron-LM #1754 describes).
+    reference = run_tiny_llama(SGD, model=ODD_VOCAB, steps=3)
+    plugins = lambda: [TensorParallel(2, sequence_parallel=sequence_parallel)]  # noqa: E731
+    run = run_tiny_llama(SGD, plugins, 2, dp=1, model=ODD_VOCAB, steps=3)
+    assert_parity(run, reference, rtol=1e-5)
