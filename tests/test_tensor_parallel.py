@@ -37,9 +37,13 @@ def test_tp4_matches_one_process(reference_sgd_mha, sequence_parallel):
     assert_parity(run, reference_sgd_mha, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_dp2_x_tp2_with_zero_matches_one_process(reference_sgd, stage):
-    run = run_tiny_llama(SGD, lambda: [TensorParallel(2), ZeRO(stage=stage)], 4, accumulate=2, dp=2)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dp2_x_tp2_with_zero_matches_one_process(reference_sgd, stage, sequence_parallel):
+    def plugins():
+        return [TensorParallel(2, sequence_parallel=sequence_parallel), ZeRO(stage=stage, bucket_mb=0.1)]
+
+    run = run_tiny_llama(SGD, plugins, 4, accumulate=2, dp=2)
     assert_parity(run, reference_sgd, rtol=1e-5)
 
 
@@ -62,6 +66,7 @@ def test_tp2_with_adamw_matches_one_process():
         ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2),
         ("zero3", lambda: [ZeRO(stage=3)], 2, 2),
         ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1),
+        ("dp2xtp2-zero1", lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2),
         ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2),
     ],
 )

@@ -72,11 +72,12 @@ def _grad_in(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _like_param(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """``grad`` with the local shape of ``param``'s shard, for the bucket view.
 
-    DTensor may hand a sharded parameter a gradient in another layout (a vocabulary-parallel
-    embedding gets a Replicate one); redistributing to the parameter's placements is then a local
-    slice. A Partial gradient (sequence-parallel norms) already has the local shape and is kept.
+    DTensor may hand a parameter a gradient in another layout: a vocabulary-parallel embedding gets
+    a Replicate one (redistributing is a local slice), a sequence-parallel norm a Partial one (each
+    tp rank's sum over its part of the sequence: redistributing all-reduces it, as the optimizer
+    would have to anyway). Buckets then hold exactly the parameter's local values.
     """
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.to_local().shape != param.to_local().shape:
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
 

@@ -55,12 +55,23 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.parallel.buckets import GradBucket, GradientBuckets, plan_buckets
+from lightning_ultrascale.parallel.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
 # the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _sum_groups(p: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:
+    """The groups over which a (tensor-parallel) parameter's local pieces are distinct."""
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
+
+
+def _sum_group_names(p: nn.Parameter) -> tuple[str, ...]:
+    return tuple(g.group_name for g in _sum_groups(p))
 
 
 @dataclass(kw_only=True)
@@ -118,12 +129,6 @@ class ZeroEngine(GradientBuckets):
         self.group_size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied weights count once
-        if any(isinstance(p, DTensor) for p in self.params):
-            # Flat buffers of local tensors would mix shards of different tensor-parallel ranks.
-            raise ConfigError(
-                f"parallel.zero_stage={stage} needs plain (replicated) parameters, but some are DTensors "
-                "(tensor or expert parallel); use parallel.zero_stage=3 (FSDP2) with those"
-            )
         self.optimizer: torch.optim.Optimizer | None = None
         self._gather_after_step = True
         super().__init__(self.params)
@@ -140,7 +145,9 @@ class ZeroEngine(GradientBuckets):
         if self.optimizer is not None:
             raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
         group_of = self._group_index(optimizer)
-        plan = plan_buckets(self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device))
+        plan = plan_buckets(
+            self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device, _sum_group_names(p))
+        )
         self._set_buckets([self._make_bucket(members) for members in plan])
         for index, group in enumerate(optimizer.param_groups):
             group["params"] = [b.shard for b in self.buckets if group_of[b.params[0]] == index]
@@ -168,7 +175,7 @@ class ZeroEngine(GradientBuckets):
         return group_of
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
-        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
+        offsets = [0, *itertools.accumulate(_local(p).numel() for p in params)]
         numel = offsets[-1]
         shard_numel = -(-numel // self.group_size)
         first = params[0]
@@ -176,13 +183,22 @@ class ZeroEngine(GradientBuckets):
         flat = torch.zeros(shard_numel * self.group_size, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, offset in zip(params, offsets):
-                view = flat[offset : offset + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view
+                local = _local(p)
+                view = flat[offset : offset + local.numel()].view_as(local)
+                view.copy_(local)
+                if isinstance(p, DTensor):
+                    # A tensor-parallel parameter: its local shard becomes the view (same object,
+                    # new storage), so the all-gather still writes straight into the model.
+                    p._local_tensor.set_(view)
+                else:
+                    p.data = view
                 p.grad = None
         start = self.rank * shard_numel
         local = flat[start : start + max(0, min(shard_numel, numel - start))]
         shard = nn.Parameter(self._as_shard(local, numel))
+        # The flat shard of tensor-parallel pieces is also split over tp: its gradient norm sums
+        # over those groups too (lightning_ultrascale.utils.grad reads this).
+        shard._ultrascale_norm_groups = _sum_groups(first)  # type: ignore[attr-defined]
         return _Bucket(
             params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard
         )
@@ -199,7 +215,9 @@ class ZeroEngine(GradientBuckets):
         buffer = torch.empty_like(bucket.flat_params)
         buffer[bucket.numel :].zero_()
         bucket.grad_buffer = buffer
-        bucket.grad_views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, bucket.offsets)]
+        bucket.grad_views = [
+            buffer[o : o + _local(p).numel()].view_as(_local(p)) for p, o in zip(bucket.params, bucket.offsets)
+        ]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self.optimizer is None:
@@ -370,7 +388,12 @@ class ZeroEngine(GradientBuckets):
             if b.shard.grad is None:
                 continue
             flat = b.shard.grad.full_tensor()
-            grads.update({p: flat[o : o + p.numel()].view_as(p) for p, o in zip(b.params, b.offsets)})
+            grads.update(
+                {
+                    p: _grad_in(flat[o : o + _local(p).numel()].view_as(_local(p)), p)
+                    for p, o in zip(b.params, b.offsets)
+                }
+            )
         return grads
 
     @property

@@ -32,11 +32,15 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         True
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    extra: dict[object, tuple[dist.ProcessGroup, ...]] = {}
     device = None
     for p in parameters:
         if p.grad is None:
             continue
         g = p.grad
+        # A sharded optimizer's flat shard of tensor-parallel pieces is split over more groups
+        # than its own mesh says (ZeroEngine marks them).
+        more: tuple[dist.ProcessGroup, ...] = getattr(p, "_ultrascale_norm_groups", ())
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
                 # e.g. a sequence-parallel norm weight: each tp rank holds its sequence shard's sum.
@@ -45,17 +49,21 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
             # Every non-replicated dim holds distinct pieces: Shard, and FSDP-over-TP's _StridedShard
             # (which is neither a Shard subclass nor is_shard() in torch 2.13).
             sharded = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            groups[(g.device_mesh, sharded)].append(g.to_local())
+            key: object = (g.device_mesh, sharded, tuple(x.group_name for x in more))
+            groups[key].append(g.to_local())
         else:
-            groups[None].append(g)
+            key = (None, (), tuple(x.group_name for x in more))
+            groups[key].append(g)
+        extra[key] = more
         device = g.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         squares = torch.stack([t.detach().float().pow(2).sum() for t in grads]).sum()
-        if key is not None:
-            mesh, sharded = key  # type: ignore[misc]
-            for dim in sharded:
-                dist.all_reduce(squares, group=mesh.get_group(dim))
+        mesh, sharded, _ = key  # type: ignore[misc]
+        for dim in sharded:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        for group in extra[key]:
+            dist.all_reduce(squares, group=group)
         total = total + squares
     return total.sqrt()
 
