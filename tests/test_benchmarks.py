@@ -44,3 +44,24 @@ def test_zero_benchmark_quick_run_matches_the_playbook_formulas(tmp_path):
         if row["comm_ratio"] is not None:
             assert abs(row["comm_ratio"] - 1) < 0.01, f"{where}: traffic {row['comm_ratio']:.3f} x formula"
     assert isinstance(result["speed"]["ultrascale_zero3"], float)
+
+
+def test_tp_benchmark_quick_run_shards_params_and_matches_the_playbook_traffic(tmp_path):
+    out_file = tmp_path / "tp.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tp.py"), "--quick", "--out", str(out_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out_file.read_text())
+    for row in result["params"]:
+        assert abs(row["sharded_ratio"] - 1) < 0.01, f"tp={row['tp']}: sharded params {row['sharded_ratio']:.3f} x Ψ/tp"
+    activations = {(a["tp"], a["sequence_parallel"]): a["total"] for a in result["activations"]}
+    assert activations[2, True] < activations[2, False] < activations[1, False]
+    comm = {(r["tp"], r["sequence_parallel"]): r for r in result["comm"]}
+    assert abs(comm[2, True]["block_wire_ratio"] - 1) < 0.01, comm[2, True]["block_forward_backward"]
+    tp = comm[2, False]
+    # Without SP: 2 all-reduces in forward and 2 in backward per block (the playbook's 4).
+    assert abs(tp["block_wire_ratio"] - 1) < 0.01, tp["block_forward_backward"]
