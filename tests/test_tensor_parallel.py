@@ -97,3 +97,9 @@ def test_a_vocab_not_divisible_by_tp_trains_like_one_process(sequence_parallel):
     plugins = lambda: [TensorParallel(2, sequence_parallel=sequence_parallel)]  # noqa: E731
     run = run_tiny_llama(SGD, plugins, 2, dp=1, model=ODD_VOCAB, steps=3)
     assert_parity(run, reference, rtol=1e-5)
+
+
+def test_hsdp_x_tp_on_a_3d_mesh_matches_one_process(reference_sgd):
+    # dp_replicate=2 x dp_shard=1 x tp=2: the 3-D mesh on 4 processes (2x2x2 would need 8).
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(2), ZeRO(stage=3, replicate=2, size=1)], 4, accumulate=2, dp=2)
+    assert_parity(run, reference_sgd, rtol=1e-5)
