@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ torch.set_num_threads(1)
 from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
+from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
@@ -62,13 +62,6 @@ class TraceBackward(L.Callback):
         )
 
 
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-
 
 def _trainer(strategy: Any, world_size: int, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
     return L.Trainer(
@@ -96,9 +89,7 @@ def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_bat
     trainer = _trainer(strategy, world_size, steps, [timer])
     data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch)
     trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
-    warm = timer.ends[2:]  # the first steps pay for allocation and thread start-up
-    seconds_per_step = (warm[-1] - warm[0]) / (len(warm) - 1)
-    return world_size * micro_batch * seq_len / seconds_per_step
+    return world_size * micro_batch * seq_len * timer.steps_per_s()
 
 
 def main() -> None:

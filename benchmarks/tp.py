@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
+from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer, wire_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tp.json"
@@ -249,13 +249,6 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
 
 
 # ----------------------------------------------------------------------------- 4: speed
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-
 
 def speed_worker(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) -> float:
     timer = StepTimer()
@@ -264,9 +257,8 @@ def speed_worker(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) 
         max_steps=steps, callbacks=[timer], **QUIET_TRAINER,
     )  # fmt: skip
     trainer.fit(LlamaModule(MODEL), datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
-    warm = timer.ends[2:]  # the first steps pay for allocation and DTensor's caches
     # Every tp rank works on the same micro-batch: tokens per step do not grow with tp.
-    return micro_batch * seq_len * (len(warm) - 1) / (warm[-1] - warm[0])
+    return micro_batch * seq_len * timer.steps_per_s()
 
 
 # ----------------------------------------------------------------------------- main

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ torch.set_num_threads(1)
 from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
+from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
 from lightning_ultrascale.utils.memory import model_state_bytes, playbook_model_state_bytes  # noqa: E402
 
@@ -97,13 +97,6 @@ class FSDP2ByHand(LlamaModule):
         fully_shard(self.model, mesh=mesh)
 
 
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-
 
 def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float | str:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -133,8 +126,7 @@ def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_bat
     except Exception as err:  # Lightning refuses some strategies on CPU: report it, measure nothing
         return f"not measured: {type(err).__name__}: {err}"
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
-    warm = timer.ends[2:]
-    return world_size * micro_batch * seq_len * (len(warm) - 1) / (warm[-1] - warm[0])
+    return world_size * micro_batch * seq_len * timer.steps_per_s()
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ no extra copy after the first gradient of a step, and model-state accounting see
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -127,7 +128,7 @@ def plan_buckets(
     return [members for _, members in sorted(closed, key=lambda c: c[0])]
 
 
-class GradientBuckets:
+class GradientBuckets(abc.ABC):
     """The backward machinery shared by the DP all-reduce and the ZeRO-1/2 engine.
 
     A post-accumulate-grad hook moves each gradient into its bucket (``param.grad`` becomes a
@@ -154,14 +155,17 @@ class GradientBuckets:
         self.buckets = list(buckets)
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
+    @abc.abstractmethod
     def _allocate_grads(self, bucket: GradBucket) -> None:
-        raise NotImplementedError
+        """Give ``bucket`` its flat gradient buffer and the per-parameter views into it."""
 
+    @abc.abstractmethod
     def _launch(self, bucket: GradBucket) -> dist.Work:
-        raise NotImplementedError
+        """Start the bucket's asynchronous reduction (all-ranks, index order)."""
 
+    @abc.abstractmethod
     def _complete(self) -> None:
-        raise NotImplementedError
+        """Wait for every launched reduction and hand its result to the gradients."""
 
     def _poll(self) -> None:
         """Hand over reductions that finished while backward is still running (optional)."""

@@ -9,6 +9,7 @@ plugins in: e.g. FSDP must wrap modules that tensor parallel has already turned 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -33,7 +34,7 @@ APPLY_ORDER: tuple[str, ...] = (
 )
 
 
-class ParallelPlugin:
+class ParallelPlugin(abc.ABC):
     """Base class of one technique: declares its mesh sizes, validates, and rewrites the model.
 
     Subclasses set ``applies_at`` (their place in :data:`APPLY_ORDER`) and implement :meth:`mesh_sizes`
@@ -43,16 +44,16 @@ class ParallelPlugin:
 
     applies_at: ClassVar[str]
 
+    @abc.abstractmethod
     def mesh_sizes(self) -> dict[str, int | None]:
         """The mesh dims this plugin owns and their sizes (``None``: infer from the world size)."""
-        raise NotImplementedError(f"{type(self).__name__} must declare the mesh dims it owns")
 
     def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
         """Raise :class:`~lightning_ultrascale.errors.ConfigError` for a layout this technique cannot run."""
 
+    @abc.abstractmethod
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         """Rewrite ``model`` (still on the meta device) for this technique and return it."""
-        raise NotImplementedError(f"{type(self).__name__} must implement apply()")
 
     def set_precision(self, precision: str) -> None:
         """Told the run's Lightning precision (``"32-true"``, ``"bf16-mixed"``, ...) before :meth:`apply`."""
