@@ -52,9 +52,19 @@ def test_tp2_with_recomputation_and_accumulation_matches_one_process(reference_s
     assert_parity(run, reference_sgd, rtol=1e-5)
 
 
-def test_tp2_with_adamw_matches_one_process():
-    reference = run_tiny_llama(ADAMW)
-    run = run_tiny_llama(ADAMW, lambda: [TensorParallel(2)], 2, dp=1)
+ADAMW_LAYOUTS = {
+    "tp2-sp": (lambda: [TensorParallel(2)], 2, 1, "llama_tiny"),
+    "tp4": (lambda: [TensorParallel(4, sequence_parallel=False)], 4, 1, TINY_MHA),
+    "dp2xtp2-zero1": (lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2, "llama_tiny"),
+    "dp2xtp2-zero3": (lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2, "llama_tiny"),
+}
+
+
+@pytest.mark.parametrize("layout", list(ADAMW_LAYOUTS))
+def test_tensor_parallel_layouts_match_one_process_with_adamw(layout):
+    plugins, world_size, dp, model = ADAMW_LAYOUTS[layout]
+    reference = run_tiny_llama(ADAMW, model=model)
+    run = run_tiny_llama(ADAMW, plugins, world_size, dp=dp, model=model)
     assert_parity(run, reference, rtol=1e-5, later_grad_rtol=ADAMW_LATER_GRAD_RTOL)
 
 
