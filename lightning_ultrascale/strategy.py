@@ -212,8 +212,14 @@ class UltraScaleStrategy(ModelParallelStrategy):
         :meth:`setup`, after the precision plugin's conversion and the move to the device.
         """
         model, name = self._find_model()
-        if getattr(model, _APPLIED, False):
+        applied_by = getattr(model, _APPLIED, None)
+        if applied_by is self:
             return model
+        if applied_by is not None:
+            raise RuntimeError(
+                f"{type(model).__name__} was already parallelised by another UltraScaleStrategy; its parameters "
+                "are sharded and hooked for that one. Build a new LightningModule (or reuse the same Trainer)"
+            )
         self._validate_model(model.spec)
         for plugin in self.plugins:
             plugin.set_precision(self.precision_plugin.precision)
@@ -232,7 +238,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
                     f"{type(model).__name__} needs init_weights(seed) to be built on the meta device"
                 )
             model.init_weights(self.seed)
-        setattr(model, _APPLIED, True)
+        setattr(model, _APPLIED, self)
         assert self.lightning_module is not None
         leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
         if leftover:
@@ -245,15 +251,13 @@ class UltraScaleStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        first_setup = not getattr(self._find_model()[0], _APPLIED, False)
         model = self.parallelize()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if first_setup:
-            # Only now: dtype conversion and .to(device) swap the tensors of subclass parameters
-            # (DTensor), and autograd hooks registered before would stay with the old tensors.
-            for plugin in self.plugins:
-                plugin.on_materialized(model)
+        # Only now, and at every setup: dtype conversion and .to(device) swap the tensors of
+        # subclass parameters (DTensor), and autograd hooks registered before stay with the old ones.
+        for plugin in self.plugins:
+            plugin.on_materialized(model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
