@@ -146,6 +146,14 @@ class GradientBuckets(abc.ABC):
         self._slot: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._next = 0
         self._callback_queued = False
+        for p in params:
+            # torch keeps a tensor's post-accumulate hooks in a Python-side dict and installs the
+            # C++ hook that runs them only when that dict is created. Module.to() swaps a DTensor
+            # parameter's tensor (swap_tensors) but not the dict: hooks added to a dict left over
+            # from an earlier binding (all removed, so empty) would never fire. A fresh dict
+            # installs the hook on the current tensor.
+            if p._post_accumulate_grad_hooks is not None and not p._post_accumulate_grad_hooks:
+                p._post_accumulate_grad_hooks = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         #: Bucket indices in launch order during the last synced backward, with a flag saying
         #: whether backward was still running (True) when each was launched: the overlap proof.
