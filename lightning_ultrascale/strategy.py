@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Generator, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -344,7 +343,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where a plugin keeps them away from ``param.grad`` (ZeRO-1/2), else None."""
         for plugin in self.plugins:
-            grads = getattr(plugin, "reduced_gradients", lambda: None)()
+            grads = plugin.reduced_gradients()
             if grads is not None:
                 return grads
         return None
@@ -352,9 +351,9 @@ class UltraScaleStrategy(ModelParallelStrategy):
     def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
         """The playbook's per-rank model state for this layout, from the data-parallel plugin."""
         for plugin in self.plugins:
-            expected = getattr(plugin, "expected_state_bytes", None)
+            expected = plugin.expected_state_bytes(n_params, k_optimizer)
             if expected is not None:
-                return expected(n_params, k_optimizer)
+                return expected
         return None
 
     @contextlib.contextmanager
@@ -392,4 +391,4 @@ class UltraScaleStrategy(ModelParallelStrategy):
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""
         dims = self.parallel_dims
-        return f"{dims.describe()} ({math.prod(dims.shape)} ranks); plugins: {', '.join(map(repr, self.plugins))}"
+        return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.plugins))}"

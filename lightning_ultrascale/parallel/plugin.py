@@ -20,6 +20,7 @@ from torch import nn
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
+from lightning_ultrascale.utils.memory import ModelStateBytes
 
 #: The fixed order in which plugins are applied to the (meta-device) model.
 APPLY_ORDER: tuple[str, ...] = (
@@ -75,6 +76,14 @@ class ParallelPlugin(abc.ABC):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Restore what :meth:`optimizer_state_dict` gave (its tensors already filled in by DCP)."""
 
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Averaged gradients, if this plugin keeps them away from ``param.grad`` (a collective); else None."""
+        return None
+
+    def expected_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
+        """The playbook's per-rank model-state bytes for this plugin's layout, if it has a formula."""
+        return None
+
     @contextlib.contextmanager
     def step_context(self) -> Iterator[None]:
         """Entered around every training/validation step and its backward (e.g. loss parallel)."""
@@ -85,6 +94,10 @@ class ParallelPlugin(abc.ABC):
         """Skip gradient synchronisation inside this block (non-final gradient-accumulation steps)."""
         yield
 
+    def settings(self) -> dict[str, Any]:
+        """Settings that tell this plugin apart in logs, shown before its mesh sizes."""
+        return {}
+
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{k}={v}" for k, v in self.mesh_sizes().items())
-        return f"{type(self).__name__}({sizes})"
+        fields = ", ".join(f"{k}={v}" for k, v in {**self.settings(), **self.mesh_sizes()}.items())
+        return f"{type(self).__name__}({fields})"

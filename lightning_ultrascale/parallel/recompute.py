@@ -168,6 +168,5 @@ class Recompute(ParallelPlugin):
                 block.forward = functools.partial(recompute, block.forward)
         return model
 
-    def __repr__(self) -> str:
-        every = f", every={self.every}" if self.mode == "selective" else ""
-        return f"Recompute(mode={self.mode!r}{every})"
+    def settings(self) -> dict[str, Any]:
+        return {"mode": repr(self.mode), **({"every": self.every} if self.mode == "selective" else {})}

@@ -111,8 +111,8 @@ class ZeRO(ParallelPlugin):
             return {"dp_replicate": self.replicate, "dp_shard": self.size}
         return {"dp_shard": self.size}
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(stage={self.stage}, " + super().__repr__().split("(", 1)[1]
+    def settings(self) -> dict[str, Any]:
+        return {"stage": self.stage}
 
     def set_precision(self, precision: str) -> None:
         self.precision = precision
