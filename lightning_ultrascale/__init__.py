@@ -14,6 +14,7 @@ from lightning_ultrascale.models import LlamaConfig, build_model, get_model_conf
 from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
 from lightning_ultrascale.parallel.zero import ZeRO
@@ -26,6 +27,7 @@ __all__ = [
     "LlamaModule",
     "OptimConfig",
     "ParallelDims",
+    "PipelineParallel",
     "Recompute",
     "TensorParallel",
     "UltraScaleDataModule",

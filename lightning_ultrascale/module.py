@@ -109,22 +109,32 @@ class LlamaModule(L.LightningModule):
         """Training FLOPs per token (forward + backward), for TFLOP/s and MFU."""
         return self.config.flops_per_token(seq_len)
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["input_ids"], batch.get("position_ids"))
+    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the tokens whose label is not -100, in fp32.
+
+        Pipeline parallelism calls it on the last stage for every microbatch.
+        """
         # fp32 loss whatever the compute precision: the softmax over a 128k vocab loses too much in bf16.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        self.pipeline_step_end(loss, batch, batch_idx, "train")
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.pipeline_step_end(loss, batch, batch_idx, "val")
         return loss
+
+    def pipeline_step_end(self, loss: torch.Tensor, batch: dict[str, torch.Tensor], batch_idx: int, split: str) -> None:
+        """Log a step's loss; pipeline parallelism, which runs the step itself, calls it too."""
+        self.log(f"{split}/loss", loss, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         o = self.optim

@@ -101,12 +101,15 @@ class UltraScaleStrategy(ModelParallelStrategy):
             raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
         if "data" not in stages:
             plugins = (*plugins, DataParallel())
-        self.plugins: tuple[ParallelPlugin, ...] = tuple(
-            sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at))
-        )
+        self.plugins: tuple[ParallelPlugin, ...] = tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at)))
         self.seed = seed
         self._parallel_dims: ParallelDims | None = None
         self._mesh: ParallelMesh | None = None
+
+    @property
+    def step_runner(self) -> ParallelPlugin | None:
+        """The plugin that runs forward and backward itself (pipeline parallelism), if any."""
+        return next((p for p in self.plugins if p.runs_step), None)
 
     # ----------------------------------------------------------------------------- sizes & mesh
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -146,6 +149,11 @@ class UltraScaleStrategy(ModelParallelStrategy):
         # Lightning calls this while building the Trainer, once devices and nodes are known: the
         # earliest point at which the world size is, and long before any process group exists.
         self._parallel_dims = self.resolve_dims(self.world_size)
+        if self.step_runner is not None and not self._save_distributed_checkpoint:
+            raise ConfigError(
+                f"{self.step_runner!r} keeps each stage's parameters on its own ranks; save sharded checkpoints "
+                "with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
+            )
         super()._configure_launcher()
 
     @override
@@ -225,17 +233,13 @@ class UltraScaleStrategy(ModelParallelStrategy):
             new = plugin.apply(model, self.mesh)
             if new is not model:
                 if not name:
-                    raise TypeError(
-                        f"{plugin!r} replaced the root module; wrap the model in a LightningModule"
-                    )
+                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a LightningModule")
                 self._replace(name, new)
                 model = new
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=self.root_device)
             if not isinstance(model, SpecifiedModel):
-                raise TypeError(
-                    f"{type(model).__name__} needs init_weights(seed) to be built on the meta device"
-                )
+                raise TypeError(f"{type(model).__name__} needs init_weights(seed) to be built on the meta device")
             model.init_weights(self.seed)
         setattr(model, _APPLIED, self)
         assert self.lightning_module is not None
@@ -289,7 +293,12 @@ class UltraScaleStrategy(ModelParallelStrategy):
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         sharded = self._sharded_optimizer_state(inner)
         if sharded is None:
-            return super().optimizer_state(optimizer)
+            if self.step_runner is None:
+                return super().optimizer_state(optimizer)
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            assert self.model is not None
+            return get_optimizer_state_dict(self.model, inner, options=self._optimizer_state_options())
         if not self._save_distributed_checkpoint:
             raise ConfigError(
                 f"{sharded[0]!r} keeps optimizer states sharded across ranks; save them with "
@@ -330,15 +339,25 @@ class UltraScaleStrategy(ModelParallelStrategy):
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             sharded = self._sharded_optimizer_state(optimizer)
-            template = sharded[1] if sharded is not None else get_optimizer_state_dict(self.model, optimizer)
+            options = self._optimizer_state_options()
+            template = (
+                sharded[1] if sharded is not None else get_optimizer_state_dict(self.model, optimizer, options=options)
+            )
             state = {key: template}
             dcp_load(state, checkpoint_id=path)
             if sharded is not None:
                 sharded[0].load_optimizer_state_dict(optimizer, state[key])
             else:
-                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key])
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key], options=options)
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _optimizer_state_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # Pipeline stages hold different parameters: nested param_groups lists would be one DCP
+        # entry with a different value per stage; flattened, every entry is keyed by its parameter.
+        return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=self.step_runner is not None)
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where a plugin keeps them away from ``param.grad`` (ZeRO-1/2), else None."""
@@ -365,13 +384,60 @@ class UltraScaleStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().training_step(*args, **kwargs)
+        runner = self.step_runner
+        if runner is None:
+            with self._step_context():
+                return super().training_step(*args, **kwargs)
+        return self._run_pipelined_step(runner, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        runner = self.step_runner
         with self._step_context():
-            return super().validation_step(*args, **kwargs)
+            if runner is None:
+                return super().validation_step(*args, **kwargs)
+            batch, batch_idx = _batch_and_index(args, kwargs)
+            module = self.lightning_module
+            loss = runner.run_step(module, batch, train=False)
+            _pipeline_step_end(module, loss, batch, batch_idx, "val")
+            return loss
+
+    def _run_pipelined_step(self, runner: ParallelPlugin, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One micro-step whose forward and backward ``runner`` runs (a pipeline schedule).
+
+        Lightning's own backward and zero_grad are skipped (see :meth:`on_train_start`): this
+        zeroes gradients at the first micro-step of an optimizer step, keeps every data-parallel
+        reduction back while the schedule runs its many backwards, and reduces once after the last
+        micro-step.
+        """
+        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        batch, batch_idx = _batch_and_index(args, kwargs)
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in self.optimizers:
+                module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        with self._step_context(), self.block_backward_sync():
+            loss = runner.run_step(module, batch, train=True, accumulate=accumulate)
+        if not trainer.fit_loop._should_accumulate():
+            for plugin in self.plugins:
+                plugin.sync_gradients()
+        _pipeline_step_end(module, loss, batch, batch_idx, "train")
+        return loss
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.step_runner is not None:
+            module = self.lightning_module
+            if not module.automatic_optimization:
+                raise ConfigError(
+                    f"{self.step_runner!r} runs forward and backward itself; it needs automatic optimisation "
+                    f"(set {type(module).__name__}.automatic_optimization = True)"
+                )
+            # The schedule has run backward inside training_step; Lightning must neither zero the
+            # gradients after it nor run a backward of its own (the flag its SWA callback uses).
+            module.trainer.fit_loop._skip_backward = True
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
@@ -384,11 +450,24 @@ class UltraScaleStrategy(ModelParallelStrategy):
         # Lightning clips with torch's clip_grad_norm_, which cannot mix tensor-parallel shards
         # with replicated gradients; ours counts every gradient exactly once in any layout.
         plugin = self.precision_plugin
+        across = tuple(g for p in self.plugins for g in p.grad_norm_groups())
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), float(clip_val)
+            plugin.main_params(optimizer), float(clip_val), across
         )
 
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""
         dims = self.parallel_dims
         return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.plugins))}"
+
+
+def _batch_and_index(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    batch = kwargs.get("batch", args[0] if args else None)
+    batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+    return batch, int(batch_idx)
+
+
+def _pipeline_step_end(module: Any, loss: torch.Tensor, batch: Any, batch_idx: int, split: str) -> None:
+    hook = getattr(module, "pipeline_step_end", None)
+    if hook is not None:
+        hook(loss, batch, batch_idx, split)

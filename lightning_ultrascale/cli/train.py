@@ -83,9 +83,7 @@ def hydra_argv(argv: list[str]) -> list[str]:
             name = arg.split("=", 1)[1]
             available = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
             if name not in available:
-                raise ConfigError(
-                    f"recipe={name!r} is unknown; valid: {', '.join(available)} (in {RECIPES_DIR})"
-                )
+                raise ConfigError(f"recipe={name!r} is unknown; valid: {', '.join(available)} (in {RECIPES_DIR})")
             out += [f"--config-dir={RECIPES_DIR}", f"--config-name={name}"]
         else:
             out.append(arg)
@@ -162,9 +160,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     module = LlamaModule(
         cfg.model.name,
-        optim=OptimConfig(
-            **{k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
-        ),
+        optim=OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}),
         seed=cfg.seed,
     )
     data = cfg.data
@@ -184,9 +180,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     chosen = plugins(cfg.parallel)
     for plugin in chosen:
-        check_sequence = getattr(plugin, "validate_sequence", None)
-        if check_sequence is not None:
-            check_sequence(data.seq_len)
+        plugin.validate_data(data.seq_len, data.micro_batch_size)
     strategy = UltraScaleStrategy(*chosen, seed=cfg.seed)
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,16 +407,32 @@ class Llama(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        return self.forward_stage(
+            tokens,
+            position_ids,
+            list(self.layers.keys()),
+            embed=self.tok_embeddings is not None,
+            head=self.output is not None,
+        )
+
+    def forward_stage(
+        self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
+    ) -> Tensor:
+        """Run a part of the model: a pipeline stage (see :mod:`lightning_ultrascale.parallel.pipeline`).
+
+        Embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs the named
+        blocks in order; applies the final norm and the output head if ``head``.
+        """
+        h = self.tok_embeddings(x) if embed else x
         if position_ids is None:
             # From the input, not from h: under sequence parallelism h holds a sequence shard.
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            position_ids = torch.arange(x.shape[1], device=x.device)[None]
         cos, sin = self._rope_angles(position_ids)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        for name in blocks:
+            h = self.layers[name](h, cos, sin)
+        if head:
+            h = self.output(self.norm(h))
+        return h
 
     def _rope_angles(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq = self.rope_inv_freq

@@ -231,6 +231,19 @@ class GradientBuckets(abc.ABC):
             bucket.ready = 0
         self._next = 0
 
+    def reduce_now(self) -> None:
+        """Reduce the gradients accumulated under :meth:`no_sync`, outside any backward.
+
+        A pipeline schedule runs one backward per microbatch (and zero-bubble schedules compute
+        weight gradients with ``autograd.grad``, which fires no hooks): the strategy runs it under
+        ``no_sync`` and reduces once, here, when the schedule is done.
+        """
+        if not self.sync:
+            raise RuntimeError("reduce_now() inside no_sync(): the gradients are not complete yet")
+        self.launch_log = []
+        with torch.no_grad():
+            self._finish_backward()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the next backward outside this block reduces the sum."""

@@ -56,6 +56,9 @@ class ParallelPlugin(abc.ABC):
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         """Rewrite ``model`` (still on the meta device) for this technique and return it."""
 
+    def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
+        """Raise :class:`~lightning_ultrascale.errors.ConfigError` for batch shapes this technique cannot split."""
+
     def set_precision(self, precision: str) -> None:
         """Told the run's Lightning precision (``"32-true"``, ``"bf16-mixed"``, ...) before :meth:`apply`."""
 
@@ -94,6 +97,22 @@ class ParallelPlugin(abc.ABC):
         """Skip gradient synchronisation inside this block (non-final gradient-accumulation steps)."""
         yield
 
+    @property
+    def runs_step(self) -> bool:
+        """Whether this plugin runs forward and backward itself (a pipeline schedule), not Lightning."""
+        return False
+
+    def run_step(self, module: Any, batch: Any, train: bool, accumulate: int = 1) -> torch.Tensor:
+        """Forward (and backward if ``train``) over ``batch``; the batch's mean loss on every rank."""
+        raise NotImplementedError(f"{type(self).__name__} does not run steps")
+
+    def sync_gradients(self) -> None:
+        """Reduce what :meth:`no_sync` held back, outside backward (after a pipeline schedule's last step)."""
+
+    def grad_norm_groups(self) -> tuple[Any, ...]:
+        """Process groups over which the gradient norm's square must also be summed (pipeline stages)."""
+        return ()
+
     def settings(self) -> dict[str, Any]:
         """Settings that tell this plugin apart in logs, shown before its mesh sizes."""
         return {}
@@ -101,3 +120,12 @@ class ParallelPlugin(abc.ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in {**self.settings(), **self.mesh_sizes()}.items())
         return f"{type(self).__name__}({fields})"
+
+
+def model_parts(model: nn.Module) -> list[nn.Module]:
+    """The modules whose ``forward`` the step calls: the pipeline stages if the model was split, else the model.
+
+    Data-parallel wrapping (FSDP) makes each part the root of a unit.
+    """
+    parts = getattr(model, "_ultrascale_parts", None)
+    return list(parts()) if parts is not None else [model]

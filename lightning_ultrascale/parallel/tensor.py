@@ -59,6 +59,9 @@ class TensorParallel(ParallelPlugin):
                 f"parallel.tp={self.size}, but model {spec.name} declares no tensor-parallel plan (ModelSpec.tp_plan)"
             )
 
+    def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
+        self.validate_sequence(seq_len)
+
     def validate_sequence(self, seq_len: int) -> None:
         """Sequence parallelism splits the sequence: it must divide by ``tp``."""
         if self.size > 1 and self.sequence_parallel and seq_len % self.size:

@@ -37,7 +37,7 @@ from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.buckets import BucketedAllReduce
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
-from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.plugin import ParallelPlugin, model_parts
 from lightning_ultrascale.utils.memory import ModelStateBytes, playbook_model_state_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -56,7 +56,9 @@ class ZeRO(ParallelPlugin):
         bucket_mb: gradient bucket size (stages 0-2), MiB.
         reshard_after_forward: stage 3: free gathered parameters after each block's forward (and
             gather them again for backward: 3Ψ traffic), or keep them until backward (2Ψ, more
-            memory: the ZeRO-2-like point of FSDP).
+            memory: the ZeRO-2-like point of FSDP). Default (``None``): free them, except under
+            pipeline parallelism, where a stage runs many microbatches per step and would gather
+            its parameters again for every one of them (torchtitan's default too).
         reduce_dtype: dtype of gradient reduction under bf16 parameters (stages 0 and 3; stages
             1-2 reduce in the gradients' dtype): ``"fp32"`` (default, exact sums) or ``"bf16"``
             (half the bytes).
@@ -75,7 +77,7 @@ class ZeRO(ParallelPlugin):
         size: int | None = None,
         replicate: int = 1,
         bucket_mb: float = 25.0,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         reduce_dtype: str = "fp32",
     ) -> None:
         if stage not in STAGES:
@@ -101,7 +103,8 @@ class ZeRO(ParallelPlugin):
         self.reduce_dtype = reduce_dtype
         self.precision = "32-true"
         self.reducer: Any = None  # BucketedAllReduce (stage 0) or ZeroEngine (stages 1, 2)
-        self._fsdp_root: FSDPModule | None = None
+        self._fsdp_roots: list[FSDPModule] = []
+        self._stage_key = "shards"
         self._mesh: DeviceMesh | None = None
 
     def mesh_sizes(self) -> dict[str, int | None]:
@@ -143,12 +146,17 @@ class ZeRO(ParallelPlugin):
         # Gradients are averaged over every data dim: the dp ranks and the context-parallel ranks,
         # which hold other tokens of the same samples.
         self._mesh = mesh["dp_cp"]
+        pp = mesh.root["pp"]
+        self._stage_key = f"pp{pp.get_local_rank()}" if pp.size() > 1 else "shards"
         if self.stage == 3:
             self._fully_shard(model, mesh)
         return model
 
     def _fully_shard(self, model: nn.Module, mesh: ParallelMesh) -> None:
         spec = require_spec(model)
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = mesh.root["pp"].size() == 1
         shard_mesh = mesh.root[("dp_replicate", "dp_shard")] if self.replicate > 1 else mesh["dp_shard"]
         policy = MixedPrecisionPolicy()
         reduce_dtype = REDUCE_DTYPES[self.reduce_dtype]
@@ -160,17 +168,21 @@ class ZeRO(ParallelPlugin):
             policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         blocks = list(model.get_submodule(spec.layers).values())
         for block in blocks:
-            fully_shard(block, mesh=shard_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        # The root unit holds embedding, final norm and head, resharded like the blocks so that
-        # the traffic is the playbook's 3Ψ (keeping it gathered would save re-gathering ~17% of
-        # llama_tiny, a few % of an 8B model, for that much more memory).
-        fully_shard(model, mesh=shard_mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
-        # Explicit forward prefetch: gather block i+1 while block i computes (FSDP2 prefetches
-        # backward by itself, forward only if told).
-        for current, following in itertools.pairwise(blocks):
-            current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
-        assert isinstance(model, FSDPModule)
-        self._fsdp_root = model
+            fully_shard(block, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        # The root unit of each part (the model, or each pipeline stage) holds embedding, final
+        # norm and head, resharded like the blocks so that the traffic is the playbook's 3Ψ
+        # (keeping it gathered would save re-gathering ~17% of llama_tiny, a few % of an 8B model,
+        # for that much more memory).
+        self._fsdp_roots = []
+        for part in model_parts(model):
+            fully_shard(part, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            assert isinstance(part, FSDPModule)
+            self._fsdp_roots.append(part)
+            # Explicit forward prefetch: gather block i+1 while block i computes (FSDP2 prefetches
+            # backward by itself, forward only if told).
+            part_blocks = list(part.get_submodule(spec.layers).values())
+            for current, following in itertools.pairwise(part_blocks):
+                current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
 
     def on_materialized(self, model: nn.Module) -> None:
         if self.reducer is not None:
@@ -204,12 +216,13 @@ class ZeRO(ParallelPlugin):
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         if self.stage in (1, 2) and self.reducer is not None:
-            return self.reducer.state_dict()
+            # Pipeline stages have buckets of their own under the same names: one key per stage.
+            return {self._stage_key: self.reducer.state_dict()}
         return None
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         if self.stage in (1, 2) and self.reducer is not None:
-            self.reducer.load_state_dict(state)
+            self.reducer.load_state_dict(state[self._stage_key])
 
     def setup_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         if self.stage in (1, 2) and self.reducer is not None:
@@ -219,14 +232,22 @@ class ZeRO(ParallelPlugin):
                 )
             self.reducer.attach(optimizers[0])
 
+    def sync_gradients(self) -> None:
+        # Stages 0-2: a pipeline schedule ran its backwards under no_sync; reduce their sum now.
+        # (Stage 3: torch's pipeline stages reduce-scatter after their last backward themselves.)
+        if self.reducer is not None:
+            self.reducer.reduce_now()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        if self._fsdp_root is not None:
-            self._fsdp_root.set_requires_gradient_sync(False)
+        if self._fsdp_roots:
+            for root in self._fsdp_roots:
+                root.set_requires_gradient_sync(False)
             try:
                 yield
             finally:
-                self._fsdp_root.set_requires_gradient_sync(True)
+                for root in self._fsdp_roots:
+                    root.set_requires_gradient_sync(True)
         elif self.reducer is not None:
             with self.reducer.no_sync():
                 yield

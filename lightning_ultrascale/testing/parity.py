@@ -20,6 +20,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.testing.spawn import run_workers
@@ -37,6 +38,19 @@ QUIET_TRAINER: dict[str, Any] = {
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
+
+
+def _whole_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's named tensors merged: pipeline stages each hold only their own parameters."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensors
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensors)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
 
 
 @dataclass
@@ -72,10 +86,10 @@ class ParityRecorder(L.Callback):
         # A sharded optimizer (ZeRO-1/2) keeps the averaged gradient in its shards, not in .grad.
         reduced = getattr(trainer.strategy, "reduced_gradients", lambda: None)()
         grads = {n: reduced.get(p) if reduced is not None else p.grad for n, p in pl_module.named_parameters()}
-        self.record.grads.append({n: _full(g) for n, g in grads.items() if g is not None})
+        self.record.grads.append(_whole_model({n: _full(g) for n, g in grads.items() if g is not None}))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record.params = {n: _full(p) for n, p in pl_module.named_parameters()}
+        self.record.params = _whole_model({n: _full(p) for n, p in pl_module.named_parameters()})
 
 
 def record_run(

@@ -13,7 +13,7 @@ its replicated dims and must not be counted once per rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def grad_norm(parameters: Iterable[nn.Parameter], across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
     """The global L2 norm of the gradients, as if every parameter were whole on one rank.
 
     Every rank holding any of the parameters must call it (it all-reduces over sharded dims).
+    ``across``: groups whose ranks hold different parameters (pipeline stages): the squares are
+    summed over them at the end. A parameter marked ``_ultrascale_norm_skip`` (the second copy of
+    a tied weight) is not counted.
 
     Example:
         >>> p = nn.Parameter(torch.ones(3)); p.grad = torch.full((3,), 2.0)
@@ -35,7 +38,7 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     extra: dict[object, tuple[dist.ProcessGroup, ...]] = {}
     device = None
     for p in parameters:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "_ultrascale_norm_skip", False):
             continue
         g = p.grad
         # A sharded optimizer's flat shard of tensor-parallel pieces is split over more groups
@@ -65,14 +68,18 @@ def grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
         for group in extra[key]:
             dist.all_reduce(squares, group=group)
         total = total + squares
+    for group in across:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter], max_norm: float, across: Sequence[dist.ProcessGroup] = ()
+) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm`` (torch's formula); return the norm."""
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params)
+    norm = grad_norm(params, across)
     # torch.nn.utils.clip_grad_norm_'s coefficient, epsilon included, for identical numerics.
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:

@@ -1,0 +1,70 @@
+"""A pipeline stage as a module: a view of the pieces of the model that one stage runs.
+
+The rank keeps ONE model object holding every piece of all its stages (so parameter names, and
+with them checkpoints and per-parameter seeding, are those of the whole model). Each stage is a
+:class:`StageModule` that registers the same embedding / blocks / norm / head modules as its
+children, so ``stage.parameters()`` are exactly the stage's (torch's ``PipelineStage`` computes
+weight gradients from them) and FSDP can wrap a stage as the root of its own unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_ultrascale.models.spec import ModelSpec
+
+
+class StageModule(nn.Module):
+    """Stage ``index`` of a pipeline: ``forward(x, position_ids) -> hidden state or logits``.
+
+    ``x`` is the token ids on the first stage and the previous stage's hidden state elsewhere.
+    The model must implement ``forward_stage(x, position_ids, blocks, embed=, head=)`` (our
+    :class:`~lightning_ultrascale.models.llama.Llama` does).
+    """
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, index: int, blocks: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        # The model is not a child: the stage is a view of some of its pieces.
+        self.__dict__["_model"] = model
+        self.index = index
+        self.first = first
+        self.last = last
+        self.block_names = [str(i) for i in blocks]
+        layers = model.get_submodule(spec.layers)
+        if first:
+            self.add_module(spec.embedding, model.get_submodule(spec.embedding))
+        self.add_module(spec.layers, nn.ModuleDict({name: layers[name] for name in self.block_names}))
+        if last:
+            self.add_module(spec.final_norm, model.get_submodule(spec.final_norm))
+            self.add_module(spec.head, model.get_submodule(spec.head))
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        model = self.__dict__["_model"]
+        out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, blocks={self.block_names}, first={self.first}, last={self.last}"
+
+
+def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: bool, last: bool) -> None:
+    """Drop from ``model`` every piece its rank's stages do not run (on the meta device: free)."""
+    layers = model.get_submodule(spec.layers)
+    for name in list(layers.keys()):
+        if int(name) not in blocks:
+            del layers[name]
+    if not first:
+        setattr(model, spec.embedding, None)
+    if not last:
+        setattr(model, spec.final_norm, None)
+        setattr(model, spec.head, None)
+
+
+def first_param_device(module: nn.Module) -> torch.device:
+    """Where the module's (local) parameters live."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
