@@ -126,6 +126,7 @@ def _hydra_task(cfg: DictConfig) -> None:
 
 def plugins(parallel: DictConfig) -> list[Any]:
     """The parallelism plugins a ``parallel`` config group asks for."""
+    from lightning_ultrascale.parallel.pipeline import PipelineParallel
     from lightning_ultrascale.parallel.recompute import Recompute
     from lightning_ultrascale.parallel.tensor import TensorParallel
     from lightning_ultrascale.parallel.zero import ZeRO
@@ -140,6 +141,17 @@ def plugins(parallel: DictConfig) -> list[Any]:
             reduce_dtype=parallel.reduce_dtype,
         )
     ]
+    if parallel.pp > 1:
+        split_points = parallel.pp_split_points
+        chosen.append(
+            PipelineParallel(
+                parallel.pp,
+                parallel.pp_schedule,
+                microbatches=parallel.pp_microbatches,
+                virtual_stages=parallel.pp_virtual_stages,
+                split_points=list(split_points) if split_points is not None else None,
+            )
+        )
     if parallel.tp > 1:
         chosen.append(TensorParallel(parallel.tp, parallel.sequence_parallel, parallel.loss_parallel))
     if parallel.recompute != "none":

@@ -78,6 +78,8 @@ class TensorParallel(ParallelPlugin):
         assert spec.tp_plan is not None
         tp_mesh = mesh["tp"]
         top, block_plan = spec.tp_plan(self.sequence_parallel)
+        # A pipeline stage may lack the embedding or the head (set to None): nothing to shard there.
+        top = {name: style for name, style in top.items() if _present(model, name)}
         parallelize_module(model, tp_mesh, top)
         for block in model.get_submodule(spec.layers).values():
             parallelize_module(block, tp_mesh, block_plan)
@@ -93,3 +95,10 @@ class TensorParallel(ParallelPlugin):
         # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
         with loss_parallel() if self.size > 1 and self.loss_parallel else contextlib.nullcontext():
             yield
+
+
+def _present(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False

@@ -1,49 +1,65 @@
 """Pipeline-schedule simulator: when each rank computes what, how long it idles, what it holds.
 
-The *order* of compute on every rank is torch's own, so a timeline here is the timeline that
-``torch.distributed.pipelining`` would run. The multi-stage schedules come from the class's
-``pipeline_order`` (built with mocked stages, as ``torch.distributed.pipelining._schedule_visualizer
-.get_schedule_ops`` does; no process group). GPipe and 1F1B run no such IR: their
+The *order* of compute on every rank is torch's own, so a timeline here is the one that
+``torch.distributed.pipelining`` runs. Multi-stage schedules come from the class's
+``pipeline_order``, built with mocked stages as ``torch.distributed.pipelining._schedule_visualizer
+.get_schedule_ops`` does (no process group). GPipe and 1F1B run no such IR: their
 ``_step_microbatches`` is a hand-written loop, which ``_single_stage_order`` mirrors. (torch's
-``Schedule1F1B._get_pipeline_order``, used only by the visualizer, is wrong on the last rank in
+``Schedule1F1B._get_pipeline_order``, which only the visualizer reads, is wrong on the last rank in
 torch 2.13: it skips ``F0`` and emits an ``F{m}`` that does not exist.)
 
-The *times* are ours: every op starts as soon as its rank is free and its input exists, and lasts
-its :class:`OpCosts`. An op on one stage and microbatch depends on
+The *times* are ours: an op starts once its rank is free and its input exists, and lasts its
+:class:`OpCosts`. On one stage and microbatch, ``F`` waits for the previous stage's ``F``; ``B``
+(input gradient) or ``BW`` (full backward: input and weight gradient in one op) waits for the next
+stage's input gradient, or for the same stage's ``F`` on the last stage (the loss); ``W`` (weight
+gradient) waits for the same stage's ``B``. A producer on another rank adds ``OpCosts.p2p``.
+DualPipeV's ``OVERLAP_F_B`` is its forward then its backward, each waiting for its own input, as
+torch's runtime runs it.
 
-- ``F``: the forward of the previous stage;
-- ``B`` (input gradient) or ``BW`` (full backward, input and weight gradient in one op): the input
-  gradient of the next stage, or the same stage's forward on the last stage (the loss);
-- ``W`` (weight gradient): the same stage's ``B``;
+Bubble, in the playbook's unit (HF Ultra-Scale Playbook, "Pipeline parallelism"): idle over compute
+time of a rank, ``r_bubble = (makespan - busy) / busy``. Every rank holds ``v`` stages of equal cost,
+so ``busy = m v (F + B + W)`` on every rank and ``r_bubble`` is the same on all of them.
+:func:`bubble_formula` gives the closed forms for ``p`` ranks, ``m`` microbatches, ``v`` stages per
+rank and per-stage costs ``F``, ``B``, ``W`` (``p2p = 0``); the simulator meets each exactly except
+where noted:
 
-plus ``OpCosts.p2p`` when the producer sits on another rank. DualPipeV's ``OVERLAP_F_B`` runs its
-forward then its backward, one after the other, as torch's runtime does.
+================  ======================================  ============================================
+schedule          bubble time per rank                    source, and what torch's order achieves
+================  ======================================  ============================================
+afab, 1f1b        (p-1)(F+B+W)  -> r = (p-1)/m            Playbook (GPipe; PipeDream-Flush 1F1B)
+interleaved_1f1b  (p-1)(F+B+W)  -> r = (p-1)/(v m)        Playbook; Narayanan et al. 2021
+looped_bfs        (p-1)(F+B+W)  -> r = (p-1)/(v m)        Lamy-Poirier 2023 (breadth-first)
+zero_bubble       (p-1) max(F, B, F+B-W)                  ZB-H1 (Qi et al. 2023, section 2): (p-1)(F+B-W)
+                                                          for W <= F, B: 1/3 of 1F1B's at F = B = W.
+                                                          Heavier W: torch's order keeps the fill
+                                                          (p-1)F or the drain (p-1)B (measured, any v)
+zbv               (p-1)F                                  ZB-V (Qi et al., section 6): zero bubble at
+                                                          F = B = W, counting with the next step
+                                                          overlapping this one; one synchronous step
+                                                          keeps the fill (p-1)F, which no schedule
+                                                          avoids. torch's fixed order does worse when
+                                                          the costs differ (its docstring says so)
+dualpipev         (p-1)(F&B + (B+W) - 3W), F&B = F+B+W    DeepSeek-V3 report Table 2 and the DualPipe
+                                                          README (DualPipeV on PP/2 = p ranks), with
+                                                          the overlapped pair as one block. torch runs
+                                                          the pair's halves in turn, each waiting only
+                                                          for its own input: at F = B = W it gets
+                                                          (p-1)F, half the formula
+================  ======================================  ============================================
 
-Bubble, in the playbook's unit (HF Ultra-Scale Playbook, "Pipeline parallelism"): the idle time of
-a rank over its compute time, ``r_bubble = (makespan - busy) / busy``. Every rank holds ``v`` stages
-of equal cost, so ``busy = m v (F + B + W)`` on all of them and the ratio is the same everywhere.
-:func:`bubble_formula` gives the closed forms, in the same unit, for ``p`` ranks, ``m``
-microbatches, ``v`` stages per rank and the per-stage costs ``F``, ``B`` (input gradient) and ``W``
-(weight gradient), with ``p2p = 0``:
+Activations (:meth:`Timeline.peak_activations`) count the ``(stage, microbatch)`` pairs a rank
+holds, from the end of their forward to the end of the op that frees them; one pair is ``1/v`` of a
+rank's layers. For a split backward that op is ``W``: torch frees the stage's input and output
+after ``B``, but ``W`` still needs the input of every linear layer, most of a block's saved
+activations (the ZB paper's ``M_W``), so the count is an upper bound there. Peaks on rank ``r``
+(``m >= p``; ``m >= 2p`` for zbv):
 
-==================  ======================================  ==========================================
-schedule            bubble time per rank                    source
-==================  ======================================  ==========================================
-``afab``, ``1f1b``  (p-1)(F+B+W)                            Playbook: r = (p-1)/m
-``interleaved``     (p-1)(F+B+W)                            Playbook: r = (p-1)/(v m) (Narayanan 2021)
-``looped_bfs``      (p-1)(F+B+W)                            Lamy-Poirier 2022 (breadth-first)
-``zero_bubble``     (p-1)(F+B-W)          (v = 1)           Qi et al. 2023, ZB-H1: 1/3 of 1F1B's
-``zbv``             (p-1)(F+B-2W) + ...   see below         Qi et al. 2023, section 6
-``dualpipev``       (p-1)(F&B + (B+W) - 3W), F&B = F+B+W    DeepSeek-V3 report Table 2, DualPipe README
-==================  ======================================  ==========================================
-
-FIXME table rows for zbv / zero_bubble v>1 filled after measurement.
-
-Activations (:meth:`Timeline.peak_activations`) count ``(stage, microbatch)`` pairs a rank holds:
-from the end of the forward to the end of the op that frees them. That op is ``W`` when the
-backward is split: torch frees the stage's input and output after ``B``, but ``W`` still needs the
-inputs of every linear layer, most of a block's saved activations (the ZB paper's ``M_W``). The
-count is therefore an upper bound for split schedules. One pair is ``1/v`` of a rank's layers.
+- afab ``m``; 1f1b ``p - r`` (the playbook: ``p`` on rank 0);
+- interleaved_1f1b ``min(m v, (v-1) m_r + 2(p-1-r) + 1)`` with torch's round ``m_r = m // (m // p)``
+  (Megatron's warm-up): ``v p + p - 1`` on rank 0, i.e. ``p + (p-1)/v`` microbatches of the rank's
+  layers (Narayanan et al. 2021); looped_bfs ``m v``;
+- zero_bubble (v = 1) ``p`` on every rank (ZB-H1: 1F1B's peak, on all ranks); zbv ``2p`` on every
+  rank (ZB-V: 1F1B's peak in layers, balanced); dualpipev ``2p + 1`` (DeepSeek: ``PP + 1``).
 """
 
 from __future__ import annotations
@@ -122,7 +138,7 @@ class Timeline:
 
     def rank_ops(self, rank: int) -> list[Op]:
         """The ops of ``rank``, in the order it runs them."""
-        return sorted((op for op in self.ops if op.rank == rank), key=lambda op: op.start)
+        return [op for op in self.ops if op.rank == rank]  # simulate() appends them in that order
 
     def compute_time(self, rank: int) -> float:
         return sum(op.end - op.start for op in self.ops if op.rank == rank)
@@ -160,22 +176,22 @@ class Timeline:
         Example (``simulate("1f1b", 2, 3, costs=OpCosts(1, 1, 0))``)::
 
             rank 0 | F0  F1  .   BW0 F2  BW1 .   BW2
-            rank 1 | .   F0  BW0 F1  BW1 F2  BW2
+            rank 1 | .   F0  BW0 F1  BW1 F2  BW2 .
         """
         if unit is None:
             unit = min(d for d in (op.end - op.start for op in self.ops) if d > 0)
         width = max(len(self._label(op)) for op in self.ops) + 1
+        total = round(self.makespan / unit)
         lines = []
         for rank in range(self.p):
             cells: list[str] = []
             for op in self.rank_ops(rank):
                 first, last = round(op.start / unit), round(op.end / unit)
-                cells.extend(["."] * (first - len(cells)))
-                span = max(1, last - first)
-                cells.append(self._label(op).ljust(span * width - 1, "-"))
-                cells.extend([""] * (span - 1))
-            line = "".join(c.ljust(width) if c else "" for c in cells)
-            lines.append(f"rank {rank} | {line}".rstrip())
+                if last > first:  # an op shorter than half a cell is not drawn
+                    cells += ["."] * (first - len(cells))
+                    cells += [self._label(op)] + ["-" * (width - 1)] * (last - first - 1)
+            cells += ["."] * (total - len(cells))
+            lines.append(f"rank {rank} | " + "".join(c.ljust(width) for c in cells).rstrip())
         return "\n".join(lines)
 
     def render_png(self, path: str | Path) -> None:
@@ -189,7 +205,8 @@ class Timeline:
                 "(or pip install 'lightning-ultrascale[plot]')"
             ) from err
         colors = {"F": "#4c78a8", "B": "#54a24b", "W": "#b5cf6b", "BW": "#f58518"}
-        fig = Figure(figsize=(max(6.0, 0.3 * self.makespan / min(self.costs.duration("F"), 1.0)), 0.6 * self.p + 1))
+        unit = min(d for d in (op.end - op.start for op in self.ops) if d > 0)
+        fig = Figure(figsize=(min(60.0, max(6.0, 0.35 * self.makespan / unit)), 0.6 * self.p + 1))
         ax = fig.subplots()
         for op in self.ops:
             ax.barh(op.rank, op.end - op.start, left=op.start, color=colors[op.kind], edgecolor="black", lw=0.5)
@@ -233,12 +250,12 @@ def torch_order(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Action, ..
         return tuple(tuple(_single_stage_order(schedule, p, m, r)) for r in range(p))
     from unittest import mock
 
-    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.distributed.pipelining.schedules import get_schedule_class
     from torch.distributed.pipelining.stage import PipelineStage
 
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.num_stages, stage.submod = 0, p, p * v, None
-    pipeline_order = getattr(torch_schedules, info.torch_class)([stage] * v, m).pipeline_order
+    pipeline_order = get_schedule_class(info.torch_class)([stage] * v, m).pipeline_order
     orders = []
     for rank in range(p):
         actions = []
@@ -309,8 +326,8 @@ def bubble_formula(schedule: str, p: int, m: int, v: int | None = None, costs: O
         "1f1b": (p - 1) * (f + b + w),
         "interleaved_1f1b": (p - 1) * (f + b + w),
         "looped_bfs": (p - 1) * (f + b + w),
-        "zero_bubble": (p - 1) * (f + b - w),
-        "zbv": (p - 1) * (f + b - 2 * w),
+        "zero_bubble": (p - 1) * max(f, b, f + b - w),
+        "zbv": (p - 1) * f,
         "dualpipev": (p - 1) * ((f + b + w) + (b + w) - 3 * w),
     }[schedule]
     return bubble / busy
