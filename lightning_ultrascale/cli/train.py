@@ -197,6 +197,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
     dims.validate_model(module.model_spec)
+    for plugin in chosen:
+        plugin.validate(dims, module.model_spec)
     accumulate = dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
 
     out = Path(run_dir())

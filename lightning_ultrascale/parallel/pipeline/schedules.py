@@ -91,7 +91,10 @@ def validate_microbatches(name: str, pp: int, virtual_stages: int, microbatches:
     stages = pp * virtual_stages
     minimum = stages if info.min_microbatches_per == "stage" else pp
     if microbatches < minimum:
-        per = f"the number of stages (pp x virtual stages = {pp} x {virtual_stages})" if minimum == stages else "pp"
+        if info.min_microbatches_per == "stage":
+            per = f"the number of stages (pp x virtual stages = {pp} x {virtual_stages})"
+        else:
+            per = "pp"
         raise ConfigError(
             f"parallel.pp_microbatches={microbatches} is fewer than {per} = {minimum}, the minimum of "
             f"parallel.pp_schedule={name!r}; valid: {minimum} or more (more microbatches, smaller bubble)"

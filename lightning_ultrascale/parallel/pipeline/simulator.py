@@ -28,7 +28,7 @@ schedule          bubble time per rank                    source, and what torch
 ================  ======================================  ============================================
 afab, 1f1b        (p-1)(F+B+W)  -> r = (p-1)/m            Playbook (GPipe; PipeDream-Flush 1F1B)
 interleaved_1f1b  (p-1)(F+B+W)  -> r = (p-1)/(v m)        Playbook; Narayanan et al. 2021
-looped_bfs        (p-1)(F+B+W)  -> r = (p-1)/(v m)        Lamy-Poirier 2023 (breadth-first)
+looped_bfs        (p-1)(F+B+W)  -> r = (p-1)/(v m)        as interleaved (Lamy-Poirier, arXiv 2211.05953)
 zero_bubble       (p-1) max(F, B, F+B-W)                  ZB-H1 (Qi et al. 2023, section 2): (p-1)(F+B-W)
                                                           for W <= F, B: 1/3 of 1F1B's at F = B = W.
                                                           Heavier W: torch's order keeps the fill
@@ -57,7 +57,7 @@ activations (the ZB paper's ``M_W``), so the count is an upper bound there. Peak
 - afab ``m``; 1f1b ``p - r`` (the playbook: ``p`` on rank 0);
 - interleaved_1f1b ``min(m v, (v-1) m_r + 2(p-1-r) + 1)`` with torch's round ``m_r = m // (m // p)``
   (Megatron's warm-up): ``v p + p - 1`` on rank 0, i.e. ``p + (p-1)/v`` microbatches of the rank's
-  layers (Narayanan et al. 2021); looped_bfs ``m v``;
+  layers (Korthikanti et al. 2022, section 4.2.3); looped_bfs ``m v``;
 - zero_bubble (v = 1) ``p`` on every rank (ZB-H1: 1F1B's peak, on all ranks); zbv ``2p`` on every
   rank (ZB-V: 1F1B's peak in layers, balanced); dualpipev ``2p + 1`` (DeepSeek: ``PP + 1``).
 """

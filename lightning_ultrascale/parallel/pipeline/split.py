@@ -66,7 +66,7 @@ def _stage_cost(costs: PieceCosts, start: int, stop: int) -> float:
 def balance_stages(costs: PieceCosts, n_stages: int) -> list[range]:
     """Contiguous block ranges, one per stage (each non-empty), minimising the costliest stage.
 
-    Dynamic programming over (stages, blocks): exact, O(n_stages x n_blocks^2).
+    Dynamic programming over (stages, blocks), O(n_stages x n_blocks^2).
 
     Example:
         >>> costs = PieceCosts(embedding=0.0, blocks=(1.0,) * 8, head=2.0)
@@ -76,18 +76,20 @@ def balance_stages(costs: PieceCosts, n_stages: int) -> list[range]:
     n = len(costs.blocks)
     if not 1 <= n_stages <= n:
         raise ConfigError(f"{n_stages} pipeline stages need 1 to {n} blocks each; the model has {n} blocks")
-    inf = float("inf")
-    # best[s][j]: the lowest possible maximum stage cost putting blocks [0, j) on s stages.
+    inf = (float("inf"), float("inf"))
+    # best[s][j]: the best (costliest stage, sum of squared stage costs) putting blocks [0, j) on
+    # s stages: the lowest maximum first (the pipeline's pace), then the most even spread.
     best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, n_stages + 1):
         for j in range(s, n - (n_stages - s) + 1):
             for i in range(s - 1, j):
-                value = max(best[s - 1][i], _stage_cost(costs, i, j))
-                # Ties go to the later cut: earlier stages (which hold more activations under
-                # 1F1B) get the fewer blocks.
-                if value <= best[s][j]:
+                cost = _stage_cost(costs, i, j)
+                value = (max(best[s - 1][i][0], cost), best[s - 1][i][1] + cost * cost)
+                # Strict: among equals the earliest cut wins, so earlier stages (which hold the
+                # most microbatches' activations under 1F1B) get the fewer blocks.
+                if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
     bounds = [n]
     for s in range(n_stages, 0, -1):
