@@ -172,6 +172,7 @@ def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
             "ZeRO(stage=3, dp_replicate=2, dp_shard=None)",
         ),
         (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=2"], "Recompute"),
+        (["parallel=pp"], "PipelineParallel(schedule=1f1b, microbatches=2, virtual_stages=1, pp=2)"),
     ],
 )
 def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, expected):
@@ -187,6 +188,13 @@ def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, exp
         (["parallel.recompute=most"], r"parallel.recompute='most' is unknown; valid: none, full, selective"),
         (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=0"], r"recompute_every=0"),
         (["parallel=zero2", "parallel.bucket_mb=0"], r"parallel.bucket_mb=0 must be > 0"),
+        (["parallel=pp", "parallel.pp_schedule=gpipe2"], r"parallel.pp_schedule='gpipe2' is unknown; valid: afab"),
+        (["parallel=pp", "parallel.pp_microbatches=3"], r"micro_batch_size=8 .* by parallel.pp_microbatches=3"),
+        (
+            ["parallel=pp", "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b", "trainer.devices=4"],
+            r"= 8 stages, but model llama_tiny has n_layers=4",
+        ),
+        (["parallel=pp", "parallel.pp_split_points=[layers.7]"], r"layers.7 are not split points; valid: layers.1"),
     ],
 )
 def test_bad_parallel_settings_fail_before_any_process_group(tmp_path, monkeypatch, overrides, message):

@@ -99,15 +99,12 @@ def test_more_stages_than_layers_is_refused_before_any_process_group():
     plugin = PipelineParallel(4, "interleaved_1f1b")
     with pytest.raises(ConfigError, match=r"pp=4 x parallel.pp_virtual_stages=2 = 8 stages, but model llama_tiny has"):
         plugin.validate(ParallelDims(pp=4), build_model("llama_tiny", device="meta").spec)
+    # What trainer.fit does first: the strategy checks the module's declared spec, then sets up processes.
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=UltraScaleStrategy(plugin), **QUIET_TRAINER)
+    trainer.strategy._lightning_module = LlamaModule("llama_tiny")
     with pytest.raises(ConfigError, match=r"8 stages, but model llama_tiny has n_layers=4"):
-        trainer.strategy.setup_environment.__func__(_with_module(trainer.strategy))
+        trainer.strategy.setup_environment()
     assert not dist.is_initialized()
-
-
-def _with_module(strategy):
-    strategy._lightning_module = LlamaModule("llama_tiny")
-    return strategy
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():
