@@ -1,0 +1,237 @@
+"""Attention over a sequence split across the ``cp`` ranks: ring, zig-zag ring and all-to-all (Ulysses).
+
+**Ring** (Liu et al. 2023, the playbook's "Ring Attention"). Each rank keeps its queries; the key
+and value blocks travel around the ring, and each rank merges its partial results with their
+log-sum-exp in fp32 (the online softmax of FlashAttention). The backward pass sends the K/V blocks
+around again, together with their gradient accumulators, which arrive home after a full circle.
+Only the kv heads travel (grouped-query attention expands them locally).
+
+Which blocks a rank computes at ring step ``i`` (keys from rank ``src = rank - i``):
+
+* contiguous split (``ring``): rank ``r`` holds chunk ``r``. ``src == r``: the causal diagonal;
+  ``src < r``: all of it; ``src > r``: nothing, so rank ``cp - 1`` does ``cp`` times the work of rank 0;
+* zig-zag split (``zigzag_ring``): the sequence is cut into ``2 cp`` chunks of ``c`` tokens and rank
+  ``r`` holds chunks ``r`` and ``2cp-1-r``. ``src == r``: the causal diagonal of its ``2c`` tokens;
+  ``src < r``: all queries against the source's first chunk; ``src > r``: the second query chunk
+  against both source chunks. Every step costs ``2c^2`` score pairs on every rank: balanced.
+
+**All-to-all** (Ulysses, Jacobs et al. 2023): scatter heads and gather the sequence, run ordinary
+causal attention on whole sequences of ``h / cp`` heads, and scatter back. Heads must divide by cp.
+
+The local kernel (:func:`block_attention`) is an exact fp32 reference in plain matmuls, forward and
+backward. It returns the log-sum-exp the merge needs; a fused (flash / Triton) kernel can replace it
+where one exposes the LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_ultrascale.parallel.context_comm import RingExchange, all_to_all
+
+METHODS = ("ring", "zigzag_ring", "all_to_all")
+
+
+# ------------------------------------------------------------------------------------ sequence layout
+def local_positions(method: str, seq_len: int, cp: int, rank: int) -> Tensor:
+    """The positions of the sequence that ``rank`` holds (zig-zag: chunks ``r`` and ``2cp-1-r``).
+
+    Example:
+        >>> local_positions("zigzag_ring", 8, 2, 0).tolist(), local_positions("ring", 8, 2, 1).tolist()
+        ([0, 1, 6, 7], [4, 5, 6, 7])
+    """
+    if method == "zigzag_ring":
+        c = seq_len // (2 * cp)
+        first, second = rank * c, (2 * cp - 1 - rank) * c
+        return torch.cat((torch.arange(first, first + c), torch.arange(second, second + c)))
+    n = seq_len // cp
+    return torch.arange(rank * n, (rank + 1) * n)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One local attention call: query rows ``q`` against key rows ``k`` (slices), causal or not."""
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+def ring_blocks(method: str, rank: int, src: int, local_len: int) -> list[Block]:
+    """What ``rank`` computes with the keys of ``src`` (see the module docstring)."""
+    everything = slice(0, local_len)
+    if src == rank:
+        return [Block(everything, everything, causal=True)]
+    if method == "ring":
+        return [Block(everything, everything, causal=False)] if src < rank else []
+    half = local_len // 2
+    if src < rank:
+        return [Block(everything, slice(0, half), causal=False)]
+    return [Block(slice(half, local_len), everything, causal=False)]
+
+
+# ------------------------------------------------------------------------------------ local kernel
+@dataclass
+class FlopCounter:
+    """Attention score pairs computed (query x key, unmasked), summed: for load-balance checks."""
+
+    pairs: int = 0
+    calls: list[int] = field(default_factory=list)
+
+
+#: Set to a FlopCounter to count the work of every local block (tests and benchmarks).
+FLOPS: FlopCounter | None = None
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    if FLOPS is not None:
+        n = q.shape[-2] * k.shape[-2]
+        pairs = n - (q.shape[-2] * (q.shape[-2] - 1)) // 2 if causal else n
+        FLOPS.pairs += pairs * q.shape[0] * q.shape[1]
+        FLOPS.calls.append(pairs)
+    return s
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T scale) v`` and its log-sum-exp per query row, in fp32 (``[b, h, s, d]`` inputs)."""
+    s = _scores(q.float(), k.float(), causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.float())
+    return out, lse
+
+
+def block_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dout: Tensor, delta: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the GLOBAL ``lse`` and ``delta = rowsum(dout * out)`` (FlashAttention-2)."""
+    s = _scores(q.float(), k.float(), causal, scale)
+    p = torch.exp(s - lse[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(ds, k.float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq, dk, dv
+
+
+def _expand(kv: Tensor, n_rep: int) -> Tensor:
+    return kv.repeat_interleave(n_rep, dim=1) if n_rep > 1 else kv
+
+
+def _fold(grad: Tensor, n_rep: int) -> Tensor:
+    # The gradient of repeat_interleave: sum over the query heads that shared a kv head.
+    if n_rep == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+# ------------------------------------------------------------------------------------ ring attention
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, method: str, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ring = RingExchange(group)
+        rank, size = ring.rank, ring.size
+        n_rep = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        length = q.shape[-2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = (k.contiguous(), v.contiguous())
+        for step in range(size):
+            src = (rank - step) % size
+            incoming = ring.start(*kv) if step < size - 1 else None  # overlaps the compute below
+            for blk in ring_blocks(method, rank, src, length):
+                o, block_lse = block_attention(
+                    q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
+                    blk.causal, scale,
+                )  # fmt: skip
+                # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
+                old = lse[:, :, blk.q]
+                merged = torch.logaddexp(old, block_lse)
+                out[:, :, blk.q] = (
+                    out[:, :, blk.q] * torch.exp(old - merged)[..., None] + o * torch.exp(block_lse - merged)[..., None]
+                )
+                lse[:, :, blk.q] = merged
+            if incoming is not None:
+                ring.wait()
+                kv = (incoming[0], incoming[1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.method, ctx.group = method, group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        kv_ring, grad_ring = RingExchange(ctx.group), RingExchange(ctx.group)
+        rank, size = kv_ring.rank, kv_ring.size
+        n_rep = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        length = q.shape[-2]
+        dout = dout.float()
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = (k.contiguous(), v.contiguous())
+        # The gradient accumulators of the K/V block currently held travel with it.
+        dkv = (
+            torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+            torch.zeros(v.shape, dtype=torch.float32, device=v.device),
+        )
+        for step in range(size):
+            src = (rank - step) % size
+            incoming = kv_ring.start(*kv) if step < size - 1 else None
+            for blk in ring_blocks(ctx.method, rank, src, length):
+                gq, gk, gv = block_attention_backward(
+                    q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
+                    lse[:, :, blk.q], dout[:, :, blk.q], delta[:, :, blk.q], blk.causal, scale,
+                )  # fmt: skip
+                dq[:, :, blk.q] += gq
+                dkv[0][:, :, blk.k] += _fold(gk, n_rep)
+                dkv[1][:, :, blk.k] += _fold(gv, n_rep)
+            # Every accumulator moves on, size times in all: the last move brings it home.
+            arriving = grad_ring.start(*dkv)
+            if incoming is not None:
+                kv_ring.wait()
+                kv = (incoming[0], incoming[1])
+            grad_ring.wait()
+            dkv = (arriving[0], arriving[1])
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring") -> Tensor:
+    """Causal attention of this rank's queries over the whole sequence spread on ``group``.
+
+    ``q``: ``[b, heads, local_len, head_dim]``; ``k``, ``v``: ``[b, kv_heads, local_len, head_dim]``,
+    the local part of the sequence laid out by :func:`local_positions` for ``method``.
+    """
+    return _RingAttention.apply(q, k, v, method, group)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """All-to-all attention: heads scattered, the (contiguously split) sequence gathered, then back."""
+    cp = dist.get_world_size(group)
+    if k.shape[1] % cp:
+        # Fewer kv heads than ranks: give every query head its kv head before scattering heads.
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = _expand(k, n_rep), _expand(v, n_rep)
+    q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (q, k, v))
+    n_rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep), is_causal=True)
+    return all_to_all(out, scatter_dim=2, gather_dim=1, group=group)
+
+
+def attention_fn(method: str, group: dist.ProcessGroup) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The ``Attention.attention_fn`` that context parallelism installs for ``method``."""
+    if method == "all_to_all":
+        return lambda q, k, v: ulysses_attention(q, k, v, group)
+    return lambda q, k, v: ring_attention(q, k, v, group, method)
