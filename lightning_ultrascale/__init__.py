@@ -12,6 +12,7 @@ from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
 from lightning_ultrascale.module import LlamaModule, OptimConfig
+from lightning_ultrascale.parallel.context import ContextParallel
 from lightning_ultrascale.parallel.data_parallel import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.pipeline import PipelineParallel
@@ -22,6 +23,7 @@ from lightning_ultrascale.strategy import UltraScaleStrategy
 
 __all__ = [
     "ConfigError",
+    "ContextParallel",
     "DataParallel",
     "LlamaConfig",
     "LlamaModule",

@@ -382,8 +382,18 @@ class UltraScaleStrategy(ModelParallelStrategy):
                 stack.enter_context(plugin.step_context())
             yield
 
+    def _shard_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Each plugin's part of the batch (context parallelism keeps this rank's tokens)."""
+        for plugin in self.plugins:
+            if "batch" in kwargs:
+                kwargs = {**kwargs, "batch": plugin.shard_batch(kwargs["batch"])}
+            elif args:
+                args = (plugin.shard_batch(args[0]), *args[1:])
+        return args, kwargs
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._shard_batch(args, kwargs)
         runner = self.step_runner
         if runner is None:
             with self._step_context():
@@ -392,6 +402,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._shard_batch(args, kwargs)
         runner = self.step_runner
         with self._step_context():
             if runner is None:

@@ -126,6 +126,7 @@ def _hydra_task(cfg: DictConfig) -> None:
 
 def plugins(parallel: DictConfig) -> list[Any]:
     """The parallelism plugins a ``parallel`` config group asks for."""
+    from lightning_ultrascale.parallel.context import ContextParallel
     from lightning_ultrascale.parallel.pipeline import PipelineParallel
     from lightning_ultrascale.parallel.recompute import Recompute
     from lightning_ultrascale.parallel.tensor import TensorParallel
@@ -152,6 +153,8 @@ def plugins(parallel: DictConfig) -> list[Any]:
                 split_points=list(split_points) if split_points is not None else None,
             )
         )
+    if parallel.cp > 1:
+        chosen.append(ContextParallel(parallel.cp, parallel.cp_method))
     if parallel.tp > 1:
         chosen.append(TensorParallel(parallel.tp, parallel.sequence_parallel, parallel.loss_parallel))
     if parallel.recompute != "none":
@@ -191,14 +194,13 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         )
 
     chosen = plugins(cfg.parallel)
-    for plugin in chosen:
-        plugin.validate_data(data.seq_len, data.micro_batch_size)
     strategy = UltraScaleStrategy(*chosen, seed=cfg.seed)
     t = cfg.trainer
     dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
     dims.validate_model(module.model_spec)
     for plugin in chosen:
         plugin.validate(dims, module.model_spec)
+        plugin.validate_data(data.seq_len, data.micro_batch_size)
     accumulate = dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
 
     out = Path(run_dir())

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,11 +247,24 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal SDPA of ``q [b, heads, s, d]`` over ``k, v [b, kv_heads, s, d]`` (grouped-query)."""
+    # Expanding kv heads ourselves instead of `enable_gqa=True` keeps every SDPA backend
+    # (flash, memory-efficient, cuDNN, CPU) eligible; repeat_interleave is HF's `repeat_kv`
+    # order: query head j reads kv head j // n_rep.
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE.
 
     Head counts are read from the projections' outputs (``view(..., -1, head_dim)``), so the
     module works unchanged when tensor parallelism leaves each rank a slice of the heads.
+    ``attention_fn(q, k, v)`` is the attention itself (kv heads not expanded); context
+    parallelism replaces it with ring or all-to-all attention over the sequence's ranks.
     """
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -261,6 +274,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -268,13 +282,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Expanding kv heads ourselves instead of `enable_gqa=True` keeps every SDPA backend
-        # (flash, memory-efficient, cuDNN, CPU) eligible; repeat_interleave is HF's `repeat_kv`
-        # order: query head j reads kv head j // n_rep.
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

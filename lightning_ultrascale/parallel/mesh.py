@@ -6,7 +6,9 @@ flattened dims are added, as torchtitan does:
 
 - ``dp``: ``dp_replicate x dp_shard``, the ranks that read different samples (the sampler's view);
 - ``dp_cp``: ``dp_replicate x dp_shard x cp``, the ranks that reduce gradients together (context
-  parallel ranks hold different tokens of the same samples, so their gradients add up too).
+  parallel ranks hold different tokens of the same samples, so their gradients add up too);
+- ``dp_shard_cp``: ``dp_shard x cp``, the ranks FSDP shards over (cp ranks join the sharding, as
+  in torchtitan, so that their gradients are reduced with the others').
 
 torch deprecates slicing flattened dims back out of the root mesh ("users need to bookkeep the
 flattened mesh directly"), so :class:`ParallelMesh` keeps them.
@@ -20,7 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
 
-FLAT_DIMS: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": DATA_DIMS}
+FLAT_DIMS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": DATA_DIMS,
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,10 @@ class ParallelPlugin(abc.ABC):
         """Skip gradient synchronisation inside this block (non-final gradient-accumulation steps)."""
         yield
 
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's part of a batch every rank of its data-parallel group received (context parallel)."""
+        return batch
+
     @property
     def runs_step(self) -> bool:
         """Whether this plugin runs forward and backward itself (a pipeline schedule), not Lightning."""

@@ -157,7 +157,9 @@ class ZeRO(ParallelPlugin):
         reshard = self.reshard_after_forward
         if reshard is None:
             reshard = mesh.root["pp"].size() == 1
-        shard_mesh = mesh.root[("dp_replicate", "dp_shard")] if self.replicate > 1 else mesh["dp_shard"]
+        # Context-parallel ranks shard too: they hold other tokens of the same samples, and their
+        # gradients must be summed with the dp ranks' (FSDP reduces over its own mesh only).
+        shard_mesh = mesh.root[("dp_replicate", "dp_shard_cp")] if self.replicate > 1 else mesh["dp_shard_cp"]
         policy = MixedPrecisionPolicy()
         reduce_dtype = REDUCE_DTYPES[self.reduce_dtype]
         if self.precision == "bf16-mixed":

@@ -1,0 +1,131 @@
+"""ContextParallel: the playbook's context parallelism, long sequences split over the ``cp`` mesh dim.
+
+Every rank of a ``cp`` group reads the same samples (the sampler shards by data-parallel
+coordinates only); the strategy hands this plugin each batch and it keeps this rank's part of the
+sequence: tokens, labels and their positions (RoPE follows the tokens, so a zig-zag chunk at the
+end of the sequence is rotated as the end). Everything in the model is per token except
+attention, which is swapped for ring, zig-zag ring or all-to-all attention
+(``context_attention.py``). The loss on a rank is the mean over its tokens; every rank has the
+same number, so the gradient average over ``dp x cp`` (the data-parallel plugin reduces over the
+``dp_cp`` mesh, FSDP shards over ``dp_shard x cp``) is the mean over the whole sequence.
+
+=================  ==========================================  ===================================
+method             traffic per attention layer and rank         constraint
+=================  ==========================================  ===================================
+``ring``           (cp-1) K/V blocks forward, 2x backward        sequence divisible by cp; rank
+                   (+ dK/dV)                                     cp-1 computes cp x rank 0's work
+``zigzag_ring``    the same                                      sequence divisible by 2 cp; balanced
+``all_to_all``     4 all-to-alls forward (q, k, v, out), 4 back  heads (per tp rank) divisible by cp
+=================  ==========================================  ===================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.spec import ModelSpec, require_spec
+from lightning_ultrascale.parallel.context_attention import METHODS, attention_fn, local_positions
+from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.mesh import ParallelMesh
+from lightning_ultrascale.parallel.plugin import ParallelPlugin
+
+#: Batch entries cut along the sequence (dim 1).
+SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
+
+
+class ContextParallel(ParallelPlugin):
+    """Context parallelism: each of ``size`` ranks holds ``1/size`` of every sequence.
+
+    Args:
+        size: context-parallel ranks (``cp``).
+        method: ``"zigzag_ring"`` (default: ring attention with the load-balanced zig-zag split),
+            ``"ring"`` (contiguous split: simplest, causal work unbalanced) or ``"all_to_all"``
+            (Ulysses: heads scattered, sequence gathered around attention).
+
+    Example:
+        >>> from lightning_ultrascale import ContextParallel, UltraScaleStrategy, ZeRO
+        >>> strategy = UltraScaleStrategy(ContextParallel(4, "zigzag_ring"), ZeRO(stage=3))
+    """
+
+    applies_at = "context"
+
+    def __init__(self, size: int, method: str = "zigzag_ring") -> None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"parallel.cp={size!r} must be a positive integer")
+        if method not in METHODS:
+            raise ConfigError(f"parallel.cp_method={method!r} is unknown; valid: {', '.join(METHODS)}")
+        self.size = size
+        self.method = method
+        self._tp = 1
+        self._rank = 0
+
+    def mesh_sizes(self) -> dict[str, int | None]:
+        return {"cp": self.size}
+
+    def settings(self) -> dict[str, Any]:
+        return {"method": self.method}
+
+    def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
+        self._tp = dims.tp
+        if self.size > 1 and self.method == "all_to_all":
+            heads = spec.n_heads // dims.tp
+            if heads % self.size:
+                raise ConfigError(
+                    f"parallel.cp={self.size} with parallel.cp_method='all_to_all' must divide the heads per tensor-"
+                    f"parallel rank, n_heads / tp = {spec.n_heads} / {dims.tp} = {heads}; valid cp: "
+                    f"{', '.join(map(str, divisors(heads)))} (or parallel.cp_method='zigzag_ring')"
+                )
+
+    def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
+        if self.size == 1:
+            return
+        chunks = 2 * self.size if self.method == "zigzag_ring" else self.size
+        # Under sequence parallelism each cp part is split over tp once more.
+        multiple = chunks * self._tp
+        if seq_len % multiple:
+            why = f"2 x cp = {chunks} zig-zag chunks" if self.method == "zigzag_ring" else f"cp = {chunks} parts"
+            if self._tp > 1:
+                why += f", each split over tp = {self._tp}"
+            below = seq_len - seq_len % multiple
+            valid = ", ".join(str(n) for n in (below, below + multiple) if n > 0)
+            raise ConfigError(
+                f"data.seq_len={seq_len} must be divisible by {multiple} for parallel.cp={self.size} with "
+                f"parallel.cp_method={self.method!r} ({why}); valid nearby: {valid}"
+            )
+
+    def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+        if self.size == 1:
+            return model
+        spec = require_spec(model)
+        cp_mesh = mesh["cp"]
+        self._rank = cp_mesh.get_local_rank()
+        fn = attention_fn(self.method, cp_mesh.get_group())
+        for block in model.get_submodule(spec.layers).values():
+            attention = block.get_submodule(spec.attention)
+            if not hasattr(attention, "attention_fn"):
+                raise TypeError(
+                    f"{type(attention).__name__} has no attention_fn(q, k, v) to replace; context parallelism "
+                    "swaps it for ring / all-to-all attention (see models/llama.py Attention)"
+                )
+            attention.attention_fn = fn
+        return model
+
+    def shard_batch(self, batch: Any) -> Any:
+        if self.size == 1 or not isinstance(batch, dict) or "input_ids" not in batch:
+            return batch
+        tokens = batch["input_ids"]
+        seq_len = tokens.shape[1]
+        self.validate_data(seq_len, tokens.shape[0])
+        layout = "ring" if self.method == "all_to_all" else self.method
+        index = local_positions(layout, seq_len, self.size, self._rank).to(tokens.device)
+        out = dict(batch)
+        if "position_ids" not in out:
+            out["position_ids"] = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
+        for key in SEQUENCE_KEYS:
+            if key in out:
+                out[key] = out[key].index_select(1, index)
+        return out
