@@ -173,6 +173,7 @@ def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
         ),
         (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=2"], "Recompute"),
         (["parallel=pp"], "PipelineParallel(schedule=1f1b, microbatches=2, virtual_stages=1, pp=2)"),
+        (["parallel.cp=2"], "ContextParallel(method=zigzag_ring, cp=2)"),
     ],
 )
 def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, expected):
@@ -195,6 +196,12 @@ def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, exp
             r"= 8 stages, but model llama_tiny has n_layers=4",
         ),
         (["parallel=pp", "parallel.pp_split_points=[layers.7]"], r"layers.7 are not split points; valid: layers.1"),
+        (["parallel.cp=2", "parallel.cp_method=striped"], r"parallel.cp_method='striped' is unknown; valid: ring"),
+        (["parallel.cp=2", "data.seq_len=250"], r"data.seq_len=250 must be divisible by 4 for parallel.cp=2"),
+        (
+            ["parallel.cp=4", "parallel.cp_method=all_to_all", "parallel.tp=2", "trainer.devices=8"],
+            r"n_heads / tp = 4 / 2 = 2; valid cp: 1, 2",
+        ),
     ],
 )
 def test_bad_parallel_settings_fail_before_any_process_group(tmp_path, monkeypatch, overrides, message):
