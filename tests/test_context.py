@@ -52,7 +52,7 @@ def _full_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), is_causal=True)
 
 
-def _kernel_errors(method: str, seq: int, heads: int, kv_heads: int) -> list[float]:
+def _kernel_errors(method: str, seq: int, heads: int, kv_heads: int, kernel: str = "reference") -> list[float]:
     cp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, seq, 8, generator=g)
@@ -65,7 +65,7 @@ def _kernel_errors(method: str, seq: int, heads: int, kv_heads: int) -> list[flo
     if method == "all_to_all":
         out = ulysses_attention(*local, dist.group.WORLD)
     else:
-        out = ring_attention(*local, dist.group.WORLD, method)
+        out = ring_attention(*local, dist.group.WORLD, method, kernel)
     out.backward(dout[:, :, index])
     expected = _full_attention(q, k, v)[:, :, index]
     errors = [relative_error(out.detach(), expected)]
@@ -80,6 +80,12 @@ def test_attention_and_its_gradients_equal_full_causal_attention(method, cp):
     errors = run_workers(_kernel_errors, cp, method, 2 * cp * 3, 8, 2)
     worst = max(max(e) for e in errors)
     assert worst < 1e-5, f"{method} cp={cp}: output/dq/dk/dv relative errors {errors}"
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag_ring"])
+def test_fused_sdpa_kernel_gives_the_same_ring_attention(method):
+    errors = run_workers(_kernel_errors, 2, method, 12, 8, 2, "sdpa")
+    assert max(max(e) for e in errors) < 1e-5, errors
 
 
 def _attention_pairs(method: str, seq: int) -> int:

@@ -154,7 +154,7 @@ def plugins(parallel: DictConfig) -> list[Any]:
             )
         )
     if parallel.cp > 1:
-        chosen.append(ContextParallel(parallel.cp, parallel.cp_method))
+        chosen.append(ContextParallel(parallel.cp, parallel.cp_method, parallel.cp_kernel))
     if parallel.tp > 1:
         chosen.append(TensorParallel(parallel.tp, parallel.sequence_parallel, parallel.loss_parallel))
     if parallel.recompute != "none":

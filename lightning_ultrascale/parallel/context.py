@@ -28,7 +28,7 @@ from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.context_attention import METHODS, attention_fn, local_positions
+from lightning_ultrascale.parallel.context_attention import KERNELS, METHODS, attention_fn, local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
@@ -45,6 +45,8 @@ class ContextParallel(ParallelPlugin):
         method: ``"zigzag_ring"`` (default: ring attention with the load-balanced zig-zag split),
             ``"ring"`` (contiguous split: simplest, causal work unbalanced) or ``"all_to_all"``
             (Ulysses: heads scattered, sequence gathered around attention).
+        kernel: the ring's local attention kernel: ``"reference"`` (exact fp32 matmuls, any
+            device) or ``"sdpa"`` (torch's fused flash-attention CPU kernel, with its LSE).
 
     Example:
         >>> from lightning_ultrascale import ContextParallel, UltraScaleStrategy, ZeRO
@@ -53,13 +55,16 @@ class ContextParallel(ParallelPlugin):
 
     applies_at = "context"
 
-    def __init__(self, size: int, method: str = "zigzag_ring") -> None:
+    def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "reference") -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ConfigError(f"parallel.cp={size!r} must be a positive integer")
         if method not in METHODS:
             raise ConfigError(f"parallel.cp_method={method!r} is unknown; valid: {', '.join(METHODS)}")
+        if kernel not in KERNELS:
+            raise ConfigError(f"parallel.cp_kernel={kernel!r} is unknown; valid: {', '.join(KERNELS)}")
         self.size = size
         self.method = method
+        self.kernel = kernel
         self._tp = 1
         self._rank = 0
 
@@ -67,7 +72,7 @@ class ContextParallel(ParallelPlugin):
         return {"cp": self.size}
 
     def settings(self) -> dict[str, Any]:
-        return {"method": self.method}
+        return {"method": self.method, "kernel": self.kernel}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
         self._tp = dims.tp
@@ -103,7 +108,7 @@ class ContextParallel(ParallelPlugin):
         spec = require_spec(model)
         cp_mesh = mesh["cp"]
         self._rank = cp_mesh.get_local_rank()
-        fn = attention_fn(self.method, cp_mesh.get_group())
+        fn = attention_fn(self.method, cp_mesh.get_group(), self.kernel)
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
             if not hasattr(attention, "attention_fn"):

@@ -18,9 +18,10 @@ Which blocks a rank computes at ring step ``i`` (keys from rank ``src = rank - i
 **All-to-all** (Ulysses, Jacobs et al. 2023): scatter heads and gather the sequence, run ordinary
 causal attention on whole sequences of ``h / cp`` heads, and scatter back. Heads must divide by cp.
 
-The local kernel (:func:`block_attention`) is an exact fp32 reference in plain matmuls, forward and
-backward. It returns the log-sum-exp the merge needs; a fused (flash / Triton) kernel can replace it
-where one exposes the LSE.
+The local kernel is one of :data:`KERNELS`: ``"reference"`` (:func:`block_attention`, an exact
+fp32 reference in plain matmuls, forward and backward) or ``"sdpa"`` (torch's fused flash-attention
+CPU kernel, which returns the log-sum-exp and takes the global output and LSE in its backward,
+exactly what the ring needs). A GPU flash / Triton kernel plugs in the same way.
 """
 
 from __future__ import annotations
@@ -90,21 +91,25 @@ class FlopCounter:
 FLOPS: FlopCounter | None = None
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+def _count(q: Tensor, k: Tensor, causal: bool) -> None:
     if FLOPS is not None:
         n = q.shape[-2] * k.shape[-2]
         pairs = n - (q.shape[-2] * (q.shape[-2] - 1)) // 2 if causal else n
         FLOPS.pairs += pairs * q.shape[0] * q.shape[1]
         FLOPS.calls.append(pairs)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
     return s
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """``softmax(q k^T scale) v`` and its log-sum-exp per query row, in fp32 (``[b, h, s, d]`` inputs)."""
+    _count(q, k, causal)
     s = _scores(q.float(), k.float(), causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse[..., None]), v.float())
@@ -112,9 +117,10 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float)
 
 
 def block_attention_backward(
-    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dout: Tensor, delta: Tensor, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the GLOBAL ``lse`` and ``delta = rowsum(dout * out)`` (FlashAttention-2)."""
+    """Gradients of one block given the GLOBAL output and ``lse`` of its query rows (FlashAttention-2)."""
+    delta = (dout * out).sum(-1)
     s = _scores(q.float(), k.float(), causal, scale)
     p = torch.exp(s - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dout)
@@ -122,6 +128,33 @@ def block_attention_backward(
     dq = torch.matmul(ds, k.float()) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
     return dq, dk, dv
+
+
+def _sdpa_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            "the 'sdpa' context-parallel kernel wraps torch's CPU flash attention; on GPU use kernel='reference' "
+            "(a CUDA flash kernel with LSE is not built yet)"
+        )
+    _count(q, k, causal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    return out.float(), lse.float()
+
+
+def _sdpa_block_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale
+    )
+    return grads[0].float(), grads[1].float(), grads[2].float()
+
+
+#: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse).
+KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor, Tensor]]]] = {
+    "reference": (block_attention, block_attention_backward),
+    "sdpa": (_sdpa_block, _sdpa_block_backward),
+}
 
 
 def _expand(kv: Tensor, n_rep: int) -> Tensor:
@@ -139,7 +172,8 @@ def _fold(grad: Tensor, n_rep: int) -> Tensor:
 # ------------------------------------------------------------------------------------ ring attention
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, method: str, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, method: str, group: dist.ProcessGroup, kernel: str) -> Tensor:  # type: ignore[override]
+        block_forward = KERNELS[kernel][0]
         ring = RingExchange(group)
         rank, size = ring.rank, ring.size
         n_rep = q.shape[1] // k.shape[1]
@@ -152,7 +186,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % size
             incoming = ring.start(*kv) if step < size - 1 else None  # overlaps the compute below
             for blk in ring_blocks(method, rank, src, length):
-                o, block_lse = block_attention(
+                o, block_lse = block_forward(
                     q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
                     blk.causal, scale,
                 )  # fmt: skip
@@ -167,19 +201,19 @@ class _RingAttention(torch.autograd.Function):
                 ring.wait()
                 kv = (incoming[0], incoming[1])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.method, ctx.group = method, group
+        ctx.method, ctx.group, ctx.kernel = method, group, kernel
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
+        block_backward = KERNELS[ctx.kernel][1]
         kv_ring, grad_ring = RingExchange(ctx.group), RingExchange(ctx.group)
         rank, size = kv_ring.rank, kv_ring.size
         n_rep = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = q.shape[-2]
         dout = dout.float()
-        delta = (dout * out).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = (k.contiguous(), v.contiguous())
         # The gradient accumulators of the K/V block currently held travel with it.
@@ -191,9 +225,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % size
             incoming = kv_ring.start(*kv) if step < size - 1 else None
             for blk in ring_blocks(ctx.method, rank, src, length):
-                gq, gk, gv = block_attention_backward(
+                gq, gk, gv = block_backward(
                     q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
-                    lse[:, :, blk.q], dout[:, :, blk.q], delta[:, :, blk.q], blk.causal, scale,
+                    out[:, :, blk.q], lse[:, :, blk.q], dout[:, :, blk.q], blk.causal, scale,
                 )  # fmt: skip
                 dq[:, :, blk.q] += gq
                 dkv[0][:, :, blk.k] += _fold(gk, n_rep)
@@ -205,16 +239,19 @@ class _RingAttention(torch.autograd.Function):
                 kv = (incoming[0], incoming[1])
             grad_ring.wait()
             dkv = (arriving[0], arriving[1])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring") -> Tensor:
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring", kernel: str = "reference"
+) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence spread on ``group``.
 
     ``q``: ``[b, heads, local_len, head_dim]``; ``k``, ``v``: ``[b, kv_heads, local_len, head_dim]``,
-    the local part of the sequence laid out by :func:`local_positions` for ``method``.
+    the local part of the sequence laid out by :func:`local_positions` for ``method``; ``kernel``:
+    a name in :data:`KERNELS`.
     """
-    return _RingAttention.apply(q, k, v, method, group)
+    return _RingAttention.apply(q, k, v, method, group, kernel)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -230,8 +267,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup)
     return all_to_all(out, scatter_dim=2, gather_dim=1, group=group)
 
 
-def attention_fn(method: str, group: dist.ProcessGroup) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def attention_fn(
+    method: str, group: dist.ProcessGroup, kernel: str = "reference"
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The ``Attention.attention_fn`` that context parallelism installs for ``method``."""
     if method == "all_to_all":
         return lambda q, k, v: ulysses_attention(q, k, v, group)
-    return lambda q, k, v: ring_attention(q, k, v, group, method)
+    return lambda q, k, v: ring_attention(q, k, v, group, method, kernel)
