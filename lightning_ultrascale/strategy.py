@@ -397,7 +397,14 @@ class UltraScaleStrategy(ModelParallelStrategy):
         runner = self.step_runner
         if runner is None:
             with self._step_context():
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)
+            batch, _ = _batch_and_index(args, kwargs)
+            for plugin in self.plugins:
+                if isinstance(output, torch.Tensor):
+                    output = plugin.scale_loss(output, batch)
+                elif isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+                    output = {**output, "loss": plugin.scale_loss(output["loss"], batch)}
+            return output
         return self._run_pipelined_step(runner, *args, **kwargs)
 
     @override

@@ -190,3 +190,23 @@ def test_trainer_refuses_a_bad_context_layout_before_any_process_group():
     with pytest.raises(ConfigError, match=r"parallel.cp=4 with parallel.cp_method='all_to_all' must divide"):
         trainer.strategy.setup_environment()
     assert not dist.is_initialized()
+
+
+def _weighted_losses() -> tuple[float, float]:
+    rank = dist.get_rank()
+    plugin = ContextParallel(2)
+    plugin._group, plugin._rank = dist.group.WORLD, rank
+    # Rank 0 holds 8 labelled tokens with mean loss 1.0; rank 1 holds 2 (six ignored) with mean 4.0.
+    labels = torch.zeros(1, 8, dtype=torch.long)
+    if rank == 1:
+        labels[0, 2:] = -100
+    loss = torch.tensor(1.0 if rank == 0 else 4.0)
+    scaled = plugin.scale_loss(loss, {"labels": labels})
+    total = scaled.clone()
+    dist.all_reduce(total)
+    return float(scaled), float(total) / 2  # what the gradient average over cp sees
+
+
+def test_loss_is_weighted_by_each_ranks_labelled_tokens():
+    _, averaged = run_workers(_weighted_losses, 2)[0]
+    assert averaged == pytest.approx((8 * 1.0 + 2 * 4.0) / 10)  # the mean over all 10 tokens, not 2.5

@@ -101,6 +101,10 @@ class ParallelPlugin(abc.ABC):
         """This rank's part of a batch every rank of its data-parallel group received (context parallel)."""
         return batch
 
+    def scale_loss(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The loss to back-propagate, given this rank's part of ``batch`` (token weighting)."""
+        return loss
+
     @property
     def runs_step(self) -> bool:
         """Whether this plugin runs forward and backward itself (a pipeline schedule), not Lightning."""
