@@ -179,7 +179,10 @@ class _RingAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = q.shape[-2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # Laid out [b, s, heads, d] in memory: the output projection reads it as [b, s, heads x d]
+        # without a copy, and the tensor saved for backward is that same memory.
+        b, h, s, d = q.shape
+        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = (k.contiguous(), v.contiguous())
         for step in range(size):

@@ -49,14 +49,11 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
 
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
-    chunks = [c.contiguous() for c in x.chunk(size, dim=scatter_dim)]
-    out = [torch.empty_like(c) for c in chunks]
-    # all_to_all_single on a stacked buffer (gloo has no list all_to_all).
-    send = torch.stack(chunks)
+    # all_to_all_single on one stacked buffer (gloo has no list all_to_all): chunk i goes to rank i.
+    send = torch.stack(x.chunk(size, dim=scatter_dim))
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    out = list(recv.unbind(0))
-    return torch.cat(out, dim=gather_dim)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
