@@ -435,8 +435,13 @@ class UltraScaleStrategy(ModelParallelStrategy):
         if batch_idx % accumulate == 0:
             for optimizer in self.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        # The other plugins' weight of this rank's loss (context parallelism: its share of tokens).
+        scale = torch.ones(())
+        for plugin in self.plugins:
+            if plugin is not runner:
+                scale = plugin.scale_loss(scale, batch)
         with self._step_context(), self.block_backward_sync():
-            loss = runner.run_step(module, batch, train=True, accumulate=accumulate)
+            loss = runner.run_step(module, batch, train=True, accumulate=accumulate, loss_scale=scale)
         if not trainer.fit_loop._should_accumulate():
             for plugin in self.plugins:
                 plugin.sync_gradients()

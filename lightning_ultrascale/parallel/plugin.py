@@ -110,8 +110,14 @@ class ParallelPlugin(abc.ABC):
         """Whether this plugin runs forward and backward itself (a pipeline schedule), not Lightning."""
         return False
 
-    def run_step(self, module: Any, batch: Any, train: bool, accumulate: int = 1) -> torch.Tensor:
-        """Forward (and backward if ``train``) over ``batch``; the batch's mean loss on every rank."""
+    def run_step(
+        self, module: Any, batch: Any, train: bool, accumulate: int = 1, loss_scale: float | torch.Tensor = 1.0
+    ) -> torch.Tensor:
+        """Forward (and backward if ``train``) over ``batch``; the batch's mean loss on every rank.
+
+        ``accumulate``: calls per optimizer step; ``loss_scale``: the other plugins' weight of this
+        rank's loss (:meth:`scale_loss`).
+        """
         raise NotImplementedError(f"{type(self).__name__} does not run steps")
 
     def sync_gradients(self) -> None:

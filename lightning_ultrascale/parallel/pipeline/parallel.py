@@ -242,11 +242,13 @@ class PipelineParallel(ParallelPlugin):
         batch: dict[str, torch.Tensor],
         train: bool,
         accumulate: int = 1,
+        loss_scale: float | torch.Tensor = 1.0,
     ) -> torch.Tensor:
         """Run the schedule on ``batch`` (forward and backward if ``train``); return its mean loss on every rank.
 
         Gradients accumulate into ``.grad`` (the caller zeroes them and reduces them over data
-        parallelism); ``accumulate`` is the number of such calls per optimizer step.
+        parallelism); ``accumulate`` is the number of such calls per optimizer step; the loss is
+        multiplied by ``loss_scale`` (context parallelism's token weight of this rank).
         """
         loss_fn = getattr(module, "loss_fn", None)
         if not callable(loss_fn):
@@ -267,7 +269,7 @@ class PipelineParallel(ParallelPlugin):
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         self._loss_fn = loss_fn
         n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        self._token_scale = 1.0 / (n_tokens * accumulate)
+        self._token_scale = loss_scale / (n_tokens * accumulate)
         losses: list[torch.Tensor] = []
         args = (tokens,) if 0 in self._local else ()
         holds_last = self.n_stages - 1 in self._local
