@@ -4,17 +4,14 @@ Every schedule runs through ``torch.distributed.pipelining`` (all of them are co
 gloo and on GPU with NCCL in the torch versions we support). This table is pure Python: the
 strategy checks a layout against it before any process group exists.
 
-==================  =======================  ================  ====================================
-name                torch class              stages per rank   bubble (p ranks, m microbatches)
-==================  =======================  ================  ====================================
-``afab``            ``ScheduleGPipe``        1                 (p-1)/m; holds m activations
-``1f1b``            ``Schedule1F1B``         1                 (p-1)/m; holds p activations
-``interleaved_1f1b`` ``ScheduleInterleaved1F1B`` v >= 2 (looped)  (p-1)/(v m)
-``looped_bfs``      ``ScheduleLoopedBFS``    v >= 2 (looped)   breadth-first: all microbatches of a stage
-``zero_bubble``     ``ScheduleInterleavedZeroBubble`` v (looped)  backward split into input (B) and weight (W)
-``zbv``             ``ScheduleZBVZeroBubble`` 2 (V-shape)      zero bubble in steady state
-``dualpipev``       ``ScheduleDualPipeV``    2 (V-shape)       DeepSeek's DualPipe on p ranks
-==================  =======================  ================  ====================================
+- ``afab`` (torch ``GPipe``), 1 stage per rank: bubble (p-1)/m, holds m microbatches' activations;
+- ``1f1b`` (``1F1B``), 1 stage per rank: bubble (p-1)/m, holds p;
+- ``interleaved_1f1b`` (``Interleaved1F1B``), v looped stages per rank (default 2): (p-1)/(v m);
+- ``looped_bfs`` (``LoopedBFS``), v looped stages (default 2): breadth-first over the stages;
+- ``zero_bubble`` (``InterleavedZeroBubble``), v looped stages (default 1, ZB-H1): backward split
+  into input (B) and weight (W) gradients, W filling the bubble;
+- ``zbv`` (``ZBVZeroBubble``), 2 V-shaped stages per rank: zero bubble in steady state;
+- ``dualpipev`` (``DualPipeV``), 2 V-shaped stages: DeepSeek's DualPipe on p ranks.
 
 "Looped" puts stage ``s`` on rank ``s mod p``; "V-shape" puts stages ``r`` and ``2p-1-r`` on rank
 ``r``, so the first and the last stage share rank 0.
