@@ -15,3 +15,20 @@ class ConfigError(ValueError):
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, for "valid: ..." parts of error messages."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def require_positive_int(option: str, value: object) -> None:
+    """Raise ``ConfigError("parallel.tp=0 must be a positive integer")`` unless ``value`` is an int >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{option}={value!r} must be a positive integer")
+
+
+def nearby_multiples(value: int, multiple: int) -> str:
+    """The multiples of ``multiple`` just below and above ``value``, for "valid nearby: ..." parts.
+
+    Example:
+        >>> nearby_multiples(250, 4)
+        '248, 252'
+    """
+    below = value - value % multiple
+    return ", ".join(str(n) for n in (below, below + multiple) if n > 0)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.context_attention import KERNELS, METHODS, attention_fn, local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
@@ -59,8 +59,7 @@ class ContextParallel(ParallelPlugin):
     applies_at = "context"
 
     def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "reference") -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ConfigError(f"parallel.cp={size!r} must be a positive integer")
+        require_positive_int("parallel.cp", size)
         if method not in METHODS:
             raise ConfigError(f"parallel.cp_method={method!r} is unknown; valid: {', '.join(METHODS)}")
         if kernel not in KERNELS:
@@ -99,11 +98,9 @@ class ContextParallel(ParallelPlugin):
             why = f"2 x cp = {chunks} zig-zag chunks" if self.method == "zigzag_ring" else f"cp = {chunks} parts"
             if self._tp > 1:
                 why += f", each split over tp = {self._tp}"
-            below = seq_len - seq_len % multiple
-            valid = ", ".join(str(n) for n in (below, below + multiple) if n > 0)
             raise ConfigError(
                 f"data.seq_len={seq_len} must be divisible by {multiple} for parallel.cp={self.size} with "
-                f"parallel.cp_method={self.method!r} ({why}); valid nearby: {valid}"
+                f"parallel.cp_method={self.method!r} ({why}); valid nearby: {nearby_multiples(seq_len, multiple)}"
             )
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, nearby_multiples, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
@@ -44,8 +44,7 @@ class TensorParallel(ParallelPlugin):
     applies_at = "tensor"
 
     def __init__(self, size: int, sequence_parallel: bool = True, loss_parallel: bool = True) -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ConfigError(f"parallel.tp={size!r} must be a positive integer")
+        require_positive_int("parallel.tp", size)
         self.size = size
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
@@ -65,10 +64,9 @@ class TensorParallel(ParallelPlugin):
     def validate_sequence(self, seq_len: int) -> None:
         """Sequence parallelism splits the sequence: it must divide by ``tp``."""
         if self.size > 1 and self.sequence_parallel and seq_len % self.size:
-            valid = [n for n in (seq_len - seq_len % self.size, seq_len - seq_len % self.size + self.size) if n > 0]
             raise ConfigError(
                 f"data.seq_len={seq_len} must be divisible by parallel.tp={self.size} with sequence parallelism; "
-                f"valid nearby: {', '.join(map(str, valid))} (or parallel.sequence_parallel=false)"
+                f"valid nearby: {nearby_multiples(seq_len, self.size)} (or parallel.sequence_parallel=false)"
             )
 
     def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:

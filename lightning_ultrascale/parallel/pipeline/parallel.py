@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.errors import ConfigError, divisors, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
@@ -80,8 +80,7 @@ class PipelineParallel(ParallelPlugin):
         virtual_stages: int | None = None,
         split_points: Sequence[str] | None = None,
     ) -> None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ConfigError(f"parallel.pp={size!r} must be a positive integer")
+        require_positive_int("parallel.pp", size)
         self.info = schedule_info(schedule)
         self.size = size
         self.schedule = schedule

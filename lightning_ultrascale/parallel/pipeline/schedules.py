@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, require_positive_int
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,7 @@ def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
     info = schedule_info(name)
     if virtual_stages is None:
         return info.default_virtual
-    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
-        raise ConfigError(f"parallel.pp_virtual_stages={virtual_stages!r} must be a positive integer")
+    require_positive_int("parallel.pp_virtual_stages", virtual_stages)
     if info.placement in ("single", "v") and virtual_stages != info.default_virtual:
         raise ConfigError(
             f"parallel.pp_virtual_stages={virtual_stages} does not fit parallel.pp_schedule={name!r}, which runs "
@@ -83,8 +82,7 @@ def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
 def validate_microbatches(name: str, pp: int, virtual_stages: int, microbatches: int) -> None:
     """Check ``microbatches`` against the schedule's minimum and torch's divisibility rules."""
     info = schedule_info(name)
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ConfigError(f"parallel.pp_microbatches={microbatches!r} must be a positive integer")
+    require_positive_int("parallel.pp_microbatches", microbatches)
     stages = pp * virtual_stages
     minimum = stages if info.min_microbatches_per == "stage" else pp
     if microbatches < minimum:
