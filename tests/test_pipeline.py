@@ -202,17 +202,25 @@ def test_gradient_clipping_sums_the_norm_over_stages():
     assert_parity(run, ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_tied_embeddings_stay_tied_across_stages(schedule):
+@pytest.fixture(scope="module")
+def reference_sgd_tied():
+    return run_tiny_llama(SGD, steps=3, model=TINY_TIED)
+
+
+@pytest.mark.parametrize(("schedule", "stage"), [("1f1b", None), ("zbv", None), ("1f1b", 1), ("1f1b", 3), ("zbv", 3)])
+def test_tied_embeddings_stay_tied_across_stages(reference_sgd_tied, schedule, stage):
     # 1F1B puts the embedding and the head on different ranks (their gradients are summed);
-    # ZBV's V-shape puts both on rank 0 (one parameter, as in one process).
-    ref = run_tiny_llama(SGD, steps=3, model=TINY_TIED)
-    run = run_tiny_llama(SGD, lambda: [PipelineParallel(2, schedule, 4)], 2, dp=1, steps=3, model=TINY_TIED)
+    # ZBV's V-shape puts both on rank 0 (one parameter, as in one process, shared by two stages).
+    def plugins():
+        return [PipelineParallel(2, schedule, 4)] + ([ZeRO(stage=stage, bucket_mb=0.1)] if stage else [])
+
+    world_size = 4 if stage else 2
+    run = run_tiny_llama(SGD, plugins, world_size, dp=world_size // 2, steps=3, model=TINY_TIED)
     if "model.output.weight" in run.params:
         assert torch.equal(run.params.pop("model.output.weight"), run.params["model.tok_embeddings.weight"])
         for grads in run.grads:
             assert torch.allclose(grads.pop("model.output.weight"), grads["model.tok_embeddings.weight"], rtol=1e-6)
-    assert_parity(run, ref, rtol=1e-5)
+    assert_parity(run, reference_sgd_tied, rtol=1e-5)
 
 
 def _validation_loss(plugins, world_size):
