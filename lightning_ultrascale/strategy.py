@@ -36,6 +36,7 @@ from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
 from lightning_ultrascale.utils.grad import clip_grad_norm_
+from lightning_ultrascale.utils.loss import token_weight
 from lightning_ultrascale.utils.memory import ModelStateBytes
 
 if TYPE_CHECKING:
@@ -398,12 +399,12 @@ class UltraScaleStrategy(ModelParallelStrategy):
         if runner is None:
             with self._step_context():
                 output = super().training_step(*args, **kwargs)
-            batch, _ = _batch_and_index(args, kwargs)
-            for plugin in self.plugins:
+            weight = self._token_weight(_batch_and_index(args, kwargs)[0])
+            if weight is not None:
                 if isinstance(output, torch.Tensor):
-                    output = plugin.scale_loss(output, batch)
+                    output = output * weight.to(output.dtype)
                 elif isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-                    output = {**output, "loss": plugin.scale_loss(output["loss"], batch)}
+                    output = {**output, "loss": output["loss"] * weight.to(output["loss"].dtype)}
             return output
         return self._run_pipelined_step(runner, *args, **kwargs)
 
@@ -420,6 +421,17 @@ class UltraScaleStrategy(ModelParallelStrategy):
             _pipeline_step_end(module, loss, batch, batch_idx, "val")
             return loss
 
+    def _token_weight(self, batch: Any) -> torch.Tensor | None:
+        """This rank's share of the labelled tokens of the ``dp x cp`` ranks (1.0 when all hold as many).
+
+        Gradients are averaged over those ranks; weighting each rank's mean loss by its share makes
+        the average the mean over every labelled token (``utils/loss.py``).
+        """
+        group = self.mesh["dp_cp"]
+        if group.size() == 1 or not isinstance(batch, dict) or not isinstance(batch.get("labels"), torch.Tensor):
+            return None
+        return token_weight(batch["labels"], group.get_group())
+
     def _run_pipelined_step(self, runner: ParallelPlugin, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One micro-step whose forward and backward ``runner`` runs (a pipeline schedule).
 
@@ -435,11 +447,8 @@ class UltraScaleStrategy(ModelParallelStrategy):
         if batch_idx % accumulate == 0:
             for optimizer in self.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-        # The other plugins' weight of this rank's loss (context parallelism: its share of tokens).
-        scale = torch.ones(())
-        for plugin in self.plugins:
-            if plugin is not runner:
-                scale = plugin.scale_loss(scale, batch)
+        weight = self._token_weight(batch)
+        scale = weight if weight is not None else 1.0
         with self._step_context(), self.block_backward_sync():
             loss = runner.run_step(module, batch, train=True, accumulate=accumulate, loss_scale=scale)
         if not trainer.fit_loop._should_accumulate():

@@ -7,7 +7,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from llama_runs import ADAMW, ADAMW_LATER_GRAD_RTOL, SGD, run_tiny_llama
 
-from lightning_ultrascale import ContextParallel, PipelineParallel, Recompute, TensorParallel, ZeRO
+from lightning_ultrascale import (
+    ContextParallel,
+    LlamaModule,
+    PipelineParallel,
+    Recompute,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.parallel import context_attention
@@ -20,7 +29,8 @@ from lightning_ultrascale.parallel.context_attention import (
 )
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.testing import run_workers
-from lightning_ultrascale.testing.parity import assert_parity, relative_error
+from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
+from lightning_ultrascale.utils.loss import token_weight
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -192,21 +202,48 @@ def test_trainer_refuses_a_bad_context_layout_before_any_process_group():
     assert not dist.is_initialized()
 
 
-def _weighted_losses() -> tuple[float, float]:
+def _weighted_losses() -> float:
     rank = dist.get_rank()
-    plugin = ContextParallel(2)
-    plugin._group, plugin._rank = dist.group.WORLD, rank
     # Rank 0 holds 8 labelled tokens with mean loss 1.0; rank 1 holds 2 (six ignored) with mean 4.0.
     labels = torch.zeros(1, 8, dtype=torch.long)
     if rank == 1:
         labels[0, 2:] = -100
     loss = torch.tensor(1.0 if rank == 0 else 4.0)
-    scaled = plugin.scale_loss(loss, {"labels": labels})
-    total = scaled.clone()
-    dist.all_reduce(total)
-    return float(scaled), float(total) / 2  # what the gradient average over cp sees
+    scaled = loss * token_weight(labels, dist.group.WORLD)
+    dist.all_reduce(scaled)
+    return float(scaled) / 2  # what the gradient average over the ranks sees
 
 
 def test_loss_is_weighted_by_each_ranks_labelled_tokens():
-    _, averaged = run_workers(_weighted_losses, 2)[0]
+    averaged = run_workers(_weighted_losses, 2)[0]
     assert averaged == pytest.approx((8 * 1.0 + 2 * 4.0) / 10)  # the mean over all 10 tokens, not 2.5
+
+
+class _IgnoringModule(LlamaModule):
+    """Ignores labels as padding would: the tail of some samples, and scattered tokens.
+
+    Ranks then hold unequal numbers of labelled tokens, under dp (other samples) and under
+    zig-zag cp (the tail is chunk 3 on rank 0 and chunk 2 on rank 1).
+    """
+
+    def on_train_batch_start(self, batch, batch_idx):
+        labels = batch["labels"]
+        labels[labels % 4 == 0] = -100
+        labels[labels[:, 0] % 2 == 0, 40:] = -100
+
+
+@pytest.mark.parametrize(("name", "plugins"), [("dp2", lambda: [ZeRO(stage=0)]), ("cp2", lambda: [ContextParallel(2)])])
+def test_ignored_labels_still_give_the_mean_over_all_labelled_tokens(name, plugins):
+    def run(strategy, world_size):
+        micro = 8 // (2 if name == "dp2" and world_size == 2 else 1)
+        return record_run(
+            lambda: _IgnoringModule("llama_tiny", optim=SGD),
+            lambda: UltraScaleDataModule(seq_len=64, micro_batch_size=micro, seed=0),
+            steps=3,
+            strategy=strategy,
+            world_size=world_size,
+        )
+
+    ref = run(None, 1)
+    parallel = run(lambda: UltraScaleStrategy(*plugins()), 2)
+    assert_parity(parallel, ref, rtol=1e-5)

@@ -8,7 +8,7 @@ attention, which is swapped for ring, zig-zag ring or all-to-all attention
 (``context_attention.py``). The loss on a rank is the mean over its tokens; every rank has the
 same number with packed data, so the gradient average over ``dp x cp`` (the data-parallel plugin
 reduces over the ``dp_cp`` mesh, FSDP shards over ``dp_shard x cp``) is the mean over the whole
-sequence; with ignored labels :meth:`ContextParallel.scale_loss` weights each rank by its tokens.
+sequence; with ignored labels the strategy weights each rank by its tokens (``utils/loss.py``).
 
 =================  ==========================================  ===================================
 method             traffic per attention layer and rank         constraint
@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, require_positive_int
@@ -35,7 +34,6 @@ from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
-IGNORE_INDEX = -100
 #: Batch entries cut along the sequence (dim 1).
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
 
@@ -69,7 +67,6 @@ class ContextParallel(ParallelPlugin):
         self.kernel = kernel
         self._tp = 1
         self._rank = 0
-        self._group: Any = None
 
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"cp": self.size}
@@ -109,7 +106,6 @@ class ContextParallel(ParallelPlugin):
         spec = require_spec(model)
         cp_mesh = mesh["cp"]
         self._rank = cp_mesh.get_local_rank()
-        self._group = cp_mesh.get_group()
         fn = attention_fn(self.method, cp_mesh.get_group(), self.kernel)
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
@@ -136,17 +132,3 @@ class ContextParallel(ParallelPlugin):
             if key in out:
                 out[key] = out[key].index_select(1, index)
         return out
-
-    def scale_loss(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
-        """Weight this rank's token-mean loss by its share of the sequence's labelled tokens.
-
-        Gradients are averaged over the cp ranks; averaging per-rank means is the mean over the
-        whole sequence only if every rank has as many labelled tokens (always, with packed data).
-        With ignored labels (-100) the factor ``n_rank x cp / n_total`` makes it exact.
-        """
-        if self.size == 1 or not isinstance(batch, dict) or "labels" not in batch:
-            return loss
-        count = (batch["labels"] != IGNORE_INDEX).sum().to(torch.float32)
-        total = count.clone()
-        dist.all_reduce(total, group=self._group)
-        return loss * (count * self.size / total.clamp(min=1)).to(loss.dtype)

@@ -101,10 +101,6 @@ class ParallelPlugin(abc.ABC):
         """This rank's part of a batch every rank of its data-parallel group received (context parallel)."""
         return batch
 
-    def scale_loss(self, loss: torch.Tensor, batch: Any) -> torch.Tensor:
-        """The loss to back-propagate, given this rank's part of ``batch`` (token weighting)."""
-        return loss
-
     @property
     def runs_step(self) -> bool:
         """Whether this plugin runs forward and backward itself (a pipeline schedule), not Lightning."""
@@ -115,8 +111,8 @@ class ParallelPlugin(abc.ABC):
     ) -> torch.Tensor:
         """Forward (and backward if ``train``) over ``batch``; the batch's mean loss on every rank.
 
-        ``accumulate``: calls per optimizer step; ``loss_scale``: the other plugins' weight of this
-        rank's loss (:meth:`scale_loss`).
+        ``accumulate``: calls per optimizer step; ``loss_scale``: this rank's token weight
+        (``utils/loss.py``).
         """
         raise NotImplementedError(f"{type(self).__name__} does not run steps")
 

@@ -45,8 +45,7 @@ from lightning_ultrascale.parallel.pipeline.schedules import (
 from lightning_ultrascale.parallel.pipeline.split import plan_stages
 from lightning_ultrascale.parallel.pipeline.stage import StageModule, first_param_device, prune_to_stages
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-
-IGNORE_INDEX = -100
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
 
 class PipelineParallel(ParallelPlugin):
@@ -247,7 +246,7 @@ class PipelineParallel(ParallelPlugin):
 
         Gradients accumulate into ``.grad`` (the caller zeroes them and reduces them over data
         parallelism); ``accumulate`` is the number of such calls per optimizer step; the loss is
-        multiplied by ``loss_scale`` (context parallelism's token weight of this rank).
+        multiplied by ``loss_scale`` (this rank's token weight over the data-parallel ranks).
         """
         loss_fn = getattr(module, "loss_fn", None)
         if not callable(loss_fn):
