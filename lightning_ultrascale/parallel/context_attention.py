@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,6 @@ class FlopCounter:
     """Attention score pairs computed (query x key, unmasked), summed: for load-balance checks."""
 
     pairs: int = 0
-    calls: list[int] = field(default_factory=list)
 
 
 #: Set to a FlopCounter to count the work of every local block (tests and benchmarks).
@@ -96,7 +95,6 @@ def _count(q: Tensor, k: Tensor, causal: bool) -> None:
         n = q.shape[-2] * k.shape[-2]
         pairs = n - (q.shape[-2] * (q.shape[-2] - 1)) // 2 if causal else n
         FLOPS.pairs += pairs * q.shape[0] * q.shape[1]
-        FLOPS.calls.append(pairs)
 
 
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:

@@ -42,7 +42,7 @@ from lightning_ultrascale.parallel.pipeline.schedules import (
     stage_ranks,
     validate_microbatches,
 )
-from lightning_ultrascale.parallel.pipeline.split import plan_stages
+from lightning_ultrascale.parallel.pipeline.split import plan_stages, stages_from_split_points
 from lightning_ultrascale.parallel.pipeline.stage import StageModule, first_param_device, prune_to_stages
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
@@ -99,7 +99,7 @@ class PipelineParallel(ParallelPlugin):
         self._stages: list[StageModule] | None = None
         self._torch_schedule: Any = None
         self._tied: tuple[nn.Parameter, dist.ProcessGroup] | None = None
-        self._tied_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._tied_group: dist.ProcessGroup | None = None  # this rank's embedding group, if it is in one
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._token_scale = torch.ones(())
 
@@ -122,8 +122,6 @@ class PipelineParallel(ParallelPlugin):
                 f"pp x virtual stages <= {spec.n_layers}"
             )
         if self.split_points is not None:
-            from lightning_ultrascale.parallel.pipeline.split import stages_from_split_points
-
             stages_from_split_points(spec, self.split_points, self.n_stages)
 
     def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
@@ -161,7 +159,7 @@ class PipelineParallel(ParallelPlugin):
             last=last in self._local,
         )
         if tied and self._stage_ranks[0] != self._stage_ranks[last]:
-            self._make_tied_groups(mesh)
+            self._make_tied_group(mesh)
         self._model, self._spec = model, spec
         # Data-parallel wrapping (FSDP) treats each stage as the root of its own unit.
         model._ultrascale_parts = self.stage_modules  # type: ignore[assignment]
@@ -172,7 +170,7 @@ class PipelineParallel(ParallelPlugin):
         embedding, head = getattr(model, spec.embedding, None), getattr(model, spec.head, None)
         return embedding is not None and head is not None and head.weight is embedding.weight
 
-    def _make_tied_groups(self, mesh: ParallelMesh) -> None:
+    def _make_tied_group(self, mesh: ParallelMesh) -> None:
         # Tied embedding and head on different ranks (Megatron's "embedding group"): the two
         # copies sum their gradients each step, so they stay one parameter. Every rank creates
         # every group, in the same order (new_group is collective).
@@ -182,7 +180,7 @@ class PipelineParallel(ParallelPlugin):
             pair = [int(ranks[(first, *index)]), int(ranks[(last, *index)])]
             group = dist.new_group(pair)
             if dist.get_rank() in pair:
-                self._tied_groups[index] = group
+                self._tied_group = group
 
     def stage_modules(self) -> list[StageModule]:
         """This rank's stages, in stage order (built once, from the model's current pieces)."""
@@ -201,11 +199,10 @@ class PipelineParallel(ParallelPlugin):
         assert self._spec is not None
         if self._torch_schedule is None:
             self._torch_schedule = self._build_schedule()
-        if self._tied_groups:
+        if self._tied_group is not None:
             # Marks live on parameter objects, which materialisation and .to() replace: set anew.
             owner = getattr(model, self._spec.embedding, None) or getattr(model, self._spec.head)
-            (group,) = self._tied_groups.values()
-            self._tied = (owner.weight, group)
+            self._tied = (owner.weight, self._tied_group)
             head = getattr(model, self._spec.head, None)
             if head is not None and self._stage_ranks[0] != self._pp_rank:
                 # The last stage's copy is the same parameter: count it once in the gradient norm.

@@ -17,7 +17,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError
@@ -131,5 +130,4 @@ def plan_stages(
     """The block range of every stage: from ``split_points`` if given, else cost-balanced."""
     if split_points is not None:
         return stages_from_split_points(spec, split_points, n_stages)
-    with torch.device("meta"):
-        return balance_stages(piece_costs(model, spec), n_stages)
+    return balance_stages(piece_costs(model, spec), n_stages)
