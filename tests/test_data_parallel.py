@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from llama_runs import ADAMW, ADAMW_LATER_GRAD_RTOL, SGD, run_tiny_llama
+from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
 from torch import nn
 
 from lightning_ultrascale.parallel.buckets import BucketedAllReduce
@@ -36,7 +36,7 @@ def test_dp_matches_one_process_with_sgd(reference_sgd, world_size, accumulate):
 @pytest.mark.parametrize(("world_size", "accumulate"), [(2, 2), (4, 2)])
 def test_dp_matches_one_process_with_adamw(reference_adamw, world_size, accumulate):
     run = _run(ADAMW, world_size, accumulate)
-    assert_parity(run, reference_adamw, rtol=1e-5, later_grad_rtol=ADAMW_LATER_GRAD_RTOL)
+    assert_adamw_parity(run, reference_adamw)
 
 
 def _toy_model() -> nn.Sequential:
