@@ -11,13 +11,13 @@ sequence:
    is per token, so it divides by cp; ring attention saves its local q, k, v, fp32 out and LSE
    (also S/cp; never the S^2 scores), Ulysses' local SDPA saves h/cp heads of the whole sequence.
 2. Bytes each rank sends per attention layer, counted by wrapping ``RingExchange.start`` and
-   ``context_comm._all_to_all`` (the chunks that leave the rank), against the playbook's volumes
+   ``context/comms.py: _all_to_all`` (the chunks that leave the rank), against the playbook's volumes
    with KV = the local block's K+V bytes (kv heads only):
    ring forward (cp-1) KV; backward (cp-1) KV + cp fp32 (dK+dV) accumulators; Ulysses 4 all-to-alls
    of the local q, k, v, out forward and 4 backward, each sending (cp-1)/cp of its bytes (k and v at
    the kv heads when cp divides them, else expanded to every query head first, as the code does).
 3. Causal load balance: attention score pairs each rank computes in one forward
-   (``context_attention.FLOPS``), max / mean over ranks; the sum over ranks must be the causal
+   (``context/attention.py: FLOPS``), max / mean over ranks; the sum over ranks must be the causal
    triangle's S(S+1)/2 per head and layer.
 4. Longest sequence whose activations (the fitted bytes-per-token line of 1) plus model state
    (16 B per parameter: fp32 weights, gradients and AdamW moments, replicated over cp) fit a
@@ -52,8 +52,9 @@ from torch import Tensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from lightning_ultrascale import ContextParallel, build_model, get_model_config  # noqa: E402
-from lightning_ultrascale.parallel import context_attention, context_comm  # noqa: E402
-from lightning_ultrascale.parallel.context_attention import FlopCounter  # noqa: E402
+from lightning_ultrascale.parallel.context import attention as context_attention  # noqa: E402
+from lightning_ultrascale.parallel.context import comms as context_comm  # noqa: E402
+from lightning_ultrascale.parallel.context.attention import FlopCounter  # noqa: E402
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402

@@ -13,12 +13,11 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
 from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.context import ContextParallel
-from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.data import DataParallel, ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
-from lightning_ultrascale.parallel.zero import ZeRO
 from lightning_ultrascale.strategy import UltraScaleStrategy
 
 __all__ = [

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
-from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
@@ -52,7 +52,7 @@ class UltraScaleStrategy(ModelParallelStrategy):
 
     Plugins may be listed in any order; they are applied in the fixed order of
     :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a data-parallel plugin,
-    :class:`~lightning_ultrascale.parallel.data_parallel.DataParallel` takes the ranks left over.
+    :class:`~lightning_ultrascale.parallel.data.DataParallel` takes the ranks left over.
     At most one plugin may leave its size unset (it is inferred from the world size).
 
     The LightningModule must hold a model that declares a

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.strategy import UltraScaleStrategy
 from lightning_ultrascale.testing.spawn import free_port
 

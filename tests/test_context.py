@@ -19,8 +19,8 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
-from lightning_ultrascale.parallel import context_attention
-from lightning_ultrascale.parallel.context_attention import (
+from lightning_ultrascale.parallel.context import attention as context_attention
+from lightning_ultrascale.parallel.context.attention import (
     FlopCounter,
     local_positions,
     ring_attention,

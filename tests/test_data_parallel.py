@@ -6,8 +6,8 @@ import torch.distributed as dist
 from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
 from torch import nn
 
-from lightning_ultrascale.parallel.buckets import BucketedAllReduce
-from lightning_ultrascale.parallel.data_parallel import DataParallel
+from lightning_ultrascale.parallel.data import DataParallel
+from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity
 

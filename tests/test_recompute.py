@@ -17,9 +17,9 @@ from torch.utils._pytree import tree_leaves
 from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
+from lightning_ultrascale.parallel.data import ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.recompute import Recompute
-from lightning_ultrascale.parallel.zero import ZeRO
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
 

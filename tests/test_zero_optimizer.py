@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.parallel.zero_optimizer import ZeroEngine
+from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.utils.comm import CommTracer
 from lightning_ultrascale.utils.memory import model_state_bytes

@@ -127,10 +127,10 @@ def _hydra_task(cfg: DictConfig) -> None:
 def plugins(parallel: DictConfig) -> list[Any]:
     """The parallelism plugins a ``parallel`` config group asks for."""
     from lightning_ultrascale.parallel.context import ContextParallel
+    from lightning_ultrascale.parallel.data import ZeRO
     from lightning_ultrascale.parallel.pipeline import PipelineParallel
     from lightning_ultrascale.parallel.recompute import Recompute
     from lightning_ultrascale.parallel.tensor import TensorParallel
-    from lightning_ultrascale.parallel.zero import ZeRO
 
     chosen: list[Any] = [
         ZeRO(

@@ -13,7 +13,7 @@ stage      model-state memory per rank                traffic per step and rank
 =========  =========================================  ==========================================
 
 Stage 0 uses our bucketed all-reduce (``buckets.py``), stages 1 and 2 our sharded optimizer
-(``zero_optimizer.py``): FSDP2 has neither. Stage 3 is FSDP2 ``fully_shard`` per transformer block
+(``sharded_optimizer.py``): FSDP2 has neither. Stage 3 is FSDP2 ``fully_shard`` per transformer block
 and at the root, over ``dp_shard``, or over ``dp_replicate x dp_shard`` for HSDP (shard inside a
 group, replicate across groups). The playbook's guidance: ZeRO-2 is the usual sweet spot (same
 traffic as DP, most of the memory saved); ZeRO-3 for models whose parameters do not fit.
@@ -34,7 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.buckets import BucketedAllReduce
+from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.plugin import ParallelPlugin, model_parts
@@ -202,7 +202,7 @@ class ZeRO(ParallelPlugin):
                 reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
             )
         else:
-            from lightning_ultrascale.parallel.zero_optimizer import ZeroEngine
+            from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
 
             self.reducer = ZeroEngine(params, self._mesh, stage=self.stage, bucket_bytes=self._bucket_bytes)
 
@@ -255,3 +255,23 @@ class ZeRO(ParallelPlugin):
                 yield
         else:
             yield
+
+
+class DataParallel(ZeRO):
+    """Plain data parallelism over the ``dp_replicate`` mesh dim (``ZeRO(stage=0)``).
+
+    Args:
+        size: number of model replicas; ``None`` (default) takes whatever ranks the other plugins
+            leave (world size / (tp x cp x pp)).
+        bucket_mb: gradient bucket size in MiB (DDP's default is 25): larger buckets mean fewer,
+            more efficient all-reduces; smaller ones start communicating earlier in backward.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_ultrascale import UltraScaleStrategy, DataParallel
+        >>> strategy = UltraScaleStrategy(DataParallel(bucket_mb=25))
+        >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    def __init__(self, size: int | None = None, bucket_mb: float = 25.0) -> None:
+        super().__init__(stage=0, size=size, bucket_mb=bucket_mb)

@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.parallel.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
+from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
 # the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.

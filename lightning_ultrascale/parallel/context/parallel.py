@@ -5,7 +5,7 @@ coordinates only); the strategy hands this plugin each batch and it keeps this r
 sequence: tokens, labels and their positions (RoPE follows the tokens, so a zig-zag chunk at the
 end of the sequence is rotated as the end). Everything in the model is per token except
 attention, which is swapped for ring, zig-zag ring or all-to-all attention
-(``context_attention.py``). The loss on a rank is the mean over its tokens; every rank has the
+(``attention.py``). The loss on a rank is the mean over its tokens; every rank has the
 same number with packed data, so the gradient average over ``dp x cp`` (the data-parallel plugin
 reduces over the ``dp_cp`` mesh, FSDP shards over ``dp_shard x cp``) is the mean over the whole
 sequence; with ignored labels the strategy weights each rank by its tokens (``utils/loss.py``).
@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.context_attention import KERNELS, METHODS, attention_fn, local_positions
+from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, attention_fn, local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.plugin import ParallelPlugin

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ultrascale.parallel.context_comm import RingExchange, all_to_all
+from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
 METHODS = ("ring", "zigzag_ring", "all_to_all")
 
