@@ -2,7 +2,7 @@
 
 Prints tables and writes ``benchmarks/results/context.json``, for llama_tiny (4 heads, 2 kv heads,
 fp32, batch 1) on cp = 1, 2, 4 forked gloo processes, each running one forward and backward of
-``ContextParallel(cp, method).apply(model, mesh)`` (default ring kernel) on its ``shard_batch`` part of each
+``ContextParallel(cp, method).apply(model, layout)`` (default ring kernel) on its ``shard_batch`` part of each
 sequence:
 
 1. Activation bytes per rank: the distinct storages autograd saves for backward during the forward
@@ -47,7 +47,7 @@ import torch
 torch.set_num_threads(1)
 
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.tensor  # noqa: E402  (imported before forking: FACTS.md)
+import torch.distributed.tensor  # noqa: E402  (imported before forking: testing/spawn.py)
 from torch import Tensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
@@ -56,6 +56,7 @@ from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context import comms as context_comm  # noqa: E402
 from lightning_ultrascale.parallel.context.attention import FlopCounter  # noqa: E402
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
+from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 
@@ -148,7 +149,8 @@ def cp_worker(cp: int, method: str, seq_lens: tuple[int, ...]) -> list[dict[str,
     """One forward + backward per sequence length; what this rank saved, sent and computed."""
     model = build_model(dataclasses.replace(MODEL, max_seq_len=max(seq_lens)), seed=0)
     plugin = ContextParallel(cp, "zigzag_ring" if method == "none" else method)
-    plugin.apply(model, build_mesh(ParallelDims(cp=cp), "cpu"))
+    dims = ParallelDims(cp=cp)
+    plugin.apply(model, Layout(dims, build_mesh(dims, "cpu")))
     saved = SavedForBackward(list(model.parameters()))
     for module in model.modules():
         if hasattr(module, "attention_fn"):

@@ -6,7 +6,7 @@ back to back in two alternated rounds (the 1-minute load average before and afte
 other processes sharing the cores inflate both compute and idle time):
 
 1. Measured bubble, the playbook's ``r_bubble = (step - compute) / compute`` of a rank. ``step`` is
-   the wall time inside ``PipelineParallel.run_step`` (torch's ``schedule.step`` and the loss
+   the wall time inside ``PipelineStep.run`` (the pipeline's step runner) (torch's ``schedule.step`` and the loss
    broadcast that ends it on every rank at once, as the simulator's makespan ends), ``compute`` the
    wall time inside this rank's stages' ``forward_one_chunk``, ``backward_one_chunk`` and
    ``backward_weight_one_chunk``; the rest is waiting for a neighbour, p2p and Python. Mean over
@@ -50,7 +50,7 @@ import torch
 
 torch.set_num_threads(1)
 
-import torch.distributed.pipelining  # noqa: E402  (imported before forking: FACTS.md)
+import torch.distributed.pipelining  # noqa: E402  (imported before forking: testing/spawn.py)
 
 from lightning_ultrascale import LlamaModule, PipelineParallel, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
 from lightning_ultrascale.models import get_model_config  # noqa: E402
@@ -78,14 +78,15 @@ def split_points(schedule: str, pp: int, n_layers: int) -> list[str]:
 
 
 class ComputeClock:
-    """Per ``run_step`` call: its wall time, and each compute op of this rank's stages as (stage, kind, seconds)."""
+    """Per schedule run: its wall time, and each compute op of this rank's stages as (stage, kind, seconds)."""
 
     def __init__(self, plugin: PipelineParallel) -> None:
-        self.plugin = plugin
+        assert plugin.step_runner is not None
+        self.runner = plugin.step_runner
         self.steps: list[dict[str, Any]] = []
         self._ops: list[tuple[int, str, float]] = []
-        self._run_step = plugin.run_step
-        plugin.run_step = self._timed_step  # type: ignore[method-assign]
+        self._run_step = self.runner.run
+        self.runner.run = self._timed_step  # type: ignore[method-assign]
 
     def _timed_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not self.steps:
@@ -97,7 +98,7 @@ class ComputeClock:
         return loss
 
     def _wrap_stages(self) -> None:
-        schedule = self.plugin._torch_schedule
+        schedule = self.runner._torch_schedule()
         for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._timed(stage.stage_index, name, getattr(stage, name)))

@@ -44,7 +44,7 @@ import torch
 
 torch.set_num_threads(1)
 
-import torch.distributed.tensor  # noqa: E402  (imported before forking: FACTS.md)
+import torch.distributed.tensor  # noqa: E402  (imported before forking: testing/spawn.py)
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
@@ -55,6 +55,7 @@ from lightning_ultrascale import LlamaModule, TensorParallel, UltraScaleDataModu
 from lightning_ultrascale.models import get_model_config  # noqa: E402
 from lightning_ultrascale.models.llama import Llama  # noqa: E402
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
+from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
@@ -231,7 +232,9 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
     plugin = TensorParallel(tp, sequence_parallel=sp)
     with torch.device("meta"):
         model = Llama(MODEL)
-    plugin.apply(model, build_mesh(ParallelDims(tp=tp), "cpu"))
+    dims = ParallelDims(tp=tp)
+    layout = Layout(dims, build_mesh(dims, "cpu"))
+    plugin.apply(model, layout)
     model.to_empty(device="cpu")
     model.init_weights(0)
     tokens = torch.randint(0, MODEL.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -240,7 +243,7 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
         with tracker or contextlib.nullcontext():
             logits = model(tokens[:, :-1])
         alive = tracker.alive([*model.parameters(), *model.buffers(), logits]) if tracker else {}
-        with plugin.step_context():
+        with layout.step_context():
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
         return alive
 

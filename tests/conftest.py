@@ -2,8 +2,8 @@
 
 Multi-process tests fork gloo workers (lightning_ultrascale.testing.run_workers). Forking is only
 safe while the parent has not started its intra-op thread pool, and is fastest when the parent
-has already imported the distributed packages the workers use (FACTS.md), so both happen here,
-before any test module runs.
+has already imported the distributed packages the workers use (0.25 s instead of 10 s for two
+workers), so both happen here, before any test module runs.
 """
 
 import os

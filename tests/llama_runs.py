@@ -13,7 +13,7 @@ SGD = OptimConfig(name="sgd", lr=0.1, weight_decay=0.0, warmup_steps=0, min_lr_r
 ADAMW = OptimConfig(name="adamw", lr=3e-3, warmup_steps=0)
 # AdamW over several steps. Adam's update lr*m/sqrt(v) is about ±lr whatever the size of a
 # near-zero gradient, so reduction-order noise (1e-7, which differs between CPU models: MKL and
-# oneDNN sum in other orders on Intel and AMD) moves those parameters by ~lr (FACTS.md). Worst
+# oneDNN sum in other orders on Intel and AMD) moves those parameters by ~lr. Worst
 # errors measured over every AdamW layout of the suite, on an Intel and an AMD EPYC machine:
 # losses 1.8e-7, first-step gradients 3.4e-7 (both held to the tight 1e-5), later gradients
 # 2.4e-5 and final parameters 2.2e-5 (pp=4 on 8 layers; cp2 x tp2 and tp2+SP reach 1.5e-5 on

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
+from lightning_ultrascale.cli.train import CONFIG_DIR, build, expand_overrides, hydra_argv
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.strategy import UltraScaleStrategy
@@ -22,12 +22,12 @@ TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
 
 def _compose(*overrides: str):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+        return compose("train", overrides=expand_overrides(list(overrides)))
 
 
 def test_compose_applies_command_line_overrides():
     cfg = _compose("parallel.dp=2", "model=llama_tiny", "trainer.max_steps=50")
-    assert cfg.parallel.dp == 2 and cfg.model.name == "llama_tiny" and cfg.trainer.max_steps == 50
+    assert cfg.parallel.zero.size == 2 and cfg.model.name == "llama_tiny" and cfg.trainer.max_steps == 50
     assert cfg.data.source == "pydoc" and cfg.precision.precision == "32-true"
 
 
@@ -248,4 +248,45 @@ def test_bad_tensor_parallel_layouts_fail_before_any_process_group(tmp_path, mon
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=message):
         build(_compose(*overrides))
+    assert not dist.is_initialized()
+
+
+def test_a_sweep_writes_one_complete_run_directory_per_job(tmp_path):
+    """``-m`` over two layouts: two separate runs, ranks that never re-launch the sweep."""
+    run_dir = tmp_path / "sweep"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [*TRAIN, "-m", "parallel=zero1,zero2", *_train_overrides(steps=2)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p.name for p in run_dir.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"], jobs
+    for job, stage in (("0", 1), ("1", 2)):
+        job_dir = run_dir / job
+        rows = list(csv.DictReader((job_dir / "csv" / "metrics.csv").open()))
+        assert [r["train/loss"] for r in rows if r.get("train/loss")], f"job {job} logged no loss"
+        assert [p.name for p in (job_dir / "checkpoints").iterdir()] == ["last.ckpt"]  # no last-v1.ckpt
+        assert [p.name for p in job_dir.rglob(".hydra")] == [".hydra"]
+        assert f"stage: {stage}" in (job_dir / ".hydra" / "config.yaml").read_text()
+    assert (run_dir / "multirun.yaml").is_file()
+    # No rank ran the sweep again (it would have made a second sweep tree or a third job).
+    assert not list(tmp_path.rglob("multirun")) and not (tmp_path / "outputs").exists()
+
+
+def test_logger_tensorboard_writes_event_files(tmp_path):
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
+    cmd = [*TRAIN, "logger=tensorboard", "trainer.devices=1", *_train_overrides(steps=2)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_logger_whose_package_is_missing_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    from lightning_utilities.core.imports import RequirementCache
+
+    # As on a machine without wandb, wherever this runs.
+    missing = RequirementCache("wandb-is-not-installed-here")
+    monkeypatch.setattr(sys.modules["lightning.pytorch.loggers.wandb"], "_WANDB_AVAILABLE", missing)
+    with pytest.raises(ConfigError, match=r"logger.wandb .* needs a package that is not installed.*pip install wandb"):
+        build(_compose("logger=wandb"))
     assert not dist.is_initialized()

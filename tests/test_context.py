@@ -27,7 +27,7 @@ from lightning_ultrascale.parallel.context.attention import (
     ring_blocks,
     ulysses_attention,
 )
-from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
 from lightning_ultrascale.utils.loss import token_weight
@@ -165,20 +165,23 @@ def test_context_parallel_with_recomputation_and_ulysses_under_tp_match_one_proc
 
 # ------------------------------------------------------------------------------------ bad input
 def test_unknown_method_is_refused():
-    with pytest.raises(ConfigError, match=r"parallel.cp_method='striped' is unknown; valid: ring, zigzag_ring"):
+    with pytest.raises(ConfigError, match=r"ContextParallel\(method='striped'\) is unknown; valid: ring, zigzag_ring"):
         ContextParallel(2, "striped")
 
 
 def test_sequence_not_divisible_by_twice_cp_is_refused_for_zigzag():
-    with pytest.raises(ConfigError, match=r"data.seq_len=60 must be divisible by 8 .* \(2 x cp = 8 zig-zag chunks\)"):
-        ContextParallel(4, "zigzag_ring").validate_data(seq_len=60, micro_batch_size=1)
-    ContextParallel(4, "ring").validate_data(seq_len=60, micro_batch_size=1)  # 4 contiguous parts: fine
+    spec, dims, data = build_model("llama_tiny", device="meta").spec, ParallelDims(cp=4), DataShape(60, 1)
+    with pytest.raises(
+        ConfigError, match=r"UltraScaleDataModule\(seq_len=60\) must be divisible by 8 .* \(2 x cp = 8 zig-zag chunks\)"
+    ):
+        ContextParallel(4, "zigzag_ring").validate(dims, spec, data)
+    ContextParallel(4, "ring").validate(dims, spec, data)  # 4 contiguous parts: fine
 
 
 def test_heads_not_divisible_by_cp_are_refused_for_all_to_all():
     spec = build_model("llama_tiny", device="meta").spec  # 4 heads
     with pytest.raises(ConfigError, match=r"n_heads / tp = 4 / 2 = 2; valid cp: 1, 2"):
-        ContextParallel(4, "all_to_all").validate(ParallelDims(cp=4, tp=2), spec)
+        ContextParallel(4, "all_to_all").validate(ParallelDims(cp=4, tp=2), spec, None)
     assert not dist.is_initialized()
 
 
@@ -189,7 +192,8 @@ def test_trainer_refuses_a_bad_context_layout_before_any_process_group():
     strategy = UltraScaleStrategy(ContextParallel(4, "all_to_all"), TensorParallel(2))
     trainer = L.Trainer(accelerator="cpu", devices=8, strategy=strategy, **QUIET_TRAINER)
     trainer.strategy._lightning_module = LlamaModule("llama_tiny")
-    with pytest.raises(ConfigError, match=r"parallel.cp=4 with parallel.cp_method='all_to_all' must divide"):
+    message = r"ContextParallel\(size=4\) with ContextParallel\(method='all_to_all'\) must divide"
+    with pytest.raises(ConfigError, match=message):
         trainer.strategy.setup_environment()
     assert not dist.is_initialized()
 

@@ -19,7 +19,7 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
-from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.pipeline import balance_stages, piece_costs, plan_stages, stage_ranks
 from lightning_ultrascale.parallel.pipeline.split import PieceCosts
 from lightning_ultrascale.testing import run_workers
@@ -61,7 +61,8 @@ def _cost(costs: PieceCosts, blocks: range) -> float:
 def test_user_split_points_override_the_balance():
     model = build_model("llama_tiny", device="meta")
     assert plan_stages(model, model.spec, 2, ["layers.3"]) == [range(0, 3), range(3, 4)]
-    with pytest.raises(ConfigError, match=r"parallel.pp_split_points: layers.9 are not split points; valid: layers.1"):
+    message = r"PipelineParallel\(split_points=\['layers.9'\]\): layers.9 are not split points; valid: layers.1"
+    with pytest.raises(ConfigError, match=message):
         plan_stages(model, model.spec, 2, ["layers.9"])
     with pytest.raises(ConfigError, match=r"has 2 names but 2 stages need 1"):
         plan_stages(model, model.spec, 2, ["layers.1", "layers.2"])
@@ -79,14 +80,14 @@ def test_stages_are_looped_or_v_shaped():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "gpipe2"}, r"parallel.pp_schedule='gpipe2' is unknown; valid: afab, 1f1b, interleaved_1f1b"),
-        ({"schedule": "1f1b", "microbatches": 1}, r"parallel.pp_microbatches=1 is fewer than .* = 2, the minimum"),
-        ({"schedule": "afab", "microbatches": 1}, r"pp_microbatches=1 is fewer than pp = 2"),
+        ({"schedule": "gpipe2"}, r"\(schedule='gpipe2'\) is unknown; valid: afab, 1f1b, interleaved_1f1b"),
+        ({"schedule": "1f1b", "microbatches": 1}, r"Parallel\(microbatches=1\) is fewer than .* = 2, the minimum"),
+        ({"schedule": "afab", "microbatches": 1}, r"microbatches=1\) is fewer than pp = 2"),
         ({"schedule": "dualpipev", "microbatches": 3}, r"fewer than the number of stages \(pp x virtual stages"),
-        ({"schedule": "zbv", "virtual_stages": 3}, r"pp_virtual_stages=3 does not fit parallel.pp_schedule='zbv'"),
+        ({"schedule": "zbv", "virtual_stages": 3}, r"virtual_stages=3\) does not fit .*\(schedule='zbv'\)"),
         ({"schedule": "1f1b", "virtual_stages": 2}, r"runs exactly 1 stage\(s\) per rank; valid: 1"),
-        ({"schedule": "interleaved_1f1b", "microbatches": 5}, r"pp_microbatches=5 must be a multiple of its rounds"),
-        ({"schedule": "1f1b", "microbatches": 0}, r"parallel.pp_microbatches=0 must be a positive integer"),
+        ({"schedule": "interleaved_1f1b", "microbatches": 5}, r"microbatches=5\) must be a multiple of its rounds"),
+        ({"schedule": "1f1b", "microbatches": 0}, r"PipelineParallel\(microbatches=0\) must be a positive integer"),
     ],
 )
 def test_bad_schedule_settings_are_refused_when_the_plugin_is_built(kwargs, message):
@@ -97,8 +98,9 @@ def test_bad_schedule_settings_are_refused_when_the_plugin_is_built(kwargs, mess
 
 def test_more_stages_than_layers_is_refused_before_any_process_group():
     plugin = PipelineParallel(4, "interleaved_1f1b")
-    with pytest.raises(ConfigError, match=r"pp=4 x parallel.pp_virtual_stages=2 = 8 stages, but model llama_tiny has"):
-        plugin.validate(ParallelDims(pp=4), build_model("llama_tiny", device="meta").spec)
+    message = r"size=4\) x PipelineParallel\(virtual_stages=2\) = 8 stages, but model llama_tiny has"
+    with pytest.raises(ConfigError, match=message):
+        plugin.validate(ParallelDims(pp=4), build_model("llama_tiny", device="meta").spec, None)
     # What trainer.fit does first: the strategy checks the module's declared spec, then sets up processes.
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=UltraScaleStrategy(plugin), **QUIET_TRAINER)
     trainer.strategy._lightning_module = LlamaModule("llama_tiny")
@@ -108,8 +110,11 @@ def test_more_stages_than_layers_is_refused_before_any_process_group():
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():
-    with pytest.raises(ConfigError, match=r"data.micro_batch_size=6 .* divisible by parallel.pp_microbatches=4"):
-        PipelineParallel(2, "1f1b", microbatches=4).validate_data(seq_len=64, micro_batch_size=6)
+    spec = build_model("llama_tiny", device="meta").spec
+    with pytest.raises(
+        ConfigError, match=r"DataModule\(micro_batch_size=6\) .* divisible by PipelineParallel\(microbatches=4\)"
+    ):
+        PipelineParallel(2, "1f1b", microbatches=4).validate(ParallelDims(pp=2), spec, DataShape(64, 6))
 
 
 def test_full_checkpoints_are_refused_with_pipeline_stages():

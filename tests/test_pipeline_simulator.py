@@ -255,13 +255,13 @@ def test_png_without_matplotlib_names_the_install(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "foo"}, r"parallel.pp_schedule='foo' is unknown; valid: afab, 1f1b, interleaved_1f1b"),
-        ({"schedule": "dualpipev", "m": 6}, r"parallel.pp_microbatches=6 is fewer than .* = 8.*valid: 8 or more"),
-        ({"schedule": "1f1b", "m": 2}, r"parallel.pp_microbatches=2 is fewer than"),
-        ({"schedule": "1f1b", "v": 2}, r"parallel.pp_virtual_stages=2 does not fit parallel.pp_schedule='1f1b'"),
-        ({"schedule": "zbv", "v": 3}, r"parallel.pp_virtual_stages=3 does not fit .* valid: 2"),
-        ({"schedule": "interleaved_1f1b", "m": 7, "p": 3}, r"pp_microbatches=7 must be a multiple of its rounds"),
-        ({"p": 0}, r"parallel.pp=0 must be a positive integer"),
+        ({"schedule": "foo"}, r"PipelineParallel\(schedule='foo'\) is unknown; valid: afab, 1f1b, interleaved_1f1b"),
+        ({"schedule": "dualpipev", "m": 6}, r"Parallel\(microbatches=6\) is fewer than .* = 8.*valid: 8 or more"),
+        ({"schedule": "1f1b", "m": 2}, r"PipelineParallel\(microbatches=2\) is fewer than"),
+        ({"schedule": "1f1b", "v": 2}, r"Parallel\(virtual_stages=2\) does not fit .*Parallel\(schedule='1f1b'\)"),
+        ({"schedule": "zbv", "v": 3}, r"PipelineParallel\(virtual_stages=3\) does not fit .* valid: 2"),
+        ({"schedule": "interleaved_1f1b", "m": 7, "p": 3}, r"microbatches=7\) must be a multiple of its rounds"),
+        ({"p": 0}, r"PipelineParallel\(size=0\) must be a positive integer"),
     ],
 )
 def test_bad_layouts_raise_config_error(kwargs, message):

@@ -139,7 +139,7 @@ def test_selective_op_recomputes_no_matmul_and_no_attention():
 
 @pytest.mark.parametrize("config", ["full", "selective_op"])
 def test_recomputed_blocks_compile_into_one_graph_each(config):
-    # torch.compile applies after recomputation (DESIGN.md's order). aot_eager runs dynamo and the
+    # torch.compile applies after recomputation (the strategy's APPLY_ORDER). aot_eager runs dynamo and the
     # autograd partitioner, where checkpointing takes effect under compile, without inductor's
     # slow code generation; fullgraph=True fails instead of silently falling back to eager.
     torch._dynamo.reset()
@@ -242,10 +242,10 @@ def test_recompute_through_the_strategy_matches_one_process(reference_sgd, layou
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mode": "partial"}, "parallel.recompute='partial' is unknown; valid: none, full, selective, selective_op"),
-        ({"mode": "selective", "every": 0}, "parallel.recompute_every=0 must be an integer >= 1"),
-        ({"mode": "selective", "every": "2"}, "parallel.recompute_every='2' must be an integer >= 1"),
-        ({"mode": "full", "every": 2}, "parallel.recompute_every=2 only applies to parallel.recompute='selective'"),
+        ({"mode": "partial"}, "Recompute(mode='partial') is unknown; valid: none, full, selective, selective_op"),
+        ({"mode": "selective", "every": 0}, "Recompute(every=0) must be an integer >= 1"),
+        ({"mode": "selective", "every": "2"}, "Recompute(every='2') must be an integer >= 1"),
+        ({"mode": "full", "every": 2}, "Recompute(every=2) only applies to Recompute(mode='selective')"),
     ],
 )
 def test_bad_options_raise_config_error(kwargs, message):
@@ -255,6 +255,6 @@ def test_bad_options_raise_config_error(kwargs, message):
 
 def test_every_beyond_the_layer_count_raises_before_any_process_group():
     spec = build_model("llama_tiny", device="meta").spec
-    with pytest.raises(ConfigError, match=r"parallel\.recompute_every=5 exceeds n_layers=4 .*valid: 1 \.\. 4"):
-        Recompute("selective", every=5).validate(ParallelDims(), spec)
-    Recompute("selective", every=4).validate(ParallelDims(), spec)
+    with pytest.raises(ConfigError, match=r"Recompute\(every=5\) exceeds n_layers=4 .*valid: 1 \.\. 4"):
+        Recompute("selective", every=5).validate(ParallelDims(), spec, None)
+    Recompute("selective", every=4).validate(ParallelDims(), spec, None)

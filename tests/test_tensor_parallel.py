@@ -8,6 +8,7 @@ from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
 from lightning_ultrascale import Recompute, TensorParallel, ZeRO
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import get_model_config
+from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.testing.parity import assert_parity
 
 # llama_tiny has 2 kv heads; tp=4 needs a variant with 4 (multi-head attention).
@@ -87,13 +88,14 @@ def test_gradient_clipping_uses_the_global_norm_counted_once(layout, plugins, wo
 
 
 def test_bad_tensor_parallel_settings_fail_at_construction():
-    with pytest.raises(ConfigError, match=r"parallel.tp=0 must be a positive integer"):
+    with pytest.raises(ConfigError, match=r"TensorParallel\(size=0\) must be a positive integer"):
         TensorParallel(0)
     with pytest.raises(
-        ConfigError, match=r"data.seq_len=65 must be divisible by parallel.tp=2 .* valid nearby: 64, 66"
+        ConfigError,
+        match=r"DataModule\(seq_len=65\) must be divisible by TensorParallel\(size=2\) .* valid nearby: 64, 66",
     ):
-        TensorParallel(2).validate_sequence(65)
-    TensorParallel(2, sequence_parallel=False).validate_sequence(65)
+        TensorParallel(2).validate_sequence(DataShape(65, 1))
+    TensorParallel(2, sequence_parallel=False).validate_sequence(DataShape(65, 1))
 
 
 ODD_VOCAB = dataclasses.replace(get_model_config("llama_tiny"), vocab_size=321, name="llama_tiny_vocab321")

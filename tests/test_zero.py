@@ -140,10 +140,10 @@ def test_zero3_initialises_the_weights_of_a_single_process_build():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"stage": 4}, r"parallel.zero_stage=4 is not a ZeRO stage; valid: 0, 1, 2, 3"),
-        ({"stage": 2, "bucket_mb": 0}, r"parallel.bucket_mb=0 must be > 0"),
-        ({"stage": 1, "replicate": 2}, r"parallel.replicate=2 \(HSDP\) needs parallel.zero_stage=3, got 1"),
-        ({"stage": 3, "reduce_dtype": "fp16"}, r"parallel.reduce_dtype='fp16'; valid: fp32, bf16"),
+        ({"stage": 4}, r"ZeRO\(stage=4\) is not a ZeRO stage; valid: 0, 1, 2, 3"),
+        ({"stage": 2, "bucket_mb": 0}, r"ZeRO\(bucket_mb=0\) must be > 0"),
+        ({"stage": 1, "replicate": 2}, r"ZeRO\(replicate=2\) \(HSDP\) needs ZeRO\(stage=3\), got 1"),
+        ({"stage": 3, "reduce_dtype": "fp16"}, r"ZeRO\(reduce_dtype='fp16'\); valid: fp32, bf16"),
     ],
 )
 def test_bad_zero_settings_fail_at_construction(kwargs, message):
@@ -156,7 +156,7 @@ def test_zero12_with_one_data_parallel_rank_warns(stage):
     spec = build_model("llama_tiny", device="meta").spec
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ZeRO(stage=stage).validate(ParallelDims(dp_shard=1), spec)
+        ZeRO(stage=stage).validate(ParallelDims(dp_shard=1), spec, None)
     assert any(f"ZeRO stage {stage} with one data-parallel rank shards nothing" in str(w.message) for w in caught)
 
 

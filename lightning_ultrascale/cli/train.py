@@ -6,35 +6,50 @@ Examples::
     ultrascale-train parallel.dp=2 model=llama_tiny trainer.max_steps=50
     ultrascale-train recipe=llama3_8b                  # a whole run from recipes/llama3_8b.yaml
     ultrascale-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_steps=600   # resume
+    ultrascale-train -m parallel=zero1,zero2 trainer.max_steps=20                        # a sweep
+
+Every node with a ``_target_`` is built from it: each plugin under ``parallel``, each logger
+under ``logger``, each callback under ``callbacks``. Short keys (``parallel.tp=2``) are expanded
+to their nodes (``cli/keys.py``).
 
 One run directory for all ranks: Hydra would otherwise make one per process (each with its own
 timestamp; lightning-hydra-template #393, hydra #2070). The directory is fixed once, before any
 rank starts, and handed to every rank through ``ULTRASCALE_RUN_DIR``: Lightning's own launcher
 passes its environment to the processes it starts; under SLURM and torchrun the name comes from
-the job id, which every rank sees. Only rank 0 writes Hydra's ``.hydra/`` record.
+the job id, which every rank sees. Only rank 0 writes Hydra's ``.hydra/`` record. In a sweep
+(``-m``) each job gets ``<run dir>/<job number>``, and the ranks Lightning starts for a job run
+that job only.
 
-Every configuration error is raised here, before the Trainer (and so any process group) exists.
+Every configuration error is raised here, before the Trainer (and so any process group) exists,
+as one line naming the config key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.cli.keys import error_keys, expand, plugin_nodes
+from lightning_ultrascale.errors import ConfigError, config_keys
 
 log = logging.getLogger("lightning_ultrascale")
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = Path(os.environ.get("ULTRASCALE_CONFIG_DIR", REPO / "conf"))
 RECIPES_DIR = Path(os.environ.get("ULTRASCALE_RECIPES_DIR", REPO / "recipes"))
+MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def run_dir() -> str:
@@ -75,10 +90,21 @@ def _global_rank() -> int:
     return 0
 
 
+OmegaConf.register_new_resolver("ultrascale.div", lambda a, b: int(a) // int(b), replace=True)
+OmegaConf.register_new_resolver("ultrascale.run_dir", run_dir, replace=True)
+
+
+def expand_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``)."""
+    nodes = plugin_nodes(CONFIG_DIR)
+    return [expand(o, nodes) for o in overrides]
+
+
 def hydra_argv(argv: list[str]) -> list[str]:
-    """Rewrite ``recipe=NAME`` into Hydra's primary-config flags; silence ``.hydra/`` off rank 0."""
+    """Rewrite ``recipe=NAME`` into Hydra's primary-config flags, expand short keys, fix a sweep's
+    directory, and silence ``.hydra/`` off rank 0."""
     out: list[str] = []
-    for arg in argv:
+    for arg in expand_overrides(argv):
         if arg.startswith("recipe="):
             name = arg.split("=", 1)[1]
             available = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -87,13 +113,11 @@ def hydra_argv(argv: list[str]) -> list[str]:
             out += [f"--config-dir={RECIPES_DIR}", f"--config-name={name}"]
         else:
             out.append(arg)
+    if any(a in MULTIRUN_FLAGS for a in out) and not any(a.startswith("hydra.sweep.dir") for a in out):
+        out.append(f"hydra.sweep.dir={run_dir()}")  # resolved once: jobs re-point ULTRASCALE_RUN_DIR
     if _global_rank() != 0 and not any(a.startswith("hydra.output_subdir") for a in out):
         out.append("hydra.output_subdir=null")
     return out
-
-
-def _div(a: Any, b: Any) -> int:
-    return int(a) // int(b)
 
 
 def main() -> None:
@@ -105,10 +129,6 @@ def main() -> None:
         )
     try:
         run_dir()
-    except ConfigError as err:
-        raise SystemExit(f"ultrascale-train: {err}") from None
-    OmegaConf.register_new_resolver("ultrascale.div", _div, replace=True)
-    try:
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]
     except ConfigError as err:
         raise SystemExit(f"ultrascale-train: {err}") from None
@@ -116,68 +136,89 @@ def main() -> None:
 
 
 def _hydra_task(cfg: DictConfig) -> None:
+    with _one_job(), config_keys(error_keys(cfg)):
+        try:
+            trainer, module, datamodule = build(cfg)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        except ConfigError as err:
+            # One line naming option, value and valid values; no traceback for a config mistake.
+            raise SystemExit(f"ultrascale-train: {err}") from None
+
+
+@contextlib.contextmanager
+def _one_job() -> Iterator[None]:
+    """In a sweep: this job's own run directory, and ranks Lightning starts that run this job only.
+
+    Hydra runs a sweep's jobs one after another in this process. Lightning starts each job's
+    other ranks with this process's command line, which would re-run the whole sweep, so the
+    command line becomes this job's overrides; the job's environment (its run directory, the
+    port Lightning picked) and its process group end with it.
+    """
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        yield
+        return
+    argv, environ = list(sys.argv), dict(os.environ)
+    flags = [a for a in argv[1:] if a.startswith("-") and a not in MULTIRUN_FLAGS]
+    sys.argv = [argv[0], *flags, *HydraConfig.get().overrides.task]
+    os.environ["ULTRASCALE_RUN_DIR"] = HydraConfig.get().runtime.output_dir
     try:
-        trainer, module, datamodule = build(cfg)
-    except ConfigError as err:
-        # One line naming option, value and valid values; no traceback for a config mistake.
-        raise SystemExit(f"ultrascale-train: {err}") from None
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def instantiate(node: DictConfig, where: str) -> Any:
+    """Build ``_target_(**settings)`` (no Hydra wrapper around its errors, so a ConfigError stays one line).
+
+    A node may say how to install what its target needs (``_install_``); a missing package then
+    fails with that hint.
+    """
+    settings = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(settings, dict)
+    target, install = settings.pop("_target_"), settings.pop("_install_", None)
+    try:
+        return get_class(target)(**settings)
+    except (ImportError, ModuleNotFoundError) as err:
+        hint = f"; install it: {install}" if install else ""
+        raise ConfigError(f"{where} ({target}) needs a package that is not installed ({err}){hint}") from None
 
 
 def plugins(parallel: DictConfig) -> list[Any]:
-    """The parallelism plugins a ``parallel`` config group asks for."""
-    from lightning_ultrascale.parallel.context import ContextParallel
-    from lightning_ultrascale.parallel.data import ZeRO
-    from lightning_ultrascale.parallel.pipeline import PipelineParallel
-    from lightning_ultrascale.parallel.recompute import Recompute
-    from lightning_ultrascale.parallel.tensor import TensorParallel
+    """The parallelism plugins: one per node of the ``parallel`` group."""
+    return [instantiate(node, f"parallel.{name}") for name, node in parallel.items() if "_target_" in node]
 
-    chosen: list[Any] = [
-        ZeRO(
-            stage=parallel.zero_stage,
-            size=parallel.dp,
-            replicate=parallel.replicate,
-            bucket_mb=parallel.bucket_mb,
-            reshard_after_forward=parallel.reshard_after_forward,
-            reduce_dtype=parallel.reduce_dtype,
-        )
-    ]
-    if parallel.pp > 1:
-        split_points = parallel.pp_split_points
-        chosen.append(
-            PipelineParallel(
-                parallel.pp,
-                parallel.pp_schedule,
-                microbatches=parallel.pp_microbatches,
-                virtual_stages=parallel.pp_virtual_stages,
-                split_points=list(split_points) if split_points is not None else None,
-            )
-        )
-    if parallel.cp > 1:
-        chosen.append(ContextParallel(parallel.cp, parallel.cp_method, parallel.cp_kernel))
-    if parallel.tp > 1:
-        chosen.append(TensorParallel(parallel.tp, parallel.sequence_parallel, parallel.loss_parallel))
-    if parallel.recompute != "none":
-        chosen.append(Recompute(parallel.recompute, every=parallel.recompute_every))
-    return chosen
+
+def _callbacks(cfg: DictConfig) -> list[Any]:
+    from lightning.pytorch.callbacks import ProgressBar
+
+    built = [instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
+    if cfg.trainer.get("enable_progress_bar", True):
+        return built
+    return [c for c in built if not isinstance(c, ProgressBar)]  # Lightning refuses a bar it may not show
 
 
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """Turn a composed config into (Trainer, LlamaModule, DataModule); validates everything first."""
-    import lightning as L
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
+    with config_keys(error_keys(cfg)):
+        return _build(cfg)
 
-    from lightning_ultrascale.callbacks import TrainingMetrics, UltraScaleProgressBar
+
+def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    import lightning as L
+
     from lightning_ultrascale.data import UltraScaleDataModule
     from lightning_ultrascale.module import LlamaModule, OptimConfig
+    from lightning_ultrascale.parallel.dims import DataShape
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
-    module = LlamaModule(
-        cfg.model.name,
-        optim=OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}),
-        seed=cfg.seed,
-    )
+    optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
+    module = LlamaModule(cfg.model.name, optim=OptimConfig(**optim), seed=cfg.seed)
     data = cfg.data
     datamodule = UltraScaleDataModule(
         source=data.source,
@@ -192,27 +233,13 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
-
-    chosen = plugins(cfg.parallel)
-    strategy = UltraScaleStrategy(*chosen, seed=cfg.seed)
+    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed)
     t = cfg.trainer
-    dims = strategy.resolve_dims(int(t.devices) * int(t.num_nodes))
-    dims.validate_model(module.model_spec)
-    for plugin in chosen:
-        plugin.validate(dims, module.model_spec)
-        plugin.validate_data(data.seq_len, data.micro_batch_size)
-    accumulate = dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
-
+    shape = DataShape(data.seq_len, data.micro_batch_size, data.global_batch_size)
+    strategy.validate(module.model_spec, shape, world_size=int(t.devices) * int(t.num_nodes))
+    accumulate = strategy.parallel_dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
+    loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
-    callbacks: list[Any] = [
-        ModelCheckpoint(
-            dirpath=str(out / "checkpoints"), every_n_train_steps=cfg.checkpoint_every_n_steps, save_last=True
-        ),
-        TrainingMetrics(),
-        LearningRateMonitor(logging_interval="step"),
-    ]
-    if t.get("enable_progress_bar", True):
-        callbacks.append(UltraScaleProgressBar())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
     trainer = L.Trainer(
         **OmegaConf.to_container(t, resolve=True),  # type: ignore[arg-type]
@@ -220,9 +247,8 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         precision=cfg.precision.precision,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
-        # Its own folder: CSVLogger clears the folder it logs into on a fresh start.
-        logger=CSVLogger(save_dir=str(out), name="csv", version=""),
-        callbacks=callbacks,
+        logger=loggers or False,
+        callbacks=_callbacks(cfg),
         default_root_dir=str(out),
     )
     if trainer.global_rank == 0:

@@ -3,7 +3,7 @@
 Sequences are packed: consecutive, non-overlapping windows of ``seq_len`` tokens over the whole
 stream, documents separated only by their bos/eos ids (as nanoGPT and Megatron do), so no token is
 padding and every batch has exactly ``batch * seq_len`` target tokens — which keeps the global
-token count, the loss normaliser (DESIGN.md), independent of the data.
+token count, the loss normaliser (utils/loss.py), independent of the data.
 """
 
 from __future__ import annotations

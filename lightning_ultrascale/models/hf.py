@@ -85,6 +85,24 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
+def _rope_from_hf(hf_config: Any) -> tuple[Any, RopeScaling | None]:
+    """RoPE theta and Llama-3 scaling of a transformers config."""
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` / `rope_scaling`.
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"hf rope_type={rope_type!r} is not supported; valid: 'default', 'llama3'")
+    if rope_type != "llama3":
+        return rope_theta, None
+    return rope_theta, RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
 def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     """Our :class:`LlamaConfig` from a ``transformers.LlamaConfig`` (4.x or 5.x).
 
@@ -109,20 +127,7 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         if value != supported:
             raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
 
-    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` / `rope_scaling`.
-    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"hf rope_type={rope_type!r} is not supported; valid: 'default', 'llama3'")
-    scaling = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
+    rope_theta, scaling = _rope_from_hf(hf_config)
     return LlamaConfig(
         dim=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers,

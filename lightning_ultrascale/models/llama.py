@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # Path components that activation checkpointing, torch.compile and FSDP1 insert into parameter
-# names. init_weights runs after those wrappers (DESIGN.md's order), and seeding must not depend
+# names. init_weights runs after those wrappers (the strategy's APPLY_ORDER), and seeding must not depend
 # on them.
 _WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 

@@ -41,7 +41,6 @@ class ModelSpec:
     final_norm: str = "norm"
     head: str = "output"
     attention: str = "attention"
-    mlp: str = "feed_forward"
     # Tensor-parallel plan: ``tp_plan(sequence_parallel) -> (top_level_plan, per_block_plan)``,
     # each a mapping of module name to a DTensor ``ParallelStyle``.
     tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]] | None = field(

@@ -11,9 +11,10 @@ in seconds with a message that names the option, its value and what would be val
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
-from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.errors import ConfigError, divisors, option
 from lightning_ultrascale.models.spec import ModelSpec
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -24,6 +25,9 @@ DATA_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of parallelism of one run.
+
+    ``sources`` says which setting gave each dim its size (``{"tp": ("TensorParallel", "size")}``),
+    so that errors name that setting; a dim without one is named ``parallel.<dim>``.
 
     Example:
         >>> dims = ParallelDims(dp_replicate=2, tp=2)
@@ -38,14 +42,29 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    sources: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name, size in asdict(self).items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ConfigError(f"parallel.{name}={size!r} must be a positive integer")
+        for f in fields(self):
+            size = getattr(self, f.name)
+            if f.name != "sources" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+                raise ConfigError(f"{self.option(f.name, size)} must be a positive integer")
+
+    def option(self, dim: str, value: object = None) -> str:
+        """The setting behind ``dim`` as errors name it (``TensorParallel(size=3)``, or ``parallel.tp=3``)."""
+        value = getattr(self, dim) if value is None else value
+        if dim in self.sources:
+            return option(*self.sources[dim], value)
+        return f"parallel.{dim}={value!r}"
 
     @classmethod
-    def infer(cls, world_size: int, infer_dim: str | None = None, **sizes: int) -> ParallelDims:
+    def infer(
+        cls,
+        world_size: int,
+        infer_dim: str | None = None,
+        sources: Mapping[str, tuple[str, str]] | None = None,
+        **sizes: int,
+    ) -> ParallelDims:
         """Sizes with ``infer_dim`` filled in so that the mesh covers ``world_size`` ranks.
 
         Example:
@@ -57,14 +76,16 @@ class ParallelDims:
                 raise ConfigError(f"cannot infer parallel.{infer_dim}; valid: {', '.join(MESH_DIMS)}")
             known = math.prod(sizes.get(d, 1) for d in MESH_DIMS if d != infer_dim)
             if known < 1 or world_size % known:
-                given = " x ".join(f"{d}={sizes[d]}" for d in MESH_DIMS if d in sizes and d != infer_dim)
+                given = " x ".join(f"{d}={sizes[d]}" for d in MESH_DIMS if sizes.get(d, 1) > 1 and d != infer_dim)
+                source = (sources or {}).get(infer_dim)
+                what = option(*source, None) if source else f"parallel.{infer_dim}"
                 raise ConfigError(
                     f"world size {world_size} is not divisible by {given or '1'} = {known}, so "
-                    f"parallel.{infer_dim} cannot be inferred; choose sizes whose product divides "
+                    f"{what} cannot be inferred; choose sizes whose product divides "
                     f"{world_size} (divisors: {', '.join(map(str, divisors(world_size)))})"
                 )
             sizes = {**sizes, infer_dim: world_size // known}
-        return cls(**sizes)
+        return cls(**sizes, sources=dict(sources or {}))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,7 +114,7 @@ class ParallelDims:
         ep_pool = self.dp_shard * self.cp
         if ep_pool % self.ep:
             raise ConfigError(
-                f"parallel.ep={self.ep} must divide dp_shard x cp = {ep_pool} (experts borrow those "
+                f"{self.option('ep')} must divide dp_shard x cp = {ep_pool} (experts borrow those "
                 f"ranks); valid: {', '.join(map(str, divisors(ep_pool)))}"
             )
 
@@ -102,17 +123,17 @@ class ParallelDims:
         for heads, what in ((spec.n_heads, "n_heads"), (spec.n_kv_heads, "n_kv_heads")):
             if heads % self.tp:
                 raise ConfigError(
-                    f"parallel.tp={self.tp} must divide {what}={heads} of model {spec.name}; "
+                    f"{self.option('tp')} must divide {what}={heads} of model {spec.name}; "
                     f"valid: {', '.join(map(str, divisors(heads)))}"
                 )
         if self.pp > spec.n_layers:
             raise ConfigError(
-                f"parallel.pp={self.pp} exceeds n_layers={spec.n_layers} of model {spec.name}; "
+                f"{self.option('pp')} exceeds n_layers={spec.n_layers} of model {spec.name}; "
                 f"valid: 1..{spec.n_layers}"
             )
         if self.ep > 1 and spec.n_experts % self.ep:
             raise ConfigError(
-                f"parallel.ep={self.ep} must divide n_experts={spec.n_experts} of model {spec.name}; "
+                f"{self.option('ep')} must divide n_experts={spec.n_experts} of model {spec.name}; "
                 f"valid: {', '.join(map(str, divisors(spec.n_experts)))}"
             )
 
@@ -148,3 +169,25 @@ class ParallelDims:
         """Index of the data shard that ``rank`` reads (same for its tp, cp and pp peers)."""
         c = self.coordinate(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """The batch each data-parallel rank runs per micro-step, checked against the layout before any process group.
+
+    ``owner`` names the object that set these sizes in errors (the DataModule's class; under the
+    CLI its ``data.*`` keys). ``global_batch_size`` is known where the user gives it (the CLI's
+    ``data.global_batch_size``); in Python it follows from the Trainer's gradient accumulation.
+
+    Example:
+        >>> DataShape(seq_len=250, micro_batch_size=8).option("seq_len")
+        'UltraScaleDataModule(seq_len=250)'
+    """
+
+    seq_len: int
+    micro_batch_size: int
+    global_batch_size: int | None = None
+    owner: str = "UltraScaleDataModule"
+
+    def option(self, name: str) -> str:
+        return option(self.owner, name, getattr(self, name))

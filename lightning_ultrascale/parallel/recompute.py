@@ -44,10 +44,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.dims import ParallelDims
-from lightning_ultrascale.parallel.mesh import ParallelMesh
+from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
+from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 MODES: tuple[str, ...] = ("none", "full", "selective", "selective_op")
@@ -120,12 +120,12 @@ class Recompute(ParallelPlugin):
 
     def __init__(self, mode: str = "full", every: int = 1) -> None:
         if mode not in MODES:
-            raise ConfigError(f"parallel.recompute={mode!r} is unknown; valid: {', '.join(MODES)}")
+            raise ConfigError(f"{option(self, 'mode', mode)} is unknown; valid: {', '.join(MODES)}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ConfigError(f"parallel.recompute_every={every!r} must be an integer >= 1")
+            raise ConfigError(f"{option(self, 'every', every)} must be an integer >= 1")
         if every != 1 and mode != "selective":
             raise ConfigError(
-                f"parallel.recompute_every={every} only applies to parallel.recompute='selective', "
+                f"{option(self, 'every', every)} only applies to {option(self, 'mode', 'selective')}, "
                 f"not {mode!r}; leave it at 1"
             )
         self.mode = mode
@@ -134,10 +134,10 @@ class Recompute(ParallelPlugin):
     def mesh_sizes(self) -> dict[str, int | None]:
         return {}
 
-    def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
+    def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
         if self.every > spec.n_layers:
             raise ConfigError(
-                f"parallel.recompute_every={self.every} exceeds n_layers={spec.n_layers} of {spec.name}, "
+                f"{option(self, 'every', self.every)} exceeds n_layers={spec.n_layers} of {spec.name}, "
                 f"so no block would be recomputed; valid: 1 .. {spec.n_layers}"
             )
 
@@ -152,7 +152,7 @@ class Recompute(ParallelPlugin):
             return False
         return self.mode != "selective" or (layer + 1) % self.every == 0
 
-    def apply(self, model: nn.Module, mesh: ParallelMesh | None = None) -> nn.Module:
+    def apply(self, model: nn.Module, layout: Layout | None = None) -> nn.Module:
         """Make the chosen blocks of ``model`` recompute in backward (in place; returns ``model``).
 
         Works on any device (meta included: nothing is allocated) and needs no mesh.

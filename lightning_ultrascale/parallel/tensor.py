@@ -11,21 +11,29 @@ With ``sequence_parallel`` the residual stream between sub-layers is sharded ove
 norms work on ``s/tp`` tokens and each all-reduce becomes a reduce-scatter (after the row-parallel
 projection) plus an all-gather (before the column-parallel one): the same bytes, and the
 norm/residual activations divided by ``tp``. TP needs fast links: keep it inside a node.
+
+A linear that an earlier plugin made special (the Layout's ``linear_styles``: FP8 says "these
+linears are Float8") gets the parallel style registered for its kind in :data:`LINEAR_STYLES`,
+from the same plan: one plan, never a second one per precision.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Mapping
 
 from torch import nn
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from lightning_ultrascale.errors import ConfigError, nearby_multiples, require_positive_int
+from lightning_ultrascale.errors import ConfigError, nearby_multiples, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.dims import ParallelDims
-from lightning_ultrascale.parallel.mesh import ParallelMesh
+from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
+from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+
+#: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
+#: parallel style becomes the one that fits such a linear (e.g. ``"float8"``: torchao's Float8
+#: column/row-wise styles, registered by the plugin that swaps the linears).
+LINEAR_STYLES: dict[str, Callable[[ParallelStyle], ParallelStyle]] = {}
 
 
 class TensorParallel(ParallelPlugin):
@@ -44,7 +52,7 @@ class TensorParallel(ParallelPlugin):
     applies_at = "tensor"
 
     def __init__(self, size: int, sequence_parallel: bool = True, loss_parallel: bool = True) -> None:
-        require_positive_int("parallel.tp", size)
+        require_positive_int(self, "size", size)
         self.size = size
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
@@ -52,51 +60,63 @@ class TensorParallel(ParallelPlugin):
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"tp": self.size}
 
-    def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
+    def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
         if self.size > 1 and spec.tp_plan is None:
             raise ConfigError(
-                f"parallel.tp={self.size}, but model {spec.name} declares no tensor-parallel plan (ModelSpec.tp_plan)"
+                f"{option(self, 'size', self.size)}, but model {spec.name} declares no tensor-parallel plan "
+                "(ModelSpec.tp_plan)"
             )
+        if data is not None:
+            self.validate_sequence(data)
 
-    def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
-        self.validate_sequence(seq_len)
-
-    def validate_sequence(self, seq_len: int) -> None:
+    def validate_sequence(self, data: DataShape) -> None:
         """Sequence parallelism splits the sequence: it must divide by ``tp``."""
-        if self.size > 1 and self.sequence_parallel and seq_len % self.size:
+        if self.size > 1 and self.sequence_parallel and data.seq_len % self.size:
             raise ConfigError(
-                f"data.seq_len={seq_len} must be divisible by parallel.tp={self.size} with sequence parallelism; "
-                f"valid nearby: {nearby_multiples(seq_len, self.size)} (or parallel.sequence_parallel=false)"
+                f"{data.option('seq_len')} must be divisible by {option(self, 'size', self.size)} with sequence "
+                f"parallelism; valid nearby: {nearby_multiples(data.seq_len, self.size)} "
+                f"(or {option(self, 'sequence_parallel', False)})"
             )
 
-    def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         if self.size == 1:
             return model
         spec = require_spec(model)
         assert spec.tp_plan is not None
-        tp_mesh = mesh["tp"]
+        tp_mesh = layout.mesh["tp"]
         top, block_plan = spec.tp_plan(self.sequence_parallel)
-        # A pipeline stage may lack the embedding or the head (set to None): nothing to shard there.
-        top = {name: style for name, style in top.items() if _present(model, name)}
-        parallelize_module(model, tp_mesh, top)
-        for block in model.get_submodule(spec.layers).values():
-            parallelize_module(block, tp_mesh, block_plan)
+        # A rank may hold only part of the model (a pipeline stage): nothing to shard elsewhere.
+        parallelize_module(model, tp_mesh, _styled(top, "", layout.linear_styles, layout.dropped))
+        for name, block in model.get_submodule(spec.layers).named_children():
+            prefix = f"{spec.layers}.{name}."
+            parallelize_module(block, tp_mesh, _styled(block_plan, prefix, layout.linear_styles, layout.dropped))
         # parallelize_module swaps the embedding and head weights for two separate DTensors; a
         # tied model ties them again (both are sharded the same way: over the vocabulary).
         tie = getattr(model, "tie_weights", None)
         if tie is not None:
             tie()
+        if self.loss_parallel:
+            # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
+            layout.step_contexts.append(loss_parallel)
         return model
 
-    @contextlib.contextmanager
-    def step_context(self) -> Iterator[None]:
-        # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
-        with loss_parallel() if self.size > 1 and self.loss_parallel else contextlib.nullcontext():
-            yield
 
-
-def _present(model: nn.Module, name: str) -> bool:
-    try:
-        return model.get_submodule(name) is not None
-    except AttributeError:
-        return False
+def _styled(
+    plan: Mapping[str, ParallelStyle], prefix: str, styles: Mapping[str, str], dropped: set[str]
+) -> dict[str, ParallelStyle]:
+    """``plan`` without the modules this rank does not hold, each linear in the style that fits its kind."""
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        full = prefix + name
+        if full in dropped:
+            continue
+        kind = styles.get(full)
+        if kind is not None:
+            if kind not in LINEAR_STYLES:
+                raise ConfigError(
+                    f"module {full} is a {kind!r} linear, and TensorParallel has no parallel style for that kind; "
+                    f"known kinds: {', '.join(LINEAR_STYLES) or 'none'} (register one in tensor.LINEAR_STYLES)"
+                )
+            style = LINEAR_STYLES[kind](style)
+        out[name] = style
+    return out

@@ -1,6 +1,6 @@
 """Run a function on N gloo processes and collect what each returns.
 
-Forking is ~40x faster than spawning (FACTS.md: 0.25 s vs 10 s for two processes), so workers
+Forking is ~40x faster than spawning (measured: 0.25 s vs 10 s for two processes), so workers
 are forked from a parent that has already imported torch. Fork is only safe when the parent has
 not started its intra-op thread pool, so ``run_workers`` pins it to one thread first.
 
@@ -106,7 +106,7 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    # Fork after the intra-op pool started deadlocks the children (FACTS.md).
+    # Fork after the intra-op pool started deadlocks the children (the module docstring).
     torch.set_num_threads(1)
     ctx = mp.get_context("fork")
     port = free_port()
@@ -123,32 +123,41 @@ def run_workers(
         child_end.close()
         procs.append(proc)
         conns[parent_end] = rank
+    try:
+        results = _collect(conns, procs, timeout_s)
+    finally:
+        _stop(procs)
+    return [results[r] for r in range(world_size)]
 
+
+def _stop(procs: list[mp.process.BaseProcess]) -> None:
+    """Join every worker; kill those still running (blocked in a collective with a dead rank)."""
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _collect(conns: dict[Connection, int], procs: list[mp.process.BaseProcess], timeout_s: float) -> dict[int, Any]:
+    """Every rank's result, or a :class:`WorkerError` for the first rank that raised, died or hung."""
+    world_size = len(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
-    try:
-        while conns:
-            ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise WorkerError(
-                    f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(conns.values())} "
-                    f"of {world_size} (a hang in a collective, or a too-small timeout_s)"
-                )
-            for conn in ready:
-                rank = conns.pop(conn)  # type: ignore[call-overload]
-                try:
-                    status, payload = conn.recv()  # type: ignore[union-attr]
-                except EOFError:
-                    raise WorkerError(
-                        f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                    ) from None
-                if status == "error":
-                    raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
-                results[rank] = _loads(payload)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[r] for r in range(world_size)]
+    while conns:
+        ready = wait(list(conns), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise WorkerError(
+                f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(conns.values())} "
+                f"of {world_size} (a hang in a collective, or a too-small timeout_s)"
+            )
+        for conn in ready:
+            rank = conns.pop(conn)  # type: ignore[call-overload]
+            try:
+                status, payload = conn.recv()  # type: ignore[union-attr]
+            except EOFError:
+                raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
+            if status == "error":
+                raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
+            results[rank] = _loads(payload)
+    return results

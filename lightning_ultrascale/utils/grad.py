@@ -13,7 +13,7 @@ its replicated dims and must not be counted once per rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,13 +21,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def grad_norm(parameters: Iterable[nn.Parameter], across: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+def _no_groups(p: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:
+    return ()
+
+
+def grad_norm(
+    parameters: Iterable[nn.Parameter],
+    across: Sequence[dist.ProcessGroup] = (),
+    groups_of: Callable[[nn.Parameter], tuple[dist.ProcessGroup, ...]] = _no_groups,
+) -> torch.Tensor:
     """The global L2 norm of the gradients, as if every parameter were whole on one rank.
 
     Every rank holding any of the parameters must call it (it all-reduces over sharded dims).
     ``across``: groups whose ranks hold different parameters (pipeline stages): the squares are
-    summed over them at the end. A parameter marked ``_ultrascale_norm_skip`` (the second copy of
-    a tied weight) is not counted.
+    summed over them at the end. ``groups_of(p)``: more groups over which ``p``'s local pieces are
+    distinct than its own placements say (a sharded optimizer's flat shard of tensor-parallel
+    pieces; ``Layout.grad_norm`` knows them).
 
     Example:
         >>> p = nn.Parameter(torch.ones(3)); p.grad = torch.full((3,), 2.0)
@@ -38,27 +47,13 @@ def grad_norm(parameters: Iterable[nn.Parameter], across: Sequence[dist.ProcessG
     extra: dict[object, tuple[dist.ProcessGroup, ...]] = {}
     device = None
     for p in parameters:
-        if p.grad is None or getattr(p, "_ultrascale_norm_skip", False):
+        if p.grad is None:
             continue
-        g = p.grad
-        # A sharded optimizer's flat shard of tensor-parallel pieces is split over more groups
-        # than its own mesh says (ZeroEngine marks them).
-        more: tuple[dist.ProcessGroup, ...] = getattr(p, "_ultrascale_norm_groups", ())
-        if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                # e.g. a sequence-parallel norm weight: each tp rank holds its sequence shard's sum.
-                # ||a + b|| is not made of ||a|| and ||b||: reduce the pieces first.
-                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
-            # Every non-replicated dim holds distinct pieces: Shard, and FSDP-over-TP's _StridedShard
-            # (which is neither a Shard subclass nor is_shard() in torch 2.13).
-            sharded = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            key: object = (g.device_mesh, sharded, tuple(x.group_name for x in more))
-            groups[key].append(g.to_local())
-        else:
-            key = (None, (), tuple(x.group_name for x in more))
-            groups[key].append(g)
+        more = groups_of(p)
+        key, local = _local_piece(p.grad, more)
+        groups[key].append(local)
         extra[key] = more
-        device = g.device
+        device = local.device
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         squares = torch.stack([t.detach().float().pow(2).sum() for t in grads]).sum()
@@ -73,13 +68,36 @@ def grad_norm(parameters: Iterable[nn.Parameter], across: Sequence[dist.ProcessG
     return total.sqrt()
 
 
+def _local_piece(grad: torch.Tensor, more: tuple[dist.ProcessGroup, ...]) -> tuple[object, torch.Tensor]:
+    """This rank's piece of ``grad`` and the key of the pieces whose squares add up over the same groups."""
+    if not isinstance(grad, DTensor):
+        return (None, (), tuple(x.group_name for x in more)), grad
+    if any(pl.is_partial() for pl in grad.placements):
+        # e.g. a sequence-parallel norm weight: each tp rank holds its sequence shard's sum.
+        # ||a + b|| is not made of ||a|| and ||b||: reduce the pieces first.
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements])
+    # Every non-replicated dim holds distinct pieces: Shard, and FSDP-over-TP's _StridedShard
+    # (which is neither a Shard subclass nor is_shard() in torch 2.13).
+    sharded = tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+    return (grad.device_mesh, sharded, tuple(x.group_name for x in more)), grad.to_local()
+
+
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[nn.Parameter], max_norm: float, across: Sequence[dist.ProcessGroup] = ()
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    across: Sequence[dist.ProcessGroup] = (),
+    groups_of: Callable[[nn.Parameter], tuple[dist.ProcessGroup, ...]] = _no_groups,
+    uncounted: Collection[nn.Parameter] = (),
 ) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm`` (torch's formula); return the norm."""
+    """Scale gradients so their global norm is at most ``max_norm`` (torch's formula); return the norm.
+
+    ``uncounted``: parameters scaled like the others but left out of the norm (a tied weight's
+    second copy, whose gradient another rank counts).
+    """
     params = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(params, across)
+    skip = {id(p) for p in uncounted}
+    norm = grad_norm([p for p in params if id(p) not in skip], across, groups_of)
     # torch.nn.utils.clip_grad_norm_'s coefficient, epsilon included, for identical numerics.
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:

@@ -1,9 +1,10 @@
 """ContextParallel: the playbook's context parallelism, long sequences split over the ``cp`` mesh dim.
 
 Every rank of a ``cp`` group reads the same samples (the sampler shards by data-parallel
-coordinates only); the strategy hands this plugin each batch and it keeps this rank's part of the
-sequence: tokens, labels and their positions (RoPE follows the tokens, so a zig-zag chunk at the
-end of the sequence is rotated as the end). Everything in the model is per token except
+coordinates only); the step runner passes each batch through this plugin's transform (the
+Layout's ``batch_transforms``), which keeps this rank's part of the sequence: tokens, labels and
+their positions (RoPE follows the tokens, so a zig-zag chunk at the end of the sequence is
+rotated as the end). Everything in the model is per token except
 attention, which is swapped for ring, zig-zag ring or all-to-all attention
 (``attention.py``). The loss on a rank is the mean over its tokens; every rank has the
 same number with packed data, so the gradient average over ``dp x cp`` (the data-parallel plugin
@@ -27,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, require_positive_int
+from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, attention_fn, local_positions
-from lightning_ultrascale.parallel.dims import ParallelDims
-from lightning_ultrascale.parallel.mesh import ParallelMesh
+from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
+from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 #: Batch entries cut along the sequence (dim 1).
@@ -57,11 +58,11 @@ class ContextParallel(ParallelPlugin):
     applies_at = "context"
 
     def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "reference") -> None:
-        require_positive_int("parallel.cp", size)
+        require_positive_int(self, "size", size)
         if method not in METHODS:
-            raise ConfigError(f"parallel.cp_method={method!r} is unknown; valid: {', '.join(METHODS)}")
+            raise ConfigError(f"{option(self, 'method', method)} is unknown; valid: {', '.join(METHODS)}")
         if kernel not in KERNELS:
-            raise ConfigError(f"parallel.cp_kernel={kernel!r} is unknown; valid: {', '.join(KERNELS)}")
+            raise ConfigError(f"{option(self, 'kernel', kernel)} is unknown; valid: {', '.join(KERNELS)}")
         self.size = size
         self.method = method
         self.kernel = kernel
@@ -74,38 +75,41 @@ class ContextParallel(ParallelPlugin):
     def settings(self) -> dict[str, Any]:
         return {"method": self.method, "kernel": self.kernel}
 
-    def validate(self, dims: ParallelDims, spec: ModelSpec) -> None:
-        self._tp = dims.tp
+    def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
         if self.size > 1 and self.method == "all_to_all":
             heads = spec.n_heads // dims.tp
             if heads % self.size:
                 raise ConfigError(
-                    f"parallel.cp={self.size} with parallel.cp_method='all_to_all' must divide the heads per tensor-"
-                    f"parallel rank, n_heads / tp = {spec.n_heads} / {dims.tp} = {heads}; valid cp: "
-                    f"{', '.join(map(str, divisors(heads)))} (or parallel.cp_method='zigzag_ring')"
+                    f"{option(self, 'size', self.size)} with {option(self, 'method', self.method)} must divide the "
+                    f"heads per tensor-parallel rank, n_heads / tp = {spec.n_heads} / {dims.tp} = {heads}; valid cp: "
+                    f"{', '.join(map(str, divisors(heads)))} (or {option(self, 'method', 'zigzag_ring')})"
                 )
+        if data is not None:
+            self.validate_sequence(data, dims.tp)
 
-    def validate_data(self, seq_len: int, micro_batch_size: int) -> None:
+    def validate_sequence(self, data: DataShape, tp: int) -> None:
+        """The sequence must split into this method's chunks, each split over ``tp`` once more under SP."""
         if self.size == 1:
             return
         chunks = 2 * self.size if self.method == "zigzag_ring" else self.size
-        # Under sequence parallelism each cp part is split over tp once more.
-        multiple = chunks * self._tp
-        if seq_len % multiple:
+        multiple = chunks * tp
+        if data.seq_len % multiple:
             why = f"2 x cp = {chunks} zig-zag chunks" if self.method == "zigzag_ring" else f"cp = {chunks} parts"
-            if self._tp > 1:
-                why += f", each split over tp = {self._tp}"
+            if tp > 1:
+                why += f", each split over tp = {tp}"
             raise ConfigError(
-                f"data.seq_len={seq_len} must be divisible by {multiple} for parallel.cp={self.size} with "
-                f"parallel.cp_method={self.method!r} ({why}); valid nearby: {nearby_multiples(seq_len, multiple)}"
+                f"{data.option('seq_len')} must be divisible by {multiple} for {option(self, 'size', self.size)} "
+                f"with {option(self, 'method', self.method)} ({why}); valid nearby: "
+                f"{nearby_multiples(data.seq_len, multiple)}"
             )
 
-    def apply(self, model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         if self.size == 1:
             return model
         spec = require_spec(model)
-        cp_mesh = mesh["cp"]
+        cp_mesh = layout.mesh["cp"]
         self._rank = cp_mesh.get_local_rank()
+        self._tp = layout.dims.tp
         fn = attention_fn(self.method, cp_mesh.get_group(), self.kernel)
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
@@ -115,14 +119,17 @@ class ContextParallel(ParallelPlugin):
                     "swaps it for ring / all-to-all attention (see models/llama.py Attention)"
                 )
             attention.attention_fn = fn
+        layout.batch_transforms.append(self.shard_batch)
         return model
 
     def shard_batch(self, batch: Any) -> Any:
+        """This rank's tokens, labels and positions of a batch every rank of its ``cp`` group received."""
         if self.size == 1 or not isinstance(batch, dict) or "input_ids" not in batch:
             return batch
         tokens = batch["input_ids"]
         seq_len = tokens.shape[1]
-        self.validate_data(seq_len, tokens.shape[0])
+        # Checked per batch too: a DataModule that declares no shape is only known here.
+        self.validate_sequence(DataShape(seq_len, tokens.shape[0], owner="batch"), self._tp)
         layout = "ring" if self.method == "all_to_all" else self.method
         index = local_positions(layout, seq_len, self.size, self._rank).to(tokens.device)
         out = dict(batch)

@@ -316,8 +316,3 @@ class BucketedAllReduce(GradientBuckets):
                 assert bucket.grad_buffer is not None
                 bucket.grad_buffer.copy_(bucket.wire)
                 bucket.wire = None
-
-    @property
-    def grad_buffers(self) -> list[torch.Tensor]:
-        """The flat gradient buffers (for model-state accounting)."""
-        return [b.grad_buffer for b in self.buckets if b.grad_buffer is not None]

@@ -44,7 +44,7 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
@@ -72,6 +72,10 @@ def _sum_groups(p: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:
 
 def _sum_group_names(p: nn.Parameter) -> tuple[str, ...]:
     return tuple(g.group_name for g in _sum_groups(p))
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 @dataclass(kw_only=True)
@@ -116,10 +120,11 @@ class ZeroEngine(GradientBuckets):
     ) -> None:
         if stage not in (1, 2):
             raise ConfigError(
-                f"parallel.zero_stage={stage!r}: ZeroEngine runs stages 1 and 2 (stage 3 is FSDP2's fully_shard)"
+                f"{option('ZeRO', 'stage', stage)}: ZeroEngine runs stages 1 and 2 (stage 3 is FSDP2's fully_shard)"
             )
         if bucket_bytes <= 0:
-            raise ConfigError(f"bucket_bytes={bucket_bytes} (from parallel.bucket_mb) must be > 0")
+            bucket_mb = option("ZeRO", "bucket_mb", bucket_bytes / 2**20)
+            raise ConfigError(f"bucket_bytes={bucket_bytes} (from {bucket_mb}) must be > 0")
         if mesh.ndim != 1:
             raise ValueError(f"mesh must be the 1-D data-parallel mesh, got dims {mesh.mesh_dim_names}")
         self.mesh = mesh
@@ -135,31 +140,37 @@ class ZeroEngine(GradientBuckets):
 
     # ---- layout -------------------------------------------------------------------------------
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, others: Collection[torch.Tensor] = ()) -> None:
         """Make ``optimizer`` (the same object: LR schedulers hold it) step this rank's shards only.
 
-        Its param groups' ``"params"`` become this rank's flat shard parameters (one per bucket,
-        buckets planned per param group), its state is reset, the model's parameters become views
-        into the flat bucket buffers, and a step post-hook all-gathers the updated shards.
+        In its param groups this engine's parameters become this rank's flat shard parameters (one
+        per bucket, buckets planned per param group), their state is reset, the model's parameters
+        become views into the flat bucket buffers, and a step post-hook all-gathers the updated
+        shards. ``others``: parameters the optimizer also holds that other engines manage (another
+        parameter group's data ranks); they stay where they are.
         """
         if self.optimizer is not None:
             raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
-        group_of = self._group_index(optimizer)
+        group_of = self._group_index(optimizer, {id(t) for t in others})
         plan = plan_buckets(
             self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device, _sum_group_names(p))
         )
         self._set_buckets([self._make_bucket(members) for members in plan])
         for index, group in enumerate(optimizer.param_groups):
-            group["params"] = [b.shard for b in self.buckets if group_of[b.params[0]] == index]
-        optimizer.state.clear()
+            kept = [p for p in group["params"] if p not in group_of]
+            group["params"] = kept + [b.shard for b in self.buckets if group_of[b.params[0]] == index]
+        for p in self.params:
+            optimizer.state.pop(p, None)
         self._step_hook = optimizer.register_step_post_hook(self._all_gather_params)
         self.optimizer = optimizer
 
-    def _group_index(self, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+    def _group_index(self, optimizer: torch.optim.Optimizer, others: set[int]) -> dict[nn.Parameter, int]:
         managed = set(self.params)
         group_of: dict[nn.Parameter, int] = {}
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
+                if id(p) in others:
+                    continue
                 if p not in managed:
                     raise ValueError(
                         f"optimizer param group {index} holds a parameter of shape {tuple(p.shape)} that this "
@@ -196,9 +207,6 @@ class ZeroEngine(GradientBuckets):
         start = self.rank * shard_numel
         local = flat[start : start + max(0, min(shard_numel, numel - start))]
         shard = nn.Parameter(self._as_shard(local, numel))
-        # The flat shard of tensor-parallel pieces is also split over tp: its gradient norm sums
-        # over those groups too (lightning_ultrascale.utils.grad reads this).
-        shard._ultrascale_norm_groups = _sum_groups(first)  # type: ignore[attr-defined]
         return _Bucket(
             params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard
         )
@@ -310,55 +318,58 @@ class ZeroEngine(GradientBuckets):
         return {b.shard: f"bucket{i}" for i, b in enumerate(self.buckets)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state: ``{"state": {"bucket<i>": {...}}, "param_groups": [...]}``.
+        """This rank's part of the optimizer state: ``{"state": {"bucket<i>": {...}}, "param_groups": [...]}``.
 
-        Tensors of the shard parameters (Adam's ``exp_avg``, ``exp_avg_sq``) are DTensors over the
-        unpadded bucket, so torch.distributed.checkpoint saves them sharded and can load them back
-        under another N (same model, param groups and bucket size: the same bucket plan). The
-        tensors are the live ones, so ``dcp.load`` into this dict already fills the optimizer;
-        :meth:`load_state_dict` then restores hyperparameters and non-tensor state.
-        Before the first step the optimizer state is created (a step with zero gradients and
-        ``lr=0``, as ``torch.distributed.checkpoint.state_dict`` does) so that there is something
-        to load into.
+        Only this engine's shards (another engine may shard other parameters of the same
+        optimizer); ``param_groups`` holds every group's hyperparameters and the names of this
+        engine's shards in it. Tensors of the shard parameters (Adam's ``exp_avg``,
+        ``exp_avg_sq``) are DTensors over the unpadded bucket, so torch.distributed.checkpoint
+        saves them sharded and can load them back under another N (same model, param groups and
+        bucket size: the same bucket plan). The tensors are the live ones, so ``dcp.load`` into
+        this dict already fills the optimizer; :meth:`load_state_dict` then restores
+        hyperparameters and non-tensor state. Before the first step the state is created (a step
+        with zero gradients and ``lr=0``, as ``torch.distributed.checkpoint.state_dict`` does) so
+        that there is something to load into.
         """
         optimizer = self._require_optimizer()
-        if not optimizer.state:
-            self._init_state(optimizer)
         names = self._bucket_names()
+        if any(p not in optimizer.state for p in names):
+            self._init_state(optimizer)
         return {
-            "state": {names[p]: dict(optimizer.state[p]) for g in optimizer.param_groups for p in g["params"]},
+            "state": {name: dict(optimizer.state[p]) for p, name in names.items()},
             "param_groups": [
-                {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                {**_hyperparameters(g), "params": [names[p] for p in g["params"] if p in names]}
                 for g in optimizer.param_groups
             ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (after ``dcp.load`` filled it)."""
+        """Restore what :meth:`state_dict` returned (after ``dcp.load`` filled its tensors in place)."""
         optimizer = self._require_optimizer()
         names = self._bucket_names()
-        ours = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+        ours = [[names[p] for p in g["params"] if p in names] for g in optimizer.param_groups]
         theirs = [list(g["params"]) for g in state["param_groups"]]
         if ours != theirs:
             raise ValueError(
                 f"the checkpoint's optimizer shards {theirs} do not match this run's {ours}: resuming needs the "
-                "same model, optimizer param groups and parallel.bucket_mb"
+                f"same model, optimizer param groups and {option('ZeRO', 'bucket_mb', self.bucket_bytes / 2**20)}"
             )
-        index = {name: i for i, name in enumerate(itertools.chain.from_iterable(ours))}
-        optimizer.load_state_dict(
-            {
-                "state": {index[name]: value for name, value in state["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-            }
-        )
+        shards = {name: p for p, name in names.items()}
+        for name, saved in state["state"].items():
+            live = optimizer.state[shards[name]]
+            # DCP filled the live tensors; what is not a live tensor (a float step) is set here.
+            live.update({k: v for k, v in saved.items() if live.get(k) is not v})
+        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+            group.update(_hyperparameters(saved_group))
 
     def _init_state(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [b.shard.grad for b in self.buckets]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
         lrs = [g["lr"] for g in optimizer.param_groups]
         try:
             self._gather_after_step = False  # lr=0 changes nothing: no need to gather
-            for b in self.buckets:
-                b.shard.grad = torch.zeros_like(b.shard)
+            for p in params:  # a state that exists (another engine's) must not see this step
+                p.grad = None if p in optimizer.state else torch.zeros_like(p)
             for g in optimizer.param_groups:
                 g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
             optimizer.step()
@@ -366,8 +377,17 @@ class ZeroEngine(GradientBuckets):
             self._gather_after_step = True
             for g, lr in zip(optimizer.param_groups, lrs):
                 g["lr"] = lr
-            for b, grad in zip(self.buckets, grads):
-                b.shard.grad = grad
+            for p, grad in zip(params, grads):
+                p.grad = grad
+
+    def shard_norm_groups(self) -> dict[nn.Parameter, tuple[dist.ProcessGroup, ...]]:
+        """Shards of tensor-parallel pieces, and the tp groups their local values are also split over.
+
+        A shard is ``Shard(0)`` over this engine's mesh only, but when its bucket holds
+        tensor-parallel pieces every tp rank's shard holds other values: the gradient norm must
+        sum its square over those groups too (``Layout.grad_norm``).
+        """
+        return {b.shard: _sum_groups(b.params[0]) for b in self.buckets if _sum_groups(b.params[0])}
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:

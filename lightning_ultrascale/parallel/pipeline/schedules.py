@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_ultrascale.errors import ConfigError, require_positive_int
+from lightning_ultrascale.errors import ConfigError, option, require_positive_int
+
+_OWNER = "PipelineParallel"
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ SCHEDULES: dict[str, ScheduleInfo] = {
 def schedule_info(name: str) -> ScheduleInfo:
     """The schedule's entry, or a ConfigError that lists the valid names."""
     if name not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={name!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"{option(_OWNER, 'schedule', name)} is unknown; valid: {', '.join(SCHEDULES)}")
     return SCHEDULES[name]
 
 
@@ -69,11 +71,12 @@ def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
     info = schedule_info(name)
     if virtual_stages is None:
         return info.default_virtual
-    require_positive_int("parallel.pp_virtual_stages", virtual_stages)
+    require_positive_int(_OWNER, "virtual_stages", virtual_stages)
     if info.placement in ("single", "v") and virtual_stages != info.default_virtual:
         raise ConfigError(
-            f"parallel.pp_virtual_stages={virtual_stages} does not fit parallel.pp_schedule={name!r}, which runs "
-            f"exactly {info.default_virtual} stage(s) per rank; valid: {info.default_virtual} (or a looped schedule: "
+            f"{option(_OWNER, 'virtual_stages', virtual_stages)} does not fit {option(_OWNER, 'schedule', name)}, "
+            f"which runs exactly {info.default_virtual} stage(s) per rank; valid: {info.default_virtual} "
+            "(or a looped schedule: "
             f"{', '.join(n for n, i in SCHEDULES.items() if i.placement == 'loop')})"
         )
     return virtual_stages
@@ -82,7 +85,7 @@ def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
 def validate_microbatches(name: str, pp: int, virtual_stages: int, microbatches: int) -> None:
     """Check ``microbatches`` against the schedule's minimum and torch's divisibility rules."""
     info = schedule_info(name)
-    require_positive_int("parallel.pp_microbatches", microbatches)
+    require_positive_int(_OWNER, "microbatches", microbatches)
     stages = pp * virtual_stages
     minimum = stages if info.min_microbatches_per == "stage" else pp
     if microbatches < minimum:
@@ -91,8 +94,8 @@ def validate_microbatches(name: str, pp: int, virtual_stages: int, microbatches:
         else:
             per = "pp"
         raise ConfigError(
-            f"parallel.pp_microbatches={microbatches} is fewer than {per} = {minimum}, the minimum of "
-            f"parallel.pp_schedule={name!r}; valid: {minimum} or more (more microbatches, smaller bubble)"
+            f"{option(_OWNER, 'microbatches', microbatches)} is fewer than {per} = {minimum}, the minimum of "
+            f"{option(_OWNER, 'schedule', name)}; valid: {minimum} or more (more microbatches, smaller bubble)"
         )
     if info.torch_class in ("Interleaved1F1B", "InterleavedZeroBubble"):
         # torch runs these in rounds of m // p microbatches; m must split evenly into them.
@@ -100,8 +103,9 @@ def validate_microbatches(name: str, pp: int, virtual_stages: int, microbatches:
         if microbatches % rounds:
             valid = [r * pp for r in range(1, 4)]
             raise ConfigError(
-                f"parallel.pp_microbatches={microbatches} must be a multiple of its rounds (m // pp = {rounds}) "
-                f"for parallel.pp_schedule={name!r}; valid: {', '.join(map(str, valid))}, ... (multiples of pp={pp})"
+                f"{option(_OWNER, 'microbatches', microbatches)} must be a multiple of its rounds "
+                f"(m // pp = {rounds}) for {option(_OWNER, 'schedule', name)}; "
+                f"valid: {', '.join(map(str, valid))}, ... (multiples of pp={pp})"
             )
 
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.models.spec import ModelSpec
+
+_OWNER = "PipelineParallel"
 
 
 @dataclass(frozen=True)
@@ -109,17 +111,19 @@ def stages_from_split_points(spec: ModelSpec, split_points: Sequence[str], n_sta
     valid = spec.pipeline_split_points()
     if len(split_points) != n_stages - 1:
         raise ConfigError(
-            f"parallel.pp_split_points has {len(split_points)} names but {n_stages} stages need {n_stages - 1} "
+            f"{option(_OWNER, 'split_points', list(split_points))} has {len(split_points)} names but {n_stages} "
+            f"stages need {n_stages - 1} "
             f"(pp x virtual stages - 1); valid names: {', '.join(valid)}"
         )
     unknown = [p for p in split_points if p not in valid]
     if unknown:
         raise ConfigError(
-            f"parallel.pp_split_points: {', '.join(unknown)} are not split points; valid: {', '.join(valid)}"
+            f"{option(_OWNER, 'split_points', list(split_points))}: {', '.join(unknown)} are not split points; "
+            f"valid: {', '.join(valid)}"
         )
     starts = [valid.index(p) + 1 for p in split_points]
     if starts != sorted(set(starts)):
-        raise ConfigError(f"parallel.pp_split_points={list(split_points)} must be distinct and in model order")
+        raise ConfigError(f"{option(_OWNER, 'split_points', list(split_points))} must be distinct and in model order")
     bounds = [0, *starts, spec.n_layers]
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 

@@ -50,17 +50,22 @@ class StageModule(nn.Module):
         return f"index={self.index}, blocks={self.block_names}, first={self.first}, last={self.last}"
 
 
-def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: bool, last: bool) -> None:
-    """Drop from ``model`` every piece its rank's stages do not run (on the meta device: free)."""
+def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: bool, last: bool) -> set[str]:
+    """Drop from ``model`` every piece its rank's stages do not run (on the meta device: free).
+
+    Returns the names of the dropped modules (the Layout's ``dropped``).
+    """
+    dropped: set[str] = set()
     layers = model.get_submodule(spec.layers)
     for name in list(layers.keys()):
         if int(name) not in blocks:
             del layers[name]
-    if not first:
-        setattr(model, spec.embedding, None)
-    if not last:
-        setattr(model, spec.final_norm, None)
-        setattr(model, spec.head, None)
+            dropped.add(f"{spec.layers}.{name}")
+    pieces = ([] if first else [spec.embedding]) + ([] if last else [spec.final_norm, spec.head])
+    for piece in pieces:
+        setattr(model, piece, None)
+        dropped.add(piece)
+    return dropped
 
 
 def first_param_device(module: nn.Module) -> torch.device:

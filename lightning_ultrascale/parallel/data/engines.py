@@ -1,0 +1,290 @@
+"""The gradient-sync engines of data parallelism: one per parameter group, behind one interface.
+
+``ZeRO(stage)`` picks the engine; the Layout says which parameter groups exist and over which
+data ranks each one averages (dense parameters over ``dp x cp``; an expert's parameters over its
+own data ranks). Every engine does the same five things, so the step runner and the strategy use
+them without knowing the stage:
+
+=========================  ===================  =====================  =========================
+                           stage 0              stages 1, 2            stage 3 (and HSDP)
+=========================  ===================  =====================  =========================
+built on the meta model    (nothing)            (nothing)              ``fully_shard`` the group
+``bind`` (materialised)    bucketed all-reduce  sharded optimizer      (nothing to bind)
+``attach`` (optimizer)     (nothing)            its shards replace     (FSDP2's DTensors are the
+                                                its parameters         optimizer's parameters)
+``no_sync`` / ``reduce``   hold buckets back /  the same, with         FSDP2's gradient sync off
+                           reduce them now      reduce-scatters        / torch's stages reduce
+optimizer state            Lightning/DCP's      per-bucket shards      Lightning/DCP's
+=========================  ===================  =====================  =========================
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.spec import require_spec
+from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, GradientBuckets
+from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
+from lightning_ultrascale.parallel.layout import GradientGroup, Layout
+from lightning_ultrascale.utils.memory import ModelStateBytes, playbook_model_state_bytes
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class GradientSync:
+    """Averages the gradients of one :class:`GradientGroup` over its data ranks.
+
+    Built by ``ZeRO.apply`` on the meta-device model; :meth:`bind` runs at every setup, once the
+    parameters have storage (materialising and ``.to()`` replace parameter objects, and hooks
+    stay with the old ones); :meth:`attach` once the optimizers exist.
+    """
+
+    stage: ClassVar[int] = 0
+
+    def __init__(self, group: GradientGroup, layout: Layout, mesh: DeviceMesh) -> None:
+        self.group = group
+        self.layout = layout
+        self.mesh = mesh
+        #: Checkpoint key of this engine's sharded state: one per pipeline part and group.
+        self.key = layout.part_name if group.params is None else f"{layout.part_name}.{group.name}"
+        self.params: list[nn.Parameter] = []
+
+    def bind(self, model: nn.Module) -> None:
+        """Take hold of the group's (materialised) trainable parameters."""
+        self.params = [p for _, p in self.layout.group_params(self.group, model) if p.requires_grad]
+
+    def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Called once Lightning has built the optimizers."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next synced backward (or :meth:`reduce`) averages the sum."""
+        yield
+
+    def reduce(self) -> None:
+        """Average what :meth:`no_sync` held back, outside backward (after a pipeline schedule)."""
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """This rank's optimizer state in a DCP-saveable form, if this engine shards it; else None."""
+        return None
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`optimizer_state` gave (its tensors already filled in by DCP)."""
+
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Averaged gradients, where this engine keeps them away from ``param.grad`` (a collective)."""
+        return None
+
+    def expected_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes:
+        """The playbook's per-rank model state of ``n_params`` parameters under this stage, fp32 form.
+
+        fp32 is the right form for ``32-true`` and for ``bf16-mixed`` under stages 0-2 too: there
+        Lightning's autocast casts weights per op and keeps no bf16 copy of them.
+        """
+        return playbook_model_state_bytes(
+            n_params, stage=self.stage, dp=self.mesh.size(), k_optimizer=k_optimizer, mixed_precision=False
+        )
+
+    def held(self) -> list[torch.Tensor]:
+        """What this engine puts in the optimizer: its parameters (a sharded optimizer: its shards too)."""
+        return list(self.params)
+
+    def remove(self) -> None:
+        """Detach from the parameters (the model can be parallelised again)."""
+
+
+class _BucketEngine(GradientSync, abc.ABC):
+    """Stages 0-2: a bucketed reducer bound to the group's parameters, over its flattened data ranks."""
+
+    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int) -> None:
+        super().__init__(group, layout, layout.mesh.over(group.dims))
+        self.bucket_bytes = bucket_bytes
+        self.reducer: GradientBuckets | None = None
+
+    @abc.abstractmethod
+    def _make_reducer(self) -> GradientBuckets:
+        """The reducer over ``self.params`` (bound parameters) and ``self.mesh``."""
+
+    def bind(self, model: nn.Module) -> None:
+        super().bind(model)
+        self.remove()
+        if self.mesh.size() > 1:
+            self.reducer = self._make_reducer()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext():
+            yield
+
+    def reduce(self) -> None:
+        if self.reducer is not None:
+            self.reducer.reduce_now()
+
+    def remove(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+
+
+class AllReduceEngine(_BucketEngine):
+    """Stage 0: bucketed all-reduce overlapped with backward (``buckets.py``)."""
+
+    stage = 0
+
+    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, reduce_dtype: str) -> None:
+        super().__init__(group, layout, bucket_bytes)
+        self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+
+    def _make_reducer(self) -> GradientBuckets:
+        return BucketedAllReduce(self.params, self.mesh.get_group(), self.bucket_bytes, self.reduce_dtype)
+
+
+class ShardedOptimizerEngine(_BucketEngine):
+    """Stages 1 and 2: reduce-scatter into this rank's optimizer shard, all-gather after the step."""
+
+    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, stage: int) -> None:
+        super().__init__(group, layout, bucket_bytes)
+        self.stage = stage
+
+    def _make_reducer(self) -> GradientBuckets:
+        return ZeroEngine(self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes)
+
+    @property
+    def _zero(self) -> ZeroEngine | None:
+        assert self.reducer is None or isinstance(self.reducer, ZeroEngine)
+        return self.reducer
+
+    def held(self) -> list[torch.Tensor]:
+        zero = self._zero
+        return [*self.params, *(b.shard for b in zero.buckets)] if zero is not None else list(self.params)
+
+    def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        zero = self._zero
+        if zero is None:
+            return
+        if len(optimizers) != 1:
+            raise ConfigError(
+                f"ZeRO stage {self.stage} shards one optimizer; configure_optimizers gave {len(optimizers)}"
+            )
+        others = [t for sync in self.layout.grad_syncs if sync is not self for t in sync.held()]
+        zero.attach(optimizers[0], others)
+        self.layout.grad_norm.split_over.update(zero.shard_norm_groups())
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        return self._zero.state_dict() if self._zero is not None else None
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self._zero is not None:
+            self._zero.load_state_dict(state)
+
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Each parameter's averaged gradient, gathered from the shards (a collective).
+
+        There ``param.grad`` is the local, unreduced gradient (stage 1) or freed (stage 2): the
+        averaged gradient lives only in the optimizer's shards. For parity tests and debugging.
+        """
+        return self._zero.full_grads() if self._zero is not None else None
+
+
+class FSDPEngine(GradientSync):
+    """Stage 3: FSDP2 ``fully_shard`` of the group's modules, over ``dp_shard x cp`` (HSDP: and ``dp_replicate``).
+
+    The default group shards every transformer block, then each part of the model (the model, or
+    each pipeline stage) as the root of its unit with embedding, final norm and head. Another
+    group shards the modules that hold its parameters, over its own ranks, first (FSDP2 nests
+    units; torchtitan shards MoE experts the same way).
+    """
+
+    stage = 3
+
+    def __init__(
+        self,
+        group: GradientGroup,
+        layout: Layout,
+        model: nn.Module,
+        replicate: int,
+        reshard_after_forward: bool | None,
+        reduce_dtype: str,
+    ) -> None:
+        shard_dims = tuple(d for d in group.dims if d != "dp_replicate")
+        shard_mesh = layout.mesh.over(shard_dims)
+        if replicate > 1:
+            # HSDP: shard inside a group of ranks, replicate across groups.
+            shard_mesh = layout.mesh.root[("dp_replicate", shard_mesh.mesh_dim_names[0])]
+        super().__init__(group, layout, shard_mesh)
+        # A pipeline stage runs its forward once per microbatch: re-gathering the parameters for
+        # every one of them costs more than keeping them (torchtitan's default too).
+        reshard = layout.forwards_per_step == 1 if reshard_after_forward is None else reshard_after_forward
+        policy = _mixed_precision(layout.precision, REDUCE_DTYPES[reduce_dtype])
+        self.roots: list[FSDPModule] = []
+        if group.params is None:
+            self._shard_model(model, reshard, policy)
+        else:
+            for module in _owners(model, layout.group_params(group, model), group.name):
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+                self.roots.append(module)  # type: ignore[arg-type]
+
+    def _shard_model(self, model: nn.Module, reshard: bool, policy: MixedPrecisionPolicy) -> None:
+        spec = require_spec(model)
+        for block in model.get_submodule(spec.layers).values():
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+        # The root unit of each part holds embedding, final norm and head, resharded like the
+        # blocks so that the traffic is the playbook's 3Ψ (keeping it gathered would save
+        # re-gathering ~17% of llama_tiny, a few % of an 8B model, for that much more memory).
+        for part in self.layout.model_parts(model):
+            fully_shard(part, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+            assert isinstance(part, FSDPModule)
+            self.roots.append(part)
+            # Explicit forward prefetch: gather block i+1 while block i computes (FSDP2 prefetches
+            # backward by itself, forward only if told).
+            for current, following in itertools.pairwise(part.get_submodule(spec.layers).values()):
+                current.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # (Under a pipeline schedule torch's stages reduce-scatter after their last backward
+        # themselves: reduce() has nothing left to do.)
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for root in self.roots:
+                root.set_requires_gradient_sync(True)
+
+
+def _mixed_precision(precision: str, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    if precision == "bf16-mixed":
+        # bf16 compute and all-gathers; fp32 sharded master weights and (by default) fp32 reduce-scatter.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    if precision == "bf16-true":
+        # bf16 parameters everywhere (no master copy); the gradient sum may still run in fp32.
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    return MixedPrecisionPolicy()
+
+
+def _owners(model: nn.Module, params: list[tuple[str, nn.Parameter]], group: str) -> list[nn.Module]:
+    """The modules that hold ``params`` directly; FSDP2 shards whole modules, so they may hold no other."""
+    names = {n for n, _ in params}
+    owners = dict.fromkeys(name.rpartition(".")[0] for name in names)
+    modules = []
+    for owner in owners:
+        module = model.get_submodule(owner)
+        foreign = [n for n, _ in module.named_parameters(prefix=owner, recurse=False) if n not in names]
+        if foreign:
+            raise ConfigError(
+                f"gradient group {group!r} cannot be sharded by ZeRO(stage=3): module {owner!r} also holds "
+                f"{', '.join(foreign)}, and fully_shard shards whole modules; give the group every parameter of it"
+            )
+        modules.append(module)
+    return modules

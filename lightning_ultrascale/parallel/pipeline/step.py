@@ -1,0 +1,188 @@
+"""The pipeline's step runner: a ``torch.distributed.pipelining`` schedule in place of Lightning's step.
+
+Lightning's automatic optimisation keeps working around it (optimizer step, clipping, LR
+schedulers, accumulation, validation, checkpoints), but the schedule runs forward and backward
+of every microbatch itself, so this runner, not Lightning:
+
+- zeroes gradients at the first micro-step of an optimizer step (Lightning's own zero_grad and
+  backward are skipped: its closure would wipe the gradients after ``training_step``);
+- runs the schedule with every data-parallel reduction held back (the engines' ``no_sync``),
+  then sums a tied embedding's two copies and reduces once after the last micro-step (zero-
+  bubble weight gradients come from ``autograd.grad``, which fires no hooks);
+- weights each microbatch's loss by its share of the batch's tokens and this rank's share of
+  the ``dp x cp`` tokens, so gradients equal those of one pass over the global batch;
+- broadcasts the batch's mean loss from the last stage to every rank, for logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.parallel.pipeline.stage import first_param_device
+from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.parallel.pipeline.parallel import PipelineParallel
+
+
+class PipelineStep(StepRunner):
+    """Runs each step's batch through ``pipeline``'s schedule; see the module docstring."""
+
+    requires_sharded_checkpoint = True
+    flatten_optimizer_state = True
+
+    def __init__(self, pipeline: PipelineParallel) -> None:
+        super().__init__()
+        self.pipeline = pipeline
+        self._schedule: Any = None
+        self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._token_scale: torch.Tensor | float = 1.0
+
+    # ----------------------------------------------------------------------------- Lightning's hooks
+    def training_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._transform(args, kwargs)
+        batch, batch_idx = batch_and_index(args, kwargs)
+        trainer = module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in trainer.optimizers:
+                module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        weight = self.token_weight(batch)
+        scale = 1.0 if weight is None else weight
+        with self.layout.step_context(), self.no_sync():
+            loss = self.run(module, batch, train=True, accumulate=accumulate, loss_scale=scale)
+        if not trainer.fit_loop._should_accumulate():
+            self.sync_gradients()
+        _step_end(module, loss, batch, batch_idx, "train")
+        return loss
+
+    def validation_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._transform(args, kwargs)
+        batch, batch_idx = batch_and_index(args, kwargs)
+        with self.layout.step_context():
+            loss = self.run(module, batch, train=False)
+        _step_end(module, loss, batch, batch_idx, "val")
+        return loss
+
+    def on_train_start(self, module: Any) -> None:
+        if not module.automatic_optimization:
+            raise ConfigError(
+                f"{self.pipeline!r} runs forward and backward itself; it needs automatic optimisation "
+                f"(set {type(module).__name__}.automatic_optimization = True)"
+            )
+        # The schedule has run backward inside training_step; Lightning must neither zero the
+        # gradients after it nor run a backward of its own (the flag its SWA callback uses).
+        module.trainer.fit_loop._skip_backward = True
+
+    def sync_gradients(self) -> None:
+        """After the last micro-step: sum a tied weight's two copies, then let every engine reduce."""
+        if self.pipeline.tied is not None:
+            name, group = self.pipeline.tied
+            assert self.pipeline.model is not None
+            weight = self.pipeline.model.get_parameter(name)
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+        for sync in self.layout.grad_syncs:
+            sync.reduce()
+
+    # ----------------------------------------------------------------------------- the schedule
+    def run(
+        self,
+        module: Any,
+        batch: dict[str, torch.Tensor],
+        train: bool,
+        accumulate: int = 1,
+        loss_scale: float | torch.Tensor = 1.0,
+    ) -> torch.Tensor:
+        """Run the schedule on ``batch`` (forward and backward if ``train``); return its mean loss on every rank.
+
+        Gradients accumulate into ``.grad``; ``accumulate`` is the number of such calls per
+        optimizer step; the loss is multiplied by ``loss_scale`` (this rank's token weight over
+        the data-parallel ranks).
+        """
+        pipeline = self.pipeline
+        tokens, labels = batch["input_ids"], batch["labels"]
+        self._loss_fn = _loss_fn_of(module)
+        if tokens.shape[0] % pipeline.microbatches:
+            raise ConfigError(
+                f"a batch of {tokens.shape[0]} samples cannot be split into "
+                f"{option(pipeline, 'microbatches', pipeline.microbatches)}; "
+                f"valid batch sizes: multiples of {pipeline.microbatches}"
+            )
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            # Every stage needs the positions for RoPE; a hidden state under sequence
+            # parallelism is a sequence shard and cannot tell them.
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        self._token_scale = loss_scale / (n_tokens * accumulate)
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if 0 in pipeline.local else ()
+        holds_last = pipeline.n_stages - 1 in pipeline.local
+        target = labels if holds_last else None
+        schedule = self._torch_schedule()
+        if train:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
+        else:
+            schedule.eval(*args, target=target, losses=losses, position_ids=position_ids)
+        loss = torch.zeros((), device=tokens.device)
+        if holds_last:
+            loss = torch.stack([_value(x) for x in losses]).sum() * accumulate
+        # Every rank reports the loss (Lightning logs and callbacks run everywhere).
+        dist.broadcast(loss, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
+        return loss
+
+    def _torch_schedule(self) -> Any:
+        """Built at the first step, once the stages' parameters have storage."""
+        if self._schedule is None:
+            from torch.distributed.pipelining import PipelineStage
+            from torch.distributed.pipelining.schedules import get_schedule_class
+
+            pipeline = self.pipeline
+            stages = [
+                PipelineStage(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
+                for m in pipeline.stages
+            ]
+            schedule_class = get_schedule_class(pipeline.info.torch_class)
+            # Our loss is already weighted by token counts: torch must not divide by microbatches.
+            self._schedule = schedule_class(
+                stages if pipeline.info.multi else stages[0],
+                n_microbatches=pipeline.microbatches,
+                loss_fn=self._microbatch_loss,
+                scale_grads=False,
+            )
+        return self._schedule
+
+    def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        loss = self._loss_fn(logits, labels)
+        return loss * ((labels != IGNORE_INDEX).sum() * self._token_scale)
+
+
+def _loss_fn_of(module: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    loss_fn = getattr(module, "loss_fn", None)
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{type(module).__name__} has no loss_fn(logits, labels): with pipeline parallelism the loss is "
+            "computed on the last stage, per microbatch, by that method"
+        )
+    return loss_fn
+
+
+def _step_end(module: Any, loss: torch.Tensor, batch: Any, batch_idx: int, split: str) -> None:
+    hook = getattr(module, "pipeline_step_end", None)
+    if hook is not None:
+        hook(loss, batch, batch_idx, split)
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()

@@ -1,0 +1,106 @@
+"""How a step runs: Lightning's own step (:class:`StepRunner`) or a pipeline schedule (``pipeline/step.py``).
+
+The runner owns everything around forward and backward that depends on the layout, once for
+every path:
+
+- the batch this rank sees (the Layout's batch transforms: context parallelism keeps its tokens);
+- the plugins' step contexts (loss parallel) around forward and backward;
+- token weighting: each rank's loss is weighted by its share of the labelled tokens of the
+  ``dp x cp`` ranks, so the gradient average is the mean over every labelled token
+  (``utils/loss.py``);
+- gradient synchronisation: the data-parallel engines' ``no_sync`` on accumulation micro-steps;
+- checkpoint options (a pipeline's stages hold different parameters).
+
+Under Lightning's step, Lightning zeroes gradients and runs backward (with the engines' hooks);
+a pipeline runner does both itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from lightning_ultrascale.utils.loss import token_weight
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.parallel.layout import Layout
+
+
+class StepRunner:
+    """Lightning's own training and validation step, with the layout's batch, contexts and token weight.
+
+    The strategy calls it with Lightning's step (``lightning_step``, the LightningModule's
+    ``training_step`` as Lightning wraps it) and the step's arguments.
+    """
+
+    #: Whether checkpoints must be sharded (DCP): ranks hold parameters no other rank has.
+    requires_sharded_checkpoint: ClassVar[bool] = False
+    #: Key optimizer states by parameter name (stages hold different parameters) instead of nested lists.
+    flatten_optimizer_state: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._layout: Layout | None = None
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("the step runner is bound to the layout at setup")
+        return self._layout
+
+    def bind(self, layout: Layout) -> None:
+        self._layout = layout
+
+    def training_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._transform(args, kwargs)
+        with self.layout.step_context():
+            output = lightning_step(*args, **kwargs)
+        weight = self.token_weight(batch_and_index(args, kwargs)[0])
+        if weight is None:
+            return output
+        if isinstance(output, torch.Tensor):
+            return output * weight.to(output.dtype)
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": output["loss"] * weight.to(output["loss"].dtype)}
+        return output
+
+    def validation_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        args, kwargs = self._transform(args, kwargs)
+        with self.layout.step_context():
+            return lightning_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def backward_context(self) -> Iterator[None]:
+        """Around Lightning's backward: the contexts the forward ran in (loss parallel's backward)."""
+        with self.layout.step_context():
+            yield
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Hold back gradient reductions (Lightning enters it on non-final accumulation micro-steps)."""
+        return self.layout.no_sync()
+
+    def on_train_start(self, module: Any) -> None:
+        """Called when fitting starts."""
+
+    def token_weight(self, batch: Any) -> torch.Tensor | None:
+        """This rank's share of the labelled tokens of the ``dp x cp`` ranks (1.0 when all hold as many)."""
+        group = self.layout.mesh["dp_cp"]
+        if group.size() == 1 or not isinstance(batch, dict) or not isinstance(batch.get("labels"), torch.Tensor):
+            return None
+        return token_weight(batch["labels"], group.get_group())
+
+    def _transform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if "batch" in kwargs:
+            return args, {**kwargs, "batch": self.layout.transform_batch(kwargs["batch"])}
+        if args:
+            return (self.layout.transform_batch(args[0]), *args[1:]), kwargs
+        return args, kwargs
+
+
+def batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """The batch and batch index of a step's arguments, however Lightning passed them."""
+    batch = kwargs.get("batch", args[0] if args else None)
+    batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
+    return batch, int(batch_idx)
