@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
-from lightning_ultrascale.parallel.data import DataParallel
+from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
@@ -49,8 +49,8 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
     """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
 
     Plugins may be listed in any order; they are applied in the fixed order of
-    :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a data-parallel plugin,
-    :class:`~lightning_ultrascale.parallel.data.DataParallel` takes the ranks left over.
+    :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a plugin for the data dims,
+    plain data parallelism takes the ranks left over (``parallel/defaults.py``).
     At most one plugin may leave its size unset (it is inferred from the world size).
 
     The LightningModule must hold a model that declares a
@@ -70,8 +70,8 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
 
     Example:
         >>> import lightning as L
-        >>> from lightning_ultrascale import UltraScaleStrategy, DataParallel
-        >>> strategy = UltraScaleStrategy(DataParallel(bucket_mb=25))
+        >>> from lightning_ultrascale import UltraScaleStrategy, ZeRO
+        >>> strategy = UltraScaleStrategy(ZeRO(stage=2, bucket_mb=25))
         >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
     """
 
@@ -99,9 +99,8 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         repeated = sorted({s for s in stages if stages.count(s) > 1})
         if repeated:
             raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
-        if "data" not in stages:
-            plugins = (*plugins, DataParallel())
-        self.plugins: tuple[ParallelPlugin, ...] = tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at)))
+        ordered = sorted(with_defaults(plugins), key=lambda p: APPLY_ORDER.index(p.applies_at))
+        self.plugins: tuple[ParallelPlugin, ...] = tuple(ordered)
         runners = [p.step_runner for p in self.plugins if p.step_runner is not None]
         if len(runners) > 1:
             raise ConfigError(f"one plugin may run the step; several do: {', '.join(map(repr, self.plugins))}")
