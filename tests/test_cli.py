@@ -266,6 +266,7 @@ def test_a_sweep_writes_one_complete_run_directory_per_job(tmp_path):
         assert [r["train/loss"] for r in rows if r.get("train/loss")], f"job {job} logged no loss"
         assert [p.name for p in (job_dir / "checkpoints").iterdir()] == ["last.ckpt"]  # no last-v1.ckpt
         assert [p.name for p in job_dir.rglob(".hydra")] == [".hydra"]
+        assert (job_dir / "train_ddp_process_1.log").is_file()  # the job's second rank wrote here too
         assert f"stage: {stage}" in (job_dir / ".hydra" / "config.yaml").read_text()
     assert (run_dir / "multirun.yaml").is_file()
     # No rank ran the sweep again (it would have made a second sweep tree or a third job).
