@@ -98,8 +98,9 @@ class LayoutCheckpoints(ModelParallelStrategy):
             dcp_load(state, checkpoint_id=path)
             if sharded is None:
                 set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key], options=options)
+                continue
             for sync in self.layout.grad_syncs:
-                if sharded is not None and sync.key in sharded:
+                if sync.key in sharded:
                     sync.load_optimizer_state(state[key][sync.key])
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
