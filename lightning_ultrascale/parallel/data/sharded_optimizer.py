@@ -317,8 +317,22 @@ class ZeroEngine(GradientBuckets):
     def _bucket_names(self) -> dict[nn.Parameter, str]:
         return {b.shard: f"bucket{i}" for i, b in enumerate(self.buckets)}
 
+    def _state_keys(self) -> dict[nn.Parameter, str]:
+        """Each shard's key in the saved state: its bucket, and which tensor-parallel part it holds.
+
+        A bucket of tensor-parallel pieces holds other values on every tp rank, under the same
+        data-parallel layout: keyed by the bucket alone, DCP would keep one tp rank's states and
+        hand them to all (it takes equal keys for replicas).
+        """
+        keys = {}
+        for shard, name in self._bucket_names().items():
+            bucket = self.buckets[int(name.removeprefix("bucket"))]
+            parts = [dist.get_rank(g) for g in _sum_groups(bucket.params[0])]
+            keys[shard] = name + "".join(f".part{r}" for r in parts)
+        return keys
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer state: ``{"state": {"bucket<i>": {...}}, "param_groups": [...]}``.
+        """This rank's part of the optimizer state: ``{"state": {"bucket<i>[.part<r>]": ...}, "param_groups": [...]}``.
 
         Only this engine's shards (another engine may shard other parameters of the same
         optimizer); ``param_groups`` holds every group's hyperparameters and the names of this
@@ -336,7 +350,7 @@ class ZeroEngine(GradientBuckets):
         if any(p not in optimizer.state for p in names):
             self._init_state(optimizer)
         return {
-            "state": {name: dict(optimizer.state[p]) for p, name in names.items()},
+            "state": {key: dict(optimizer.state[p]) for p, key in self._state_keys().items()},
             "param_groups": [
                 {**_hyperparameters(g), "params": [names[p] for p in g["params"] if p in names]}
                 for g in optimizer.param_groups
@@ -354,9 +368,9 @@ class ZeroEngine(GradientBuckets):
                 f"the checkpoint's optimizer shards {theirs} do not match this run's {ours}: resuming needs the "
                 f"same model, optimizer param groups and {option('ZeRO', 'bucket_mb', self.bucket_bytes / 2**20)}"
             )
-        shards = {name: p for p, name in names.items()}
-        for name, saved in state["state"].items():
-            live = optimizer.state[shards[name]]
+        shards = {key: p for p, key in self._state_keys().items()}
+        for key, saved in state["state"].items():
+            live = optimizer.state[shards[key]]
             # DCP filled the live tensors; what is not a live tensor (a float step) is set here.
             live.update({k: v for k, v in saved.items() if live.get(k) is not v})
         for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
