@@ -32,7 +32,9 @@ _SHORT = {full: short for short, full in LEGACY.items()}
 
 def plugin_nodes(config_dir: Path) -> list[str]:
     """The plugin nodes: the config groups under ``conf/parallel/``, longest name first."""
-    return sorted((d.name for d in (config_dir / "parallel").iterdir() if d.is_dir()), key=len, reverse=True)
+    groups = config_dir / "parallel"
+    names = [d.name for d in groups.iterdir() if d.is_dir()] if groups.is_dir() else []
+    return sorted(names, key=len, reverse=True)
 
 
 def expand(override: str, nodes: Iterable[str]) -> str:
