@@ -1,15 +1,24 @@
-"""Sharded (DCP) checkpoints of any layout, as a part of :class:`~lightning_ultrascale.UltraScaleStrategy`.
+"""One checkpoint format for every layout, as a part of :class:`~lightning_ultrascale.UltraScaleStrategy`.
 
-Parameters are saved and loaded by their names in the whole model (DCP reshards by name), so the
-same code serves every layout. Optimizer states come from the gradient-sync engines where one
-shards them (its own keys, per pipeline part and parameter group), else from torch's
-``get_optimizer_state_dict``, flattened where the step runner says ranks hold different
-parameters (pipeline stages: nested ``param_groups`` lists would be one DCP entry with a
-different value per stage).
+A checkpoint is a DCP directory holding, by the full model's parameter names:
+
+- ``state_dict.<name>``: the model's tensors (torch's ``get_model_state_dict``);
+- ``optimizer_<i>.state.<name>.<key>``: each parameter's optimizer state at the parameter's own
+  shape (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``), and
+  ``optimizer_<i>.param_groups.<name>.<hyperparameter>``: torch's flattened optimizer format;
+- Lightning's loops, LR schedulers, callbacks and data position in its ``meta.pt``.
+
+Every rank writes the chunks it holds, whatever holds them: a replica (DP), a DTensor shard (FSDP,
+TP), a pipeline stage's own parameters, a sharded optimizer's flat range (``data/flat_chunks.py``).
+DCP matches chunks by name and offset, so any layout loads any other's checkpoint, under any world
+size, without gathering to one rank. A tied weight is saved under both its names, so a pipeline
+whose last stage holds the head's copy finds it in a one-process checkpoint, and the reverse.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,16 +28,81 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.utils.optim import initialize_state
 
 if TYPE_CHECKING:
+    from lightning_ultrascale.parallel.data.engines import GradientSync
     from lightning_ultrascale.parallel.layout import Layout
     from lightning_ultrascale.parallel.step import StepRunner
+
+
+def parameter_names(module: nn.Module) -> dict[nn.Parameter, list[str]]:
+    """Every name of every parameter (a tied weight has two), in ``named_parameters`` order."""
+    names: dict[nn.Parameter, list[str]] = defaultdict(list)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names[p].append(name)
+    return names
+
+
+def named_optimizer_state(module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync]) -> dict[str, Any]:
+    """``optimizer``'s state in the one format: ``state.<name>.<key>`` and ``param_groups.<name>.<hyperparameter>``.
+
+    Values are the live tensors (or views of them), so ``dcp.load`` into the result fills the
+    optimizer in place; :func:`load_named_optimizer_state` does the rest.
+    """
+    initialize_state(optimizer)
+    names = parameter_names(module)
+    out: dict[str, Any] = {}
+    handled: set[int] = set()
+    for sync in syncs:
+        out.update(sync.named_optimizer_state(names))
+        handled.update(id(t) for t in sync.optimizer_shards())
+    for group in optimizer.param_groups:
+        hyper = {h: v for h, v in group.items() if h != "params"}
+        for p in group["params"]:
+            if id(p) in handled:
+                continue
+            for name in _names_of(p, names):
+                out.update({f"state.{name}.{k}": v for k, v in optimizer.state[p].items()})
+                out.update({f"param_groups.{name}.{h}": v for h, v in hyper.items()})
+    return out
+
+
+def load_named_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync], loaded: dict[str, Any]
+) -> None:
+    """After ``dcp.load`` into :func:`named_optimizer_state`'s dict: hyperparameters and non-tensor state."""
+    names = parameter_names(module)
+    handled: set[int] = set()
+    for sync in syncs:
+        sync.load_named_optimizer_state(loaded, names)
+        handled.update(id(t) for t in sync.optimizer_shards())
+    for group in optimizer.param_groups:
+        own = [p for p in group["params"] if id(p) not in handled]
+        for p in own:
+            first = _names_of(p, names)[0]
+            state = optimizer.state[p]
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor):  # tensors were filled in place
+                    state[key] = loaded[f"state.{first}.{key}"]
+        if own:
+            first = _names_of(own[0], names)[0]
+            group.update({h: loaded[f"param_groups.{first}.{h}"] for h in group if h != "params"})
+
+
+def _names_of(p: torch.Tensor, names: Mapping[nn.Parameter, list[str]]) -> list[str]:
+    if p not in names:
+        raise RuntimeError(
+            f"the optimizer holds a tensor of shape {tuple(p.shape)} that is no parameter of the model: checkpoints "
+            "key optimizer states by parameter name (put only model parameters in configure_optimizers)"
+        )
+    return names[p]  # type: ignore[index]
 
 
 class LayoutCheckpoints(ModelParallelStrategy):
@@ -37,44 +111,31 @@ class LayoutCheckpoints(ModelParallelStrategy):
     layout: Layout
     step: StepRunner
 
-    def _sharded_optimizer_state(self) -> dict[str, Any] | None:
-        states = {s.key: s.optimizer_state() for s in self.layout.grad_syncs}
-        return {k: v for k, v in states.items() if v is not None} or None
-
-    def _optimizer_state_options(self) -> StateDictOptions:
-        return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=self.step.flatten_optimizer_state)
+    def _shards_optimizer(self) -> bool:
+        return any(sync.optimizer_shards() for sync in self.layout.grad_syncs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        sharded = self._sharded_optimizer_state()
-        if sharded is not None:
-            if not self._save_distributed_checkpoint:
+        if not self._save_distributed_checkpoint:
+            if self._shards_optimizer():
                 raise ConfigError(
-                    f"{self.describe()} shards optimizer states across ranks; save them with "
-                    "UltraScaleStrategy(save_distributed_checkpoint=True), the default"
+                    f"{self.parallel_dims.describe()}: the optimizer states are sharded across ranks; save them "
+                    "with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
                 )
-            return sharded
-        if not self.step.flatten_optimizer_state:
             return super().optimizer_state(optimizer)
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, inner, options=self._optimizer_state_options())
+        return named_optimizer_state(self.model, inner, self.layout.grad_syncs)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any layout's model: sharded (DCP) or full, DTensor parameters or not.
 
-        Lightning's own loader insists on DTensor parameters, which replicated layouts do not have;
-        and engines that shard the optimizer keep states that only they can map.
+        Lightning's own loader insists on DTensor parameters, which replicated layouts do not have,
+        and on optimizer states in torch's nested format, which pipeline stages cannot share.
         """
         from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
@@ -87,20 +148,14 @@ class LayoutCheckpoints(ModelParallelStrategy):
             for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
                 optimizer.load_state_dict(state)
             return checkpoint
-        # DCP loads into the tensors of a template state dict, in place, each rank its own part.
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        dcp_load(model_state, checkpoint_id=path)
-        self.model.load_state_dict(model_state["state_dict"], strict=strict)
+        # DCP loads into the tensors of a template, in place, each rank its own chunks.
+        syncs = self.layout.grad_syncs
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for idx, optimizer in enumerate(self.optimizers):
-            key, options = f"optimizer_{idx}", self._optimizer_state_options()
-            sharded = self._sharded_optimizer_state()
-            state = {key: sharded or get_optimizer_state_dict(self.model, optimizer, options=options)}
-            dcp_load(state, checkpoint_id=path)
-            if sharded is None:
-                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key], options=options)
-                continue
-            for sync in self.layout.grad_syncs:
-                if sync.key in sharded:
-                    sync.load_optimizer_state(state[key][sync.key])
+            state[f"optimizer_{idx}"] = named_optimizer_state(self.model, optimizer, syncs)
+        dcp_load(state, checkpoint_id=path)
+        self.model.load_state_dict(state["state_dict"], strict=strict)
+        for idx, optimizer in enumerate(self.optimizers):
+            load_named_optimizer_state(self.model, optimizer, syncs, state[f"optimizer_{idx}"])
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

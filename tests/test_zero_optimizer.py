@@ -254,15 +254,15 @@ def _checkpoint_worker(path: str, stage: int):
     model, engine, optimizer = _setup(stage)
     for step in range(3):
         _train_step(model, engine, optimizer, step)
-    dcp.save({"model": model.state_dict(), "optim": engine.state_dict()}, checkpoint_id=path)
+    dcp.save({"model": model.state_dict(), "optim": engine.state_dict(_names(model))}, checkpoint_id=path)
     saved_states = _full_states(engine)
 
     # Another initialisation and another lr: everything must come from the checkpoint.
     model, engine, optimizer = _setup(stage, seed=1)
     optimizer.param_groups[0]["lr"] = 1.0
-    state = {"model": model.state_dict(), "optim": engine.state_dict()}
+    state = {"model": model.state_dict(), "optim": engine.state_dict(_names(model))}
     dcp.load(state, checkpoint_id=path)
-    engine.load_state_dict(state["optim"])
+    engine.load_state_dict(state["optim"], _names(model))
     for step in range(3, 5):
         _train_step(model, engine, optimizer, step)
     return uninterrupted, model.state_dict(), saved_states
@@ -270,9 +270,9 @@ def _checkpoint_worker(path: str, stage: int):
 
 def _load_elsewhere_worker(path: str, stage: int):
     model, engine, _ = _setup(stage, seed=1)
-    state = {"model": model.state_dict(), "optim": engine.state_dict()}
+    state = {"model": model.state_dict(), "optim": engine.state_dict(_names(model))}
     dcp.load(state, checkpoint_id=path)
-    engine.load_state_dict(state["optim"])
+    engine.load_state_dict(state["optim"], _names(model))
     return _full_states(engine)
 
 
@@ -292,10 +292,15 @@ def test_zero_dcp_checkpoint_resumes_exactly(tmp_path, stage):
                 assert torch.equal(loaded[bucket][name], value), f"{bucket}.{name} differs when loaded on 4 ranks"
 
 
+def _names(model: nn.Module) -> dict[nn.Parameter, list[str]]:
+    return {p: [name] for name, p in model.named_parameters()}
+
+
 def _full_states(engine: ZeroEngine) -> dict[str, dict[str, torch.Tensor]]:
+    assert engine.optimizer is not None
     return {
-        bucket: {name: v.full_tensor() for name, v in tensors.items() if isinstance(v, DTensor)}
-        for bucket, tensors in engine.state_dict()["state"].items()
+        f"bucket{i}": {k: v.full_tensor() for k, v in engine.optimizer.state[b.shard].items() if isinstance(v, DTensor)}
+        for i, b in enumerate(engine.buckets)
     }
 
 

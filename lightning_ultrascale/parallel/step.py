@@ -9,7 +9,7 @@ every path:
   ``dp x cp`` ranks, so the gradient average is the mean over every labelled token
   (``utils/loss.py``);
 - gradient synchronisation: the data-parallel engines' ``no_sync`` on accumulation micro-steps;
-- checkpoint options (a pipeline's stages hold different parameters).
+- checkpoint options (a pipeline's stages keep parameters on some ranks only: sharded checkpoints).
 
 Under Lightning's step, Lightning zeroes gradients and runs backward (with the engines' hooks);
 a pipeline runner does both itself.
@@ -38,8 +38,6 @@ class StepRunner:
 
     #: Whether checkpoints must be sharded (DCP): ranks hold parameters no other rank has.
     requires_sharded_checkpoint: ClassVar[bool] = False
-    #: Key optimizer states by parameter name (stages hold different parameters) instead of nested lists.
-    flatten_optimizer_state: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._layout: Layout | None = None

@@ -14,7 +14,8 @@ built on the meta model    (nothing)            (nothing)              ``fully_s
                                                 its parameters         optimizer's parameters)
 ``no_sync`` / ``reduce``   hold buckets back /  the same, with         FSDP2's gradient sync off
                            reduce them now      reduce-scatters        / torch's stages reduce
-optimizer state            Lightning/DCP's      per-bucket shards      Lightning/DCP's
+optimizer state            the optimizer's      its shards' chunks,    the optimizer's DTensors
+(by parameter name)        tensors              by parameter
 =========================  ===================  =====================  =========================
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -74,12 +75,16 @@ class GradientSync:
     def reduce(self) -> None:
         """Average what :meth:`no_sync` held back, outside backward (after a pipeline schedule)."""
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        """This rank's optimizer state in a DCP-saveable form, if this engine shards it; else None."""
-        return None
+    def optimizer_shards(self) -> list[torch.Tensor]:
+        """What the optimizer steps in place of this group's parameters (a sharded optimizer's shards)."""
+        return []
 
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`optimizer_state` gave (its tensors already filled in by DCP)."""
+    def named_optimizer_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        """The optimizer state of :meth:`optimizer_shards`, keyed by parameter name (``checkpoint.py``'s format)."""
+        return {}
+
+    def load_named_optimizer_state(self, state: dict[str, Any], names: Mapping[nn.Parameter, Sequence[str]]) -> None:
+        """Finish loading what :meth:`named_optimizer_state` gave (DCP filled its tensors)."""
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients, where this engine keeps them away from ``param.grad`` (a collective)."""
@@ -96,8 +101,8 @@ class GradientSync:
         )
 
     def held(self) -> list[torch.Tensor]:
-        """What this engine puts in the optimizer: its parameters (a sharded optimizer: its shards too)."""
-        return list(self.params)
+        """Its parameters and what it puts in the optimizer for them."""
+        return [*self.params, *self.optimizer_shards()]
 
     def remove(self) -> None:
         """Detach from the parameters (the model can be parallelised again)."""
@@ -164,9 +169,8 @@ class ShardedOptimizerEngine(_BucketEngine):
         assert self.reducer is None or isinstance(self.reducer, ZeroEngine)
         return self.reducer
 
-    def held(self) -> list[torch.Tensor]:
-        zero = self._zero
-        return [*self.params, *(b.shard for b in zero.buckets)] if zero is not None else list(self.params)
+    def optimizer_shards(self) -> list[torch.Tensor]:
+        return [b.shard for b in self._zero.buckets] if self._zero is not None else []
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
         zero = self._zero
@@ -180,12 +184,12 @@ class ShardedOptimizerEngine(_BucketEngine):
         zero.attach(optimizers[0], others)
         self.layout.grad_norm.split_over.update(zero.shard_norm_groups())
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        return self._zero.state_dict() if self._zero is not None else None
+    def named_optimizer_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        return self._zero.state_dict(names) if self._zero is not None else {}
 
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+    def load_named_optimizer_state(self, state: dict[str, Any], names: Mapping[nn.Parameter, Sequence[str]]) -> None:
         if self._zero is not None:
-            self._zero.load_state_dict(state)
+            self._zero.load_state_dict(state, names)
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Each parameter's averaged gradient, gathered from the shards (a collective).

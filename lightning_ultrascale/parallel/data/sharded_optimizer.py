@@ -31,10 +31,9 @@ split (chunks of ``c``, the last ranks shorter or empty), the way FSDP2 shards. 
   bytes are Ψ/N plus at most one element per bucket);
 - ``torch.nn.utils.clip_grad_norm_`` over the optimizer's params (Lightning's gradient clipping)
   computes the global norm: DTensor reduces the per-shard norms across the mesh;
-- the checkpoint (:meth:`ZeroEngine.state_dict`) holds DTensors whose global shape is the unpadded
-  bucket, independent of N: torch.distributed.checkpoint saves them sharded and reshards them on
-  load, so a checkpoint resumes under another N as long as the bucket plan is the same (same
-  model, same optimizer param groups, same ``parallel.bucket_mb``).
+- the checkpoint (:meth:`ZeroEngine.state_dict`) is keyed by parameter name at each parameter's
+  own shape, each rank writing the chunks its shard holds (``flat_chunks.py``): the format every
+  layout saves, so any layout, any N and any bucket size load it, and nothing is gathered.
 
 The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
 shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
@@ -44,7 +43,7 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,9 +52,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
+from lightning_ultrascale.parallel.data.flat_chunks import flat_chunks
+from lightning_ultrascale.utils.optim import initialize_state
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
 # the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.
@@ -74,8 +76,12 @@ def _sum_group_names(p: nn.Parameter) -> tuple[str, ...]:
     return tuple(g.group_name for g in _sum_groups(p))
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+def _piece(p: nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of this rank's piece of ``p`` and where it starts in ``p`` (a tensor-parallel shard)."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), (0,) * p.dim()
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(shape), tuple(offset)
 
 
 @dataclass(kw_only=True)
@@ -135,7 +141,6 @@ class ZeroEngine(GradientBuckets):
         self.rank = mesh.get_local_rank()
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied weights count once
         self.optimizer: torch.optim.Optimizer | None = None
-        self._gather_after_step = True
         super().__init__(self.params)
 
     # ---- layout -------------------------------------------------------------------------------
@@ -297,8 +302,6 @@ class ZeroEngine(GradientBuckets):
             for b in self.buckets:
                 if b.grad_buffer is not None:
                     b.grad_buffer.zero_()
-        if not self._gather_after_step:
-            return
         # In place: each rank's input is its own slice of the output (NCCL and gloo allow it).
         works = [
             _all_gather(
@@ -312,87 +315,59 @@ class ZeroEngine(GradientBuckets):
         for work in works:
             work.wait()
 
-    # ---- checkpoint -----------------------------------------------------------------------------
+    # ---- checkpoint: the per-parameter format every layout reads --------------------------------
 
-    def _bucket_names(self) -> dict[nn.Parameter, str]:
-        return {b.shard: f"bucket{i}" for i, b in enumerate(self.buckets)}
+    def state_dict(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        """This rank's part of the optimizer state of this engine's parameters, keyed by parameter name.
 
-    def _state_keys(self) -> dict[nn.Parameter, str]:
-        """Each shard's key in the saved state: its bucket, and which tensor-parallel part it holds.
-
-        A bucket of tensor-parallel pieces holds other values on every tp rank, under the same
-        data-parallel layout: keyed by the bucket alone, DCP would keep one tp rank's states and
-        hand them to all (it takes equal keys for replicas).
-        """
-        keys = {}
-        for shard, name in self._bucket_names().items():
-            bucket = self.buckets[int(name.removeprefix("bucket"))]
-            parts = [dist.get_rank(g) for g in _sum_groups(bucket.params[0])]
-            keys[shard] = name + "".join(f".part{r}" for r in parts)
-        return keys
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer state: ``{"state": {"bucket<i>[.part<r>]": ...}, "param_groups": [...]}``.
-
-        Only this engine's shards (another engine may shard other parameters of the same
-        optimizer); ``param_groups`` holds every group's hyperparameters and the names of this
-        engine's shards in it. Tensors of the shard parameters (Adam's ``exp_avg``,
-        ``exp_avg_sq``) are DTensors over the unpadded bucket, so torch.distributed.checkpoint
-        saves them sharded and can load them back under another N (same model, param groups and
-        bucket size: the same bucket plan). The tensors are the live ones, so ``dcp.load`` into
-        this dict already fills the optimizer; :meth:`load_state_dict` then restores
-        hyperparameters and non-tensor state. Before the first step the state is created (a step
-        with zero gradients and ``lr=0``, as ``torch.distributed.checkpoint.state_dict`` does) so
-        that there is something to load into.
+        The format every layout saves (``lightning_ultrascale.checkpoint``): ``state.<name>.<key>``
+        at the parameter's own shape, ``param_groups.<name>.<hyperparameter>``; ``names`` gives
+        each parameter's names in the model (a tied weight has two). An element-wise state
+        (Adam's ``exp_avg``) holds this rank's part of the parameter as chunks
+        (:mod:`.flat_chunks`) that are views of the live state, so ``dcp.load`` into this dict
+        fills the optimizer in place, from a checkpoint of any layout; :meth:`load_state_dict`
+        then restores hyperparameters and non-tensor state. Missing states are created first.
         """
         optimizer = self._require_optimizer()
-        names = self._bucket_names()
-        if any(p not in optimizer.state for p in names):
-            self._init_state(optimizer)
-        return {
-            "state": {key: dict(optimizer.state[p]) for p, key in self._state_keys().items()},
-            "param_groups": [
-                {**_hyperparameters(g), "params": [names[p] for p in g["params"] if p in names]}
-                for g in optimizer.param_groups
-            ],
-        }
+        initialize_state(optimizer)
+        out: dict[str, Any] = {}
+        for b in self.buckets:
+            group = next(g for g in optimizer.param_groups if any(p is b.shard for p in g["params"]))
+            hyper = {h: v for h, v in group.items() if h != "params"}
+            for p, offset in zip(b.params, b.offsets):
+                entries = self._param_state(b, p, offset, optimizer.state[b.shard])
+                for name in names[p]:
+                    out.update({f"state.{name}.{k}": v for k, v in entries.items()})
+                    out.update({f"param_groups.{name}.{h}": v for h, v in hyper.items()})
+        return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (after ``dcp.load`` filled its tensors in place)."""
+    def _param_state(self, b: _Bucket, p: nn.Parameter, offset: int, state: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``p``'s state that this rank's shard of bucket ``b`` holds."""
+        lo = self.rank * b.shard_numel
+        hi = min(lo + b.shard_numel, b.numel)
+        start, stop = max(offset, lo), min(offset + _local(p).numel(), hi)
+        entries: dict[str, Any] = {}
+        for key, value in state.items():
+            if not (isinstance(value, DTensor) and value.shape == (b.numel,)):
+                entries[key] = value  # a per-shard scalar (Adam's step): the same for every parameter
+            elif start < stop:
+                local = value.to_local()[start - lo : stop - lo]
+                piece_shape, piece_offset = _piece(p)
+                entries[key] = flat_chunks(local, start - offset, piece_shape, piece_offset, p.shape, self.mesh)
+        return entries
+
+    def load_state_dict(self, state: dict[str, Any], names: Mapping[nn.Parameter, Sequence[str]]) -> None:
+        """Finish a load into what :meth:`state_dict` returned: hyperparameters and non-tensor state."""
         optimizer = self._require_optimizer()
-        names = self._bucket_names()
-        ours = [[names[p] for p in g["params"] if p in names] for g in optimizer.param_groups]
-        theirs = [list(g["params"]) for g in state["param_groups"]]
-        if ours != theirs:
-            raise ValueError(
-                f"the checkpoint's optimizer shards {theirs} do not match this run's {ours}: resuming needs the "
-                f"same model, optimizer param groups and {option('ZeRO', 'bucket_mb', self.bucket_bytes / 2**20)}"
-            )
-        shards = {key: p for p, key in self._state_keys().items()}
-        for key, saved in state["state"].items():
-            live = optimizer.state[shards[key]]
-            # DCP filled the live tensors; what is not a live tensor (a float step) is set here.
-            live.update({k: v for k, v in saved.items() if live.get(k) is not v})
-        for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
-            group.update(_hyperparameters(saved_group))
-
-    def _init_state(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params]
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        try:
-            self._gather_after_step = False  # lr=0 changes nothing: no need to gather
-            for p in params:  # a state that exists (another engine's) must not see this step
-                p.grad = None if p in optimizer.state else torch.zeros_like(p)
-            for g in optimizer.param_groups:
-                g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-            optimizer.step()
-        finally:
-            self._gather_after_step = True
-            for g, lr in zip(optimizer.param_groups, lrs):
-                g["lr"] = lr
-            for p, grad in zip(params, grads):
-                p.grad = grad
+        for b in self.buckets:
+            first = names[b.params[0]][0]
+            live = optimizer.state[b.shard]
+            for key, value in list(live.items()):
+                loaded = state.get(f"state.{first}.{key}", value)
+                if not isinstance(value, torch.Tensor):
+                    live[key] = loaded  # tensors were filled in place
+            group = next(g for g in optimizer.param_groups if any(p is b.shard for p in g["params"]))
+            group.update({h: state[f"param_groups.{first}.{h}"] for h in group if h != "params"})
 
     def shard_norm_groups(self) -> dict[nn.Parameter, tuple[dist.ProcessGroup, ...]]:
         """Shards of tensor-parallel pieces, and the tp groups their local values are also split over.

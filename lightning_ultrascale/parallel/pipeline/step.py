@@ -36,7 +36,6 @@ class PipelineStep(StepRunner):
     """Runs each step's batch through ``pipeline``'s schedule; see the module docstring."""
 
     requires_sharded_checkpoint = True
-    flatten_optimizer_state = True
 
     def __init__(self, pipeline: PipelineParallel) -> None:
         super().__init__()
