@@ -105,11 +105,33 @@ def _names_of(p: torch.Tensor, names: Mapping[nn.Parameter, list[str]]) -> list[
     return names[p]  # type: ignore[index]
 
 
+def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:
+    """Make a checkpoint written when ``max_steps`` stopped training mid-epoch resume mid-epoch.
+
+    Lightning runs its epoch-end bookkeeping when ``max_steps`` ends a run, so the end-of-training
+    checkpoint (the one users resume from) says the epoch was completed, and a resumed run starts
+    the next epoch: other data than the uninterrupted run's. While the epoch's data is not
+    exhausted (``is_last_batch`` false), the epoch is marked processed up to its last batch
+    instead, which Lightning restores as a mid-epoch restart at the saved data position.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not loop or loop["epoch_loop.batch_progress"].get("is_last_batch", True):
+        return
+    for progress in loop["epoch_progress"].values():
+        if progress["processed"] == progress["started"] and progress["started"] > 0:
+            progress["processed"] = progress["completed"] = progress["started"] - 1
+
+
 class LayoutCheckpoints(ModelParallelStrategy):
     """Lightning's checkpoint hooks for the strategy's layout (its ``layout`` and ``step``)."""
 
     layout: Layout
     step: StepRunner
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        resume_where_the_data_stopped(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _shards_optimizer(self) -> bool:
         return any(sync.optimizer_shards() for sync in self.layout.grad_syncs)

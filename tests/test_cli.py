@@ -291,3 +291,34 @@ def test_a_logger_whose_package_is_missing_names_the_install_command(tmp_path, m
     with pytest.raises(ConfigError, match=r"logger.wandb .* needs a package that is not installed.*pip install wandb"):
         build(_compose("logger=wandb"))
     assert not dist.is_initialized()
+
+
+def _losses(run_dir: Path) -> dict[int, str]:
+    rows = csv.DictReader((run_dir / "csv" / "metrics.csv").open())
+    return {int(r["step"]): r["train/loss"] for r in rows if r.get("train/loss")}
+
+
+def test_the_readme_resume_path_continues_exactly(tmp_path):
+    """Train to 3 steps, then ``ckpt_path=.../last.ckpt trainer.max_steps=6``: the end-of-training checkpoint."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [*TRAIN, *_train_overrides(steps=6), "data.global_batch_size=16", "trainer.val_check_interval=100"]
+
+    def train(name: str, *overrides: str) -> Path:
+        run_dir = tmp_path / name
+        out = subprocess.run(
+            [*base, *overrides], env={**env, "ULTRASCALE_RUN_DIR": str(run_dir)}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return run_dir
+
+    uninterrupted = _losses(train("six", "parallel=zero1"))
+    first = train("three", "parallel=zero1", "trainer.max_steps=3")
+    last = first / "checkpoints" / "last.ckpt"
+    resumed = _losses(train("resumed", "parallel=zero1", f"ckpt_path={last}"))
+    assert len(resumed) == 3 and len(uninterrupted) == 6
+    # Same layout: the very same losses (CSV text), step for step, after the resume.
+    assert list(resumed.values()) == list(uninterrupted.values())[3:], (resumed, uninterrupted)
+    # Another layout (ZeRO-3 over tp2 x dp2 on 4 processes) continues within the AdamW bounds.
+    other = _losses(train("other", "parallel=zero3", "parallel.tp=2", "trainer.devices=4", f"ckpt_path={last}"))
+    for got, want in zip(other.values(), list(uninterrupted.values())[3:]):
+        assert abs(float(got) - float(want)) / float(want) < 1e-5, (other, uninterrupted)
