@@ -105,6 +105,23 @@ def _names_of(p: torch.Tensor, names: Mapping[nn.Parameter, list[str]]) -> list[
     return names[p]  # type: ignore[index]
 
 
+def check_checkpoint_path(path: _PATH, option: str = "ckpt_path") -> None:
+    """Refuse a ``ckpt_path`` that is not a checkpoint, saying what is there instead."""
+    where = Path(path)
+    hint = "a checkpoint is a directory like outputs/<run>/checkpoints/last.ckpt (or a single file)"
+    if not where.exists():
+        parent = where.parent
+        near = sorted(p.name for p in parent.iterdir())[:8] if parent.is_dir() else []
+        found = f"; {parent} holds: {', '.join(near)}" if near else ""
+        raise ConfigError(f"{option}={path} does not exist{found}; {hint}")
+    if where.is_dir() and not (where / ".metadata").is_file():
+        found = sorted(p.name for p in where.iterdir())[:8]
+        raise ConfigError(
+            f"{option}={path} is a directory but not a checkpoint (it has no .metadata, DCP's index); it holds: "
+            f"{', '.join(found) or 'nothing'}; {hint}"
+        )
+
+
 def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:
     """Make a checkpoint written when ``max_steps`` stopped training mid-epoch resume mid-epoch.
 
@@ -160,6 +177,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         path = Path(self.broadcast(checkpoint_path))
+        check_checkpoint_path(path)
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):

@@ -109,7 +109,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         self.seed = seed
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
-        self._validated: tuple[ModelSpec, tuple[int, int] | None] | None = None
+        self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
 
     # ----------------------------------------------------------------------------- sizes, mesh, layout
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -172,22 +172,25 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         """
         if world_size is not None:
             self._parallel_dims = self.resolve_dims(world_size)
-        key = (spec, data and (data.seq_len, data.micro_batch_size))
+        key = (spec, data and (data.seq_len, data.micro_batch_size, data.max_token_id))
         if self._validated is not None and self._validated[0] == spec and (data is None or self._validated == key):
             return
         dims = self.parallel_dims
         dims.validate_model(spec)
         for plugin in self.plugins:
             plugin.validate(dims, spec, data)
-        if data is not None and data.global_batch_size is not None:
-            dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
+        if data is not None:
+            data.validate_vocabulary(spec)
+            if data.global_batch_size is not None:
+                dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
         self._validated = key
 
     @override
     def setup_environment(self) -> None:
         spec = getattr(self.lightning_module, "model_spec", None)  # declared before the model exists
         if isinstance(spec, ModelSpec):
-            self.validate(spec, self._declared_data_shape())
+            datamodule = getattr(getattr(self.lightning_module, "_trainer", None), "datamodule", None)
+            self.validate(spec, DataShape.declared_by(datamodule))
         self._setup_distributed()
         if self._layout is None:  # a second fit keeps the mesh and the facts of its model
             self._layout = Layout(self.parallel_dims, build_mesh(self.parallel_dims, self.root_device.type))
@@ -195,14 +198,6 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         log.info("UltraScaleStrategy: %s", self.describe())
-
-    def _declared_data_shape(self) -> DataShape | None:
-        """The batch shape a DataModule declares (``seq_len``, ``micro_batch_size``), if any."""
-        datamodule = getattr(getattr(self.lightning_module, "_trainer", None), "datamodule", None)
-        seq_len, micro = getattr(datamodule, "seq_len", None), getattr(datamodule, "micro_batch_size", None)
-        if isinstance(seq_len, int) and isinstance(micro, int):
-            return DataShape(seq_len, micro, owner=type(datamodule).__name__)
-        return None
 
     @property
     @override

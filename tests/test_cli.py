@@ -322,3 +322,70 @@ def test_the_readme_resume_path_continues_exactly(tmp_path):
     other = _losses(train("other", "parallel=zero3", "parallel.tp=2", "trainer.devices=4", f"ckpt_path={last}"))
     for got, want in zip(other.values(), list(uninterrupted.values())[3:]):
         assert abs(float(got) - float(want)) / float(want) < 1e-5, (other, uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.pp=-1"], r"parallel.pp=-1 must be a positive integer"),
+        (["parallel.pp=0"], r"parallel.pp=0 must be a positive integer"),
+        (["parallel.tp=0"], r"parallel.tp=0 must be a positive integer"),
+        (["parallel.cp=-1"], r"parallel.cp=-1 must be a positive integer"),
+        (["parallel.dp=0"], r"parallel.dp=0 must be a positive integer or None \(inferred\)"),
+        (["parallel.pp_schedule=bogus"], r"parallel.pp_schedule='bogus' is unknown; valid: afab, 1f1b"),
+        (["parallel.pp_microbatches=0"], r"parallel.pp_microbatches=0 must be a positive integer"),
+        (["parallel.pp_virtual_stages=0"], r"parallel.pp_virtual_stages=0 must be a positive integer"),
+        (["parallel.bucket_mb=-1"], r"parallel.bucket_mb=-1 must be > 0"),
+        (["parallel.cp_method=spiral"], r"parallel.cp_method='spiral' is unknown; valid: ring, zigzag_ring"),
+        (["data.micro_batch_size=0"], r"data.micro_batch_size=0 must be > 0"),
+        (["data.global_batch_size=0"], r"data.global_batch_size=0 must be a positive multiple of .*valid: 16, 32"),
+        (["ckpt_path=/nonexistent/last.ckpt"], r"ckpt_path=/nonexistent/last.ckpt does not exist; a checkpoint is"),
+    ],
+)
+def test_every_option_is_checked_whether_or_not_its_plugin_is_on(tmp_path, monkeypatch, overrides, message):
+    """Plugins of size 1 are built too, so their settings are checked (pp=0 used to train as plain DP)."""
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides))
+    assert not dist.is_initialized()
+
+
+def test_a_directory_that_is_no_checkpoint_says_what_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "notes.txt").write_text("not a checkpoint")
+    message = rf"ckpt_path={garbage} is a directory but not a checkpoint .* holds: notes.txt"
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(f"ckpt_path={garbage}"))
+    assert not dist.is_initialized()
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_any_process_group(tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    tokens = tmp_path / "tokens.bin"
+    np.arange(400 * 64, dtype=np.uint16).__mod__(400).tofile(tokens)  # ids 0..399; llama_tiny has 320
+    overrides = ["data=tokens", f"data.source={tokens}", "data.seq_len=64", "data.micro_batch_size=2"]
+    message = r"data.source=.*tokens.bin' holds token id 399, but model llama_tiny has vocab_size=320"
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides, "data.global_batch_size=4"))
+    assert not dist.is_initialized()
+    # The max is remembered beside the file for the next run (every rank reads it).
+    assert (tmp_path / "tokens.bin.maxid.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model=nonexistent", r"model=nonexistent is unknown; valid: llama3_1b, .*llama_tiny"),
+        ("data=web", r"data=web is unknown; valid: pydoc, tokens"),
+        ("parallel=zero4", r"parallel=zero4 is unknown; valid: dp, hsdp, pp, zero1, zero2, zero3"),
+        ("precision=fp8", r"precision=fp8 is unknown; valid: bf16_mixed, fp32"),
+        ("logger=[csv,wandbx]", r"logger=wandbx is unknown; valid: csv, mlflow, tensorboard, wandb"),
+    ],
+)
+def test_an_unknown_group_option_lists_the_valid_ones(override, message):
+    with pytest.raises(ConfigError, match=message):
+        hydra_argv([override])

@@ -27,6 +27,7 @@ as one line naming the config key.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -100,9 +101,23 @@ def expand_overrides(overrides: list[str]) -> list[str]:
     return [expand(o, nodes) for o in overrides]
 
 
+def check_group_choices(overrides: list[str]) -> None:
+    """``model=llama9``: name the valid options of a config group (Hydra lists its search path instead)."""
+    for override in overrides:
+        key, sep, value = override.lstrip("+").partition("=")
+        group = CONFIG_DIR / key
+        if not sep or "." in key or key.startswith("-") or not group.is_dir():
+            continue
+        valid = sorted(p.stem for p in group.glob("*.yaml"))
+        for choice in value.strip("[]").split(","):
+            if choice.strip() and choice.strip() not in valid:
+                raise ConfigError(f"{key}={choice.strip()} is unknown; valid: {', '.join(valid)} (in {group})")
+
+
 def hydra_argv(argv: list[str]) -> list[str]:
     """Rewrite ``recipe=NAME`` into Hydra's primary-config flags, expand short keys, fix a sweep's
     directory, and silence ``.hydra/`` off rank 0."""
+    check_group_choices(argv)
     out: list[str] = []
     for arg in expand_overrides(argv):
         if arg.startswith("recipe="):
@@ -209,13 +224,9 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         return _build(cfg)
 
 
-def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
-    import lightning as L
-
+def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     from lightning_ultrascale.data import UltraScaleDataModule
     from lightning_ultrascale.module import LlamaModule, OptimConfig
-    from lightning_ultrascale.parallel.dims import DataShape
-    from lightning_ultrascale.strategy import UltraScaleStrategy
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
     module = LlamaModule(cfg.model.name, optim=OptimConfig(**optim), seed=cfg.seed)
@@ -233,9 +244,24 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
+    return module, datamodule
+
+
+def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    import lightning as L
+
+    from lightning_ultrascale.checkpoint import check_checkpoint_path
+    from lightning_ultrascale.parallel.dims import DataShape
+    from lightning_ultrascale.strategy import UltraScaleStrategy
+
+    module, datamodule = _module_and_data(cfg)
+    if cfg.ckpt_path is not None:
+        check_checkpoint_path(cfg.ckpt_path)
     strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed)
-    t = cfg.trainer
-    shape = DataShape(data.seq_len, data.micro_batch_size, data.global_batch_size)
+    t, data = cfg.trainer, cfg.data
+    shape = DataShape.declared_by(datamodule)
+    assert shape is not None
+    shape = dataclasses.replace(shape, global_batch_size=data.global_batch_size)
     strategy.validate(module.model_spec, shape, world_size=int(t.devices) * int(t.num_nodes))
     accumulate = strategy.parallel_dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]

@@ -9,8 +9,9 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import Dataset, Subset
 
 from lightning_ultrascale.data.corpus import load_default_corpus_tokens
-from lightning_ultrascale.data.datasets import TOKEN_DTYPES, MemmapTokenDataset, PackedDataset
+from lightning_ultrascale.data.datasets import TOKEN_DTYPES, MemmapTokenDataset, PackedDataset, max_token_id
 from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
+from lightning_ultrascale.data.tokenizer import ByteTokenizer
 from lightning_ultrascale.errors import ConfigError
 
 DEFAULT_SOURCE = "pydoc"
@@ -77,6 +78,13 @@ class UltraScaleDataModule(L.LightningDataModule):
         if source != DEFAULT_SOURCE:
             # Open once now so a wrong path fails before any process group or model exists.
             MemmapTokenDataset(source, seq_len, dtype)
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id in the data (for a check against the model's vocabulary)."""
+        if self.source == DEFAULT_SOURCE:
+            return ByteTokenizer.vocab_size - 1
+        return max_token_id(self.source, self.dtype)
 
     def _dp_coordinates(self) -> tuple[int, int]:
         strategy = getattr(self.trainer, "strategy", None)

@@ -8,6 +8,8 @@ token count, the loss normaliser (utils/loss.py), independent of the data.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,26 @@ class MemmapTokenDataset(PackedDataset):
         # Pickling a memmap copies its data; DataLoader workers started by spawn would each get the
         # whole file. Reopen it by path instead.
         return (type(self), (self.path, self.seq_len, self.dtype))
+
+
+def max_token_id(path: str | Path, dtype: str = "uint16") -> int:
+    """The largest token id in a token file, cached beside it (``<file>.maxid.json``) for the next run.
+
+    Every rank of every run checks it against the model's vocabulary before any process group
+    exists; a max over a large file costs one read, so it is remembered by size and modification
+    time (where the file's directory is not writable, it is computed each time).
+    """
+    path = Path(path)
+    stat = path.stat()
+    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
+    cache = path.with_name(path.name + ".maxid.json")
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return int(cached["max_token_id"])
+    except (OSError, ValueError):
+        pass
+    value = int(np.max(_open_token_file(path, dtype)))
+    with contextlib.suppress(OSError):
+        cache.write_text(json.dumps({"key": key, "max_token_id": value}))
+    return value

@@ -188,6 +188,28 @@ class DataShape:
     micro_batch_size: int
     global_batch_size: int | None = None
     owner: str = "UltraScaleDataModule"
+    #: Where the tokens come from and their largest id, where the DataModule tells (checked
+    #: against the model's vocabulary).
+    source: str | None = None
+    max_token_id: int | None = None
+
+    @classmethod
+    def declared_by(cls, datamodule: object) -> DataShape | None:
+        """The shape a DataModule declares (``seq_len``, ``micro_batch_size``; ``source``, ``max_token_id``), if any."""
+        seq_len, micro = getattr(datamodule, "seq_len", None), getattr(datamodule, "micro_batch_size", None)
+        if not (isinstance(seq_len, int) and isinstance(micro, int)):
+            return None
+        source, max_id = getattr(datamodule, "source", None), getattr(datamodule, "max_token_id", None)
+        return cls(seq_len, micro, owner=type(datamodule).__name__, source=source, max_token_id=max_id)
 
     def option(self, name: str) -> str:
         return option(self.owner, name, getattr(self, name))
+
+    def validate_vocabulary(self, spec: ModelSpec) -> None:
+        """Every token id must index the model's embedding."""
+        if self.max_token_id is not None and self.max_token_id >= spec.vocab_size:
+            raise ConfigError(
+                f"{self.option('source')} holds token id {self.max_token_id}, but model {spec.name} has "
+                f"vocab_size={spec.vocab_size}; valid ids: 0..{spec.vocab_size - 1} (tokenize with the model's "
+                "tokenizer, or choose a model whose vocabulary covers the data)"
+            )

@@ -80,6 +80,8 @@ class PipelineParallel(ParallelPlugin):
         split_points: Sequence[str] | None = None,
     ) -> None:
         require_positive_int(self, "size", size)
+        if microbatches is not None:  # checked even when the pipeline is off (size 1)
+            require_positive_int(self, "microbatches", microbatches)
         self.info = schedule_info(schedule)
         self.size = size
         self.schedule = schedule
