@@ -17,12 +17,15 @@ whose last stage holds the head's copy finds it in a one-process checkpoint, and
 
 from __future__ import annotations
 
+import logging
+import shutil
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.types import _PATH
@@ -35,6 +38,8 @@ from typing_extensions import override
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.utils.optim import initialize_state
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.data.engines import GradientSync
@@ -105,9 +110,46 @@ def _names_of(p: torch.Tensor, names: Mapping[nn.Parameter, list[str]]) -> list[
     return names[p]  # type: ignore[index]
 
 
+def _previous(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def publish(partial: Path, path: Path) -> None:
+    """Make the complete checkpoint in ``partial`` the one at ``path`` (rank 0, once every rank has written).
+
+    Two renames; a crash between them leaves the previous checkpoint complete at ``<path>.old``,
+    which :func:`checkpoint_location` finds.
+    """
+    _remove(_previous(path))
+    if path.exists():
+        path.rename(_previous(path))
+    partial.rename(path)
+    _remove(_previous(path))
+
+
+def checkpoint_location(path: _PATH) -> Path:
+    """Where the checkpoint saved as ``path`` is: itself, or its previous version if a crash interrupted a save."""
+    where = Path(path)
+    if not where.exists() and (_previous(where) / ".metadata").is_file():
+        log.warning("checkpoint %s was being replaced when the run stopped: loading its previous version", where)
+        return _previous(where)
+    return where
+
+
 def check_checkpoint_path(path: _PATH, option: str = "ckpt_path") -> None:
     """Refuse a ``ckpt_path`` that is not a checkpoint, saying what is there instead."""
-    where = Path(path)
+    where = checkpoint_location(path)
     hint = "a checkpoint is a directory like outputs/<run>/checkpoints/last.ckpt (or a single file)"
     if not where.exists():
         parent = where.parent
@@ -140,15 +182,66 @@ def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:
 
 
 class LayoutCheckpoints(ModelParallelStrategy):
-    """Lightning's checkpoint hooks for the strategy's layout (its ``layout`` and ``step``)."""
+    """Lightning's checkpoint hooks for the strategy's layout (its ``layout`` and ``step``).
+
+    Saves are crash-safe: every rank writes into ``<path>.partial``, and rank 0 renames it to
+    ``path`` once all have finished, so a crash during a save leaves the previous checkpoint
+    loadable. With ``async_checkpoint`` DCP writes in a background thread while training goes on;
+    the save is published at the next save or when fitting ends.
+    """
 
     layout: Layout
     step: StepRunner
+    async_checkpoint: bool = False
+    _pending_save: tuple[Any, dict[str, Any], Path, Path] | None = None
+    _save_group: Any = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         resume_where_the_data_stopped(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self._save_distributed_checkpoint or storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from torch.distributed.checkpoint import async_save, save
+
+        path = Path(self.broadcast(filepath))
+        self.finish_checkpoint()
+        partial = _partial(path)
+        if self.global_rank == 0:
+            _remove(partial)
+            partial.mkdir(parents=True)
+        self.barrier()
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self.async_checkpoint and self.lightning_module is not None and self.lightning_module.trainer.training:
+            if self._save_group is None:  # the background thread's collectives stay off training's group
+                self._save_group = dist.new_group(backend="gloo")
+            future = async_save(state, checkpoint_id=partial, process_group=self._save_group)
+            self._pending_save = (future, checkpoint, partial, path)
+            return None
+        save(state, checkpoint_id=partial)
+        self._publish(checkpoint, partial, path)
+        return None
+
+    def finish_checkpoint(self) -> None:
+        """Wait for an asynchronous save and publish it (every rank calls it)."""
+        if self._pending_save is not None:
+            future, meta, partial, path = self._pending_save
+            self._pending_save = None
+            future.result()
+            self._publish(meta, partial, path)
+
+    def _publish(self, meta: dict[str, Any], partial: Path, path: Path) -> None:
+        if self.global_rank == 0:
+            torch.save(meta, partial / _METADATA_FILENAME)
+        self.barrier()  # every rank has written its files
+        if self.global_rank == 0:
+            publish(partial, path)
+        self.barrier()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.finish_checkpoint()
 
     def _shards_optimizer(self) -> bool:
         return any(sync.optimizer_shards() for sync in self.layout.grad_syncs)
@@ -176,7 +269,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        path = Path(self.broadcast(checkpoint_path))
+        path = checkpoint_location(self.broadcast(checkpoint_path))
         check_checkpoint_path(path)
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading

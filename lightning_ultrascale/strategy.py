@@ -65,6 +65,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         seed: seed of the per-parameter weight initialisation.
         save_distributed_checkpoint: save sharded (DCP) checkpoints, one file per rank (default),
             or a single full checkpoint assembled on rank 0.
+        async_checkpoint: write sharded checkpoints in the background while training goes on.
         process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
         timeout: timeout of every collective: a hung rank fails the job after this long.
 
@@ -82,6 +83,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         *plugins: ParallelPlugin,
         seed: int = 0,
         save_distributed_checkpoint: bool = True,
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
     ) -> None:
@@ -107,6 +109,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         #: How each step runs: Lightning's own step, or the one a plugin brings (e.g. a schedule).
         self.step: StepRunner = runners[0] if runners else StepRunner()
         self.seed = seed
+        self.async_checkpoint = async_checkpoint
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
         self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None

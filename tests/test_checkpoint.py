@@ -1,7 +1,10 @@
 """Sharded (DCP) checkpoints of every ZeRO stage, with and without TP, resume exactly where training stopped."""
 
+import os
+
 import lightning as L
 import pytest
+import torch
 from llama_runs import ADAMW
 
 from lightning_ultrascale import (
@@ -12,8 +15,8 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing import run_workers
-from lightning_ultrascale.testing.parity import QUIET_TRAINER, relative_error
+from lightning_ultrascale.testing import WorkerError, run_workers
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, relative_error
 
 
 class _SaveAtStep(L.Callback):
@@ -70,3 +73,71 @@ def test_pipelined_run_resumes_exactly(tmp_path, stage, world_size, schedule):
     args = (stage, 1, 1, world_size, str(tmp_path / "ckpt"), 2, schedule)
     errors = run_workers(_interrupted_vs_uninterrupted, world_size, *args)
     assert max(errors) == 0.0, f"resumed parameters differ by up to {max(errors):.2e}"
+
+
+# --------------------------------------------------------------------------- crash-safe and async saves
+class _SaveEveryStep(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, *args):
+        trainer.save_checkpoint(self.path)
+
+
+class _DiesWhilePublishing(UltraScaleStrategy):
+    """Rank 1 dies after writing its shard of step 3's checkpoint, before it is published."""
+
+    def _publish(self, meta, partial, path):
+        if self.global_rank == 1 and self.lightning_module.trainer.global_step == 3:
+            os._exit(3)
+        super()._publish(meta, partial, path)
+
+
+def _fit_saving(path: str, max_steps: int, strategy_cls=UltraScaleStrategy, ckpt_path=None, **strategy_kwargs):
+    L.seed_everything(0, verbose=False)
+    recorder = ParityRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy_cls(ZeRO(stage=1, bucket_mb=0.1), **strategy_kwargs),
+        max_steps=max_steps, callbacks=[_SaveEveryStep(path), recorder], **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.fit(
+        LlamaModule("llama_tiny", optim=ADAMW), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4),
+        ckpt_path=ckpt_path,
+    )  # fmt: skip
+    return recorder.record
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    last = str(tmp_path / "last.ckpt")
+    with pytest.raises(WorkerError, match=r"rank 1 died without reporting \(exit code 3\)"):
+        run_workers(_fit_saving, 2, last, 5, _DiesWhilePublishing)
+    assert (tmp_path / "last.ckpt.partial").is_dir()  # step 3's, never published
+    resumed = run_workers(_fit_saving, 2, last, 5, UltraScaleStrategy, last)[0]
+    uninterrupted = run_workers(_fit_saving, 2, str(tmp_path / "again.ckpt"), 5)[0]
+    assert len(resumed.losses) == 3  # steps 3, 4, 5: resumed from step 2's checkpoint
+    assert resumed.losses == uninterrupted.losses[2:]
+    for name, value in uninterrupted.params.items():
+        assert torch.equal(resumed.params[name], value), name
+
+
+def test_an_asynchronous_save_writes_what_a_synchronous_one_does(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    sync = run_workers(_fit_saving, 2, str(tmp_path / "sync"), 4)[0]
+    async_ = run_workers(_fit_saving, 2, str(tmp_path / "async"), 4, async_checkpoint=True)[0]
+    assert async_.losses == sync.losses
+    saved = {}
+    for name in ("sync", "async"):
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+        saved[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    assert not (tmp_path / "async.partial").exists()  # published when fitting ended
+    flat_sync, flat_async = _flat(saved["sync"]), _flat(saved["async"])
+    assert flat_sync.keys() == flat_async.keys() and len(flat_sync) > 100
+    for key, value in flat_sync.items():
+        assert torch.equal(flat_async[key], value) if isinstance(value, torch.Tensor) else flat_async[key] == value, key
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix: tree}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-#: Short keys whose names do not follow ``parallel.<node>[_<arg>]``.
+#: Short keys whose names do not follow ``parallel.<node>[_<arg>]`` (and one older than ``checkpoint.*``).
 LEGACY: dict[str, str] = {
     "parallel.dp": "parallel.zero.size",
     "parallel.replicate": "parallel.zero.replicate",
@@ -26,6 +26,7 @@ LEGACY: dict[str, str] = {
     "parallel.sequence_parallel": "parallel.tp.sequence_parallel",
     "parallel.loss_parallel": "parallel.tp.loss_parallel",
     "parallel.recompute": "parallel.recompute.mode",
+    "checkpoint_every_n_steps": "checkpoint.every_n_steps",
 }
 _SHORT = {full: short for short, full in LEGACY.items()}
 
@@ -46,11 +47,11 @@ def expand(override: str, nodes: Iterable[str]) -> str:
     """
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     key, sep, value = override[len(prefix) :].partition("=")
+    if key in LEGACY:
+        return f"{prefix}{LEGACY[key]}{sep}{value}"
     if not key.startswith("parallel.") or key.count(".") != 1:
         return override
     name = key.removeprefix("parallel.")
-    if key in LEGACY:
-        return f"{prefix}{LEGACY[key]}{sep}{value}"
     for node in nodes:
         if name == node:
             return f"{prefix}parallel.{node}.size{sep}{value}"

@@ -257,7 +257,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     module, datamodule = _module_and_data(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
-    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed)
+    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed, async_checkpoint=cfg.checkpoint["async"])
     t, data = cfg.trainer, cfg.data
     shape = DataShape.declared_by(datamodule)
     assert shape is not None
