@@ -81,6 +81,8 @@ class TrainingMetrics(L.Callback):
       the world size; skipped when the module has no ``flops_per_token``.
     - ``train/mfu``: that over the device's dense peak (:func:`peak_tflops`); only on a GPU listed
       in :data:`PEAK_TFLOPS`.
+    - ``train/skipped_steps``: optimizer steps skipped for a non-finite loss or gradient, under a
+      strategy with a ``guard`` (``UltraScaleStrategy``'s :class:`~lightning_ultrascale.guard.NonFiniteGuard`).
 
     Throughput is a moving window over the last ``window`` steps, and the first step is left out:
     it carries warm-up (allocator, kernel autotuning, compilation) that later steps do not.
@@ -147,6 +149,9 @@ class TrainingMetrics(L.Callback):
         if trainer.global_step == self._last_global_step:  # accumulating gradients: no step yet
             return
         self._last_global_step = trainer.global_step
+        guard = getattr(trainer.strategy, "guard", None)  # UltraScaleStrategy's NonFiniteGuard
+        if guard is not None:
+            pl_module.log("train/skipped_steps", float(guard.skipped), on_step=True, on_epoch=False)
         now = self._clock(trainer)
         assert self._step_start is not None
         if self._steps_seen == 0:

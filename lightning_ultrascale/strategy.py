@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
@@ -45,13 +46,12 @@ log = logging.getLogger(__name__)
 _PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, UltraScaleStrategy] = weakref.WeakKeyDictionary()
 
 
-class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
+class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, ModelParallelStrategy):
     """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
 
     Plugins may be listed in any order; they are applied in the fixed order of
-    :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a plugin for the data dims,
-    plain data parallelism takes the ranks left over (``parallel/defaults.py``).
-    At most one plugin may leave its size unset (it is inferred from the world size).
+    :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a plugin for the data dims, plain
+    data parallelism takes the ranks left over. One plugin may leave its size unset (inferred).
 
     The LightningModule must hold a model that declares a
     :class:`~lightning_ultrascale.models.spec.ModelSpec` (our ``Llama`` does) and build it in
@@ -66,6 +66,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         save_distributed_checkpoint: save sharded (DCP) checkpoints, one file per rank (default),
             or a single full checkpoint assembled on rank 0.
         async_checkpoint: write sharded checkpoints in the background while training goes on.
+        guard: what a non-finite loss or gradient does (default: stop the run, naming where).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
         timeout: timeout of every collective: a hung rank fails the job after this long.
 
@@ -84,6 +85,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         seed: int = 0,
         save_distributed_checkpoint: bool = True,
         async_checkpoint: bool = False,
+        guard: NonFiniteGuard | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
     ) -> None:
@@ -110,6 +112,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
         self.step: StepRunner = runners[0] if runners else StepRunner()
         self.seed = seed
         self.async_checkpoint = async_checkpoint
+        self.guard = guard or NonFiniteGuard()
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
         self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
@@ -293,7 +296,7 @@ class UltraScaleStrategy(LayoutCheckpoints, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.step.training_step(self.lightning_module, super().training_step, args, kwargs)
+        return self.guard.observe(self.step.training_step(self.lightning_module, super().training_step, args, kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -251,13 +251,19 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
     from lightning_ultrascale.checkpoint import check_checkpoint_path
+    from lightning_ultrascale.guard import NonFiniteGuard
     from lightning_ultrascale.parallel.dims import DataShape
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
     module, datamodule = _module_and_data(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
-    strategy = UltraScaleStrategy(*plugins(cfg.parallel), seed=cfg.seed, async_checkpoint=cfg.checkpoint["async"])
+    strategy = UltraScaleStrategy(
+        *plugins(cfg.parallel),
+        seed=cfg.seed,
+        async_checkpoint=cfg.checkpoint["async"],
+        guard=NonFiniteGuard(skip_step=cfg.guard.skip_step),
+    )
     t, data = cfg.trainer, cfg.data
     shape = DataShape.declared_by(datamodule)
     assert shape is not None

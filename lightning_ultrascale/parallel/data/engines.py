@@ -90,6 +90,10 @@ class GradientSync:
         """Averaged gradients, where this engine keeps them away from ``param.grad`` (a collective)."""
         return None
 
+    def parameter_at(self, tensor: torch.Tensor, index: int) -> nn.Parameter | None:
+        """The parameter that element ``index`` of one of :meth:`optimizer_shards` belongs to."""
+        return None
+
     def expected_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes:
         """The playbook's per-rank model state of ``n_params`` parameters under this stage, fp32 form.
 
@@ -190,6 +194,9 @@ class ShardedOptimizerEngine(_BucketEngine):
     def load_named_optimizer_state(self, state: dict[str, Any], names: Mapping[nn.Parameter, Sequence[str]]) -> None:
         if self._zero is not None:
             self._zero.load_state_dict(state, names)
+
+    def parameter_at(self, tensor: torch.Tensor, index: int) -> nn.Parameter | None:
+        return self._zero.parameter_at(tensor, index) if self._zero is not None else None
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Each parameter's averaged gradient, gathered from the shards (a collective).

@@ -369,6 +369,14 @@ class ZeroEngine(GradientBuckets):
             group = next(g for g in optimizer.param_groups if any(p is b.shard for p in g["params"]))
             group.update({h: state[f"param_groups.{first}.{h}"] for h in group if h != "params"})
 
+    def parameter_at(self, shard: torch.Tensor, index: int) -> nn.Parameter | None:
+        """The parameter whose element ``index`` of this rank's ``shard`` is (for error messages)."""
+        for b in self.buckets:
+            if b.shard is shard:
+                flat = self.rank * b.shard_numel + index
+                return next((p for p, o in zip(b.params, b.offsets) if o <= flat < o + _local(p).numel()), None)
+        return None
+
     def shard_norm_groups(self) -> dict[nn.Parameter, tuple[dist.ProcessGroup, ...]]:
         """Shards of tensor-parallel pieces, and the tp groups their local values are also split over.
 

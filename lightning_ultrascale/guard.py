@@ -1,0 +1,132 @@
+"""A step whose loss or gradients are not finite on any rank stops the run (or is skipped), on every rank at once.
+
+After backward and before the optimizer step (and before gradient clipping, which a NaN would
+spread), each rank checks the loss it computed in the step and its optimizer's gradients
+(this rank's shards), and one all-reduce of a vector with a slot per rank tells every rank who
+saw what. All ranks then act alike: raise :class:`NonFiniteError` naming the step, the first rank
+and its first non-finite parameter gradient, or, with ``skip_step``, drop every gradient so the
+optimizer changes nothing this step (the LR schedule goes on) and count the skip.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.parallel.layout import Layout
+
+log = logging.getLogger(__name__)
+
+_FINE, _GRADIENT, _LOSS = 0, 1, 2
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient was NaN or infinite on some rank."""
+
+
+class NonFiniteGuard:
+    """Stop a run at the first step with a non-finite loss or gradient on any rank, or skip such steps.
+
+    Args:
+        skip_step: skip the optimizer step instead of stopping (counted in :attr:`skipped`).
+
+    Example:
+        >>> from lightning_ultrascale import UltraScaleStrategy, ZeRO
+        >>> strategy = UltraScaleStrategy(ZeRO(stage=1), guard=NonFiniteGuard(skip_step=True))
+    """
+
+    def __init__(self, skip_step: bool = False) -> None:
+        self.skip_step = skip_step
+        self.skipped = 0
+        self._loss_finite = True
+
+    def observe(self, output: Any) -> Any:
+        """Note whether a step's loss (a tensor, or a dict's ``"loss"``) is finite; return it unchanged."""
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            self._loss_finite = False
+        return output
+
+    def check(self, optimizer: Optimizer, step: int, name_of: Callable[[torch.Tensor, int], str]) -> bool:
+        """Every rank: whether this step must be skipped; raises :class:`NonFiniteError` to stop.
+
+        ``name_of(tensor, flat_index)``: the parameter an optimizer tensor's element belongs to.
+        """
+        bad = _first_non_finite(p for g in optimizer.param_groups for p in g["params"])
+        status = _LOSS if not self._loss_finite else _GRADIENT if bad is not None else _FINE
+        self._loss_finite = True
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        statuses = torch.zeros(world)
+        statuses[rank] = status
+        if world > 1:
+            dist.all_reduce(statuses)  # the one collective of a healthy step
+        worst = int(statuses.max())
+        if worst == _FINE:
+            return False
+        culprit = int((statuses == worst).nonzero()[0])
+        where = [name_of(*bad) if bad is not None else "none"]
+        if world > 1:
+            dist.broadcast_object_list(where, src=culprit)
+        what = "loss" if worst == _LOSS else "gradient"
+        message = (
+            f"non-finite {what} at step {step} on rank {culprit} (ranks with one: "
+            f"{', '.join(str(r) for r in statuses.nonzero().flatten().tolist())}); its first non-finite parameter "
+            f"gradient: {where[0]}"
+        )
+        if not self.skip_step:
+            hint = "; to skip such steps instead: NonFiniteGuard(skip_step=True), or guard.skip_step=true"
+            raise NonFiniteError(message + hint)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # the optimizer leaves parameters without gradients alone
+        self.skipped += 1
+        log.warning("%s; step skipped (%d so far)", message, self.skipped)
+        return True
+
+
+def _first_non_finite(tensors: Any) -> tuple[torch.Tensor, int] | None:
+    for p in tensors:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        flags = ~torch.isfinite(grad.detach().flatten())
+        if bool(flags.any()):
+            return p, int(flags.nonzero()[0])
+    return None
+
+
+class GuardedSteps(ModelParallelStrategy):
+    """The strategy's part: check between backward and the optimizer step (its ``guard``)."""
+
+    guard: NonFiniteGuard
+    layout: Layout
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def guarded() -> Any:
+            result = closure()
+            assert self.lightning_module is not None
+            self.guard.check(optimizer, self.lightning_module.trainer.global_step, self._name_of)
+            return result
+
+        return super().optimizer_step(optimizer, guarded, model, **kwargs)
+
+    def _name_of(self, tensor: torch.Tensor, index: int) -> str:
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        if id(tensor) in names:
+            return names[id(tensor)]
+        for sync in self.layout.grad_syncs:
+            owner = sync.parameter_at(tensor, index)
+            if owner is not None and id(owner) in names:
+                return f"{names[id(owner)]} (in a sharded optimizer's shard)"
+        return f"an optimizer tensor of shape {tuple(tensor.shape)}"
