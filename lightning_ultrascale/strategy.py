@@ -36,6 +36,7 @@ from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
 from lightning_ultrascale.parallel.step import StepRunner
 from lightning_ultrascale.utils.grad import clip_grad_norm_
 from lightning_ultrascale.utils.memory import ModelStateBytes
+from lightning_ultrascale.watchdog import WatchedRanks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,13 +47,12 @@ log = logging.getLogger(__name__)
 _PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, UltraScaleStrategy] = weakref.WeakKeyDictionary()
 
 
-class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, ModelParallelStrategy):
+class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelParallelStrategy):
     """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
 
     Plugins may be listed in any order; they are applied in the fixed order of
     :data:`~lightning_ultrascale.parallel.plugin.APPLY_ORDER`. Without a plugin for the data dims, plain
     data parallelism takes the ranks left over. One plugin may leave its size unset (inferred).
-
     The LightningModule must hold a model that declares a
     :class:`~lightning_ultrascale.models.spec.ModelSpec` (our ``Llama`` does) and build it in
     ``configure_model``: the strategy builds it on the meta device, applies the plugins, then
@@ -68,7 +68,8 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, ModelParallelStrategy)
         async_checkpoint: write sharded checkpoints in the background while training goes on.
         guard: what a non-finite loss or gradient does (default: stop the run, naming where).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
-        timeout: timeout of every collective: a hung rank fails the job after this long.
+        timeout: timeout of every collective: a hung rank fails the job after this long (and a
+            watchdog on every rank ends the ranks a failed job leaves behind).
 
     Example:
         >>> import lightning as L
@@ -154,7 +155,6 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, ModelParallelStrategy)
 
     @property
     def mesh(self) -> ParallelMesh:
-        """The run's mesh with its named and flattened (``dp``, ``dp_cp``) dims."""
         return self.layout.mesh
 
     @override
