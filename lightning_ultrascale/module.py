@@ -10,7 +10,7 @@ mesh.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
@@ -61,6 +61,18 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _hf_directory(init_from: str | None) -> str | None:
+    """``"hf:DIR"`` -> ``DIR`` (checked now, before any process group)."""
+    if init_from is None:
+        return None
+    if not init_from.startswith("hf:"):
+        raise ConfigError(f"model.init_from={init_from!r}; valid: hf:<directory of an HF model>, or null")
+    from lightning_ultrascale.models.hf import hf_directory_config
+
+    hf_directory_config(init_from[3:])
+    return init_from[3:]
+
+
 class LlamaModule(L.LightningModule):
     """Causal-LM pretraining of a Llama: next-token cross-entropy, mean over the batch's tokens.
 
@@ -69,6 +81,9 @@ class LlamaModule(L.LightningModule):
         optim: optimizer and schedule settings.
         seed: weight-initialisation seed when the module builds the model itself (without
             ``UltraScaleStrategy``, whose ``seed`` argument rules otherwise).
+        init_from: ``"hf:DIR"`` starts from the weights of an HF model directory (safetensors and
+            ``config.json``, e.g. what ``ultrascale-export`` writes), read through DCP by every
+            rank of any layout; the architecture must be ``model``'s.
 
     Example:
         >>> import lightning as L
@@ -79,14 +94,21 @@ class LlamaModule(L.LightningModule):
     """
 
     def __init__(
-        self, model: str | LlamaConfig = "llama_tiny", optim: OptimConfig | None = None, seed: int = 0
+        self,
+        model: str | LlamaConfig = "llama_tiny",
+        optim: OptimConfig | None = None,
+        seed: int = 0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.config = get_model_config(model) if isinstance(model, str) else model
         self.optim = optim or OptimConfig()
         self.seed = seed
+        self.init_from = _hf_directory(init_from)
         self.model: Llama | None = None
-        self.save_hyperparameters({"model": self.config.name, "optim": vars(self.optim), "seed": seed})
+        self.save_hyperparameters(
+            {"model": self.config.name, "model_config": asdict(self.config), "optim": vars(self.optim), "seed": seed}
+        )
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -97,7 +119,7 @@ class LlamaModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = Llama(self.config)
+        self.model = Llama(self.config, pretrained=self.init_from)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights(self.seed)
 

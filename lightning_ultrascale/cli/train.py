@@ -229,7 +229,8 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
     from lightning_ultrascale.module import LlamaModule, OptimConfig
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
-    module = LlamaModule(cfg.model.name, optim=OptimConfig(**optim), seed=cfg.seed)
+    init_from = cfg.model.get("init_from")
+    module = LlamaModule(cfg.model.name, optim=OptimConfig(**optim), seed=cfg.seed, init_from=init_from)
     data = cfg.data
     datamodule = UltraScaleDataModule(
         source=data.source,

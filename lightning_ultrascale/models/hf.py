@@ -13,8 +13,11 @@ Example (fine-tune from a downloaded checkpoint):
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,7 +26,14 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
 
-__all__ = ["config_from_hf", "config_to_hf", "load_hf_pretrained", "state_dict_from_hf", "state_dict_to_hf"]
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "load_hf_pretrained",
+    "load_hf_weights",
+    "state_dict_from_hf",
+    "state_dict_to_hf",
+]
 
 # (HF LlamaForCausalLM key, our key); "{}" stands for the layer index.
 _KEY_PAIRS = (
@@ -228,3 +238,42 @@ def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Lla
     model.init_buffers()
     model.tie_weights()
     return model
+
+
+#: The shape of an architecture: what an HF checkpoint and our config must agree on to load.
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings")
+
+
+def hf_directory_config(path: str | os.PathLike[str]) -> LlamaConfig:
+    """Our config of an HF model directory, from its ``config.json`` alone (no transformers needed)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.init_from=hf:{path}: {config_file} not found; valid: an HF model directory")
+    defaults = {"tie_word_embeddings": False, "num_key_value_heads": None, "max_position_embeddings": 2048}
+    fields = {**defaults, **json.loads(config_file.read_text())}
+    return config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
+    """Copy an HF safetensors directory's weights into ``model`` through DCP, in any layout.
+
+    Each rank reads only what it holds (a tensor-parallel or FSDP shard, a pipeline stage's
+    parameters): nothing is gathered. The directory's architecture must be the model's.
+
+    Example:
+        >>> load_hf_weights(model, "/models/Llama-3.2-1B")  # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    theirs, ours = hf_directory_config(path), model.config
+    wrong = [f"{k}={getattr(theirs, k)} (model {ours.name}: {getattr(ours, k)})" for k in _SHAPE
+             if getattr(theirs, k) != getattr(ours, k)]  # fmt: skip
+    if wrong:
+        raise ConfigError(f"model.init_from=hf:{path} is another architecture: {', '.join(wrong)}")
+    pairs = [(ours, hf) for hf, ours in _KEY_PAIRS]
+    if ours.tie_embeddings:  # HF saves the tied weight once, as the embedding
+        pairs = [(o, "model.embed_tokens.weight" if o == "output.weight" else h) for o, h in pairs]
+    targets = _rename({n: p.detach() for n, p in model.named_parameters()}, pairs, ignore=None)
+    load(targets, storage_reader=HuggingFaceStorageReader(str(path)))

@@ -394,10 +394,12 @@ class Llama(nn.Module):
         torch.Size([1, 8, 320])
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, pretrained: str | None = None) -> None:
         super().__init__()
         config.validate()
         self.config = config
+        #: An HF model directory whose weights :meth:`init_weights` loads instead of drawing new ones.
+        self.pretrained = pretrained
         self.spec = ModelSpec(
             name=config.name,
             n_layers=config.n_layers,
@@ -478,7 +480,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initialise every parameter from ``(seed, its fully qualified name)`` alone.
+        """Initialise every parameter from ``(seed, its fully qualified name)`` alone (or from :attr:`pretrained`).
 
         Each parameter is drawn on the CPU in fp32 by a generator seeded with
         :func:`param_seed` and copied in, so a CPU build, a GPU build and a meta build materialised
@@ -497,6 +499,11 @@ class Llama(nn.Module):
         """
         self.tie_weights()
         self.init_buffers()
+        if self.pretrained is not None:
+            from lightning_ultrascale.models.hf import load_hf_weights
+
+            load_hf_weights(self, self.pretrained)
+            return
         dtensor_type, distribute_tensor = _dtensor_api()
         for fqn, param in self.named_parameters():
             name = ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
