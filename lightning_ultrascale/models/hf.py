@@ -267,6 +267,10 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
+    try:
+        import safetensors  # noqa: F401  (DCP's HF reader opens the files with it)
+    except ImportError:
+        raise ConfigError(f"model.init_from=hf:{path} needs the safetensors package: pip install safetensors") from None
     theirs, ours = hf_directory_config(path), model.config
     wrong = [f"{k}={getattr(theirs, k)} (model {ours.name}: {getattr(ours, k)})" for k in _SHAPE
              if getattr(theirs, k) != getattr(ours, k)]  # fmt: skip
