@@ -3,6 +3,8 @@
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
+
 from lightning_ultrascale import LlamaConfig, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.testing.parity import RunRecord, assert_parity, record_run
@@ -52,3 +54,16 @@ def run_tiny_llama(
 def assert_adamw_parity(run: RunRecord, ref: RunRecord) -> None:
     """Multi-step AdamW parity: losses and first-step gradients 1e-5, the rest :data:`ADAMW_RTOL`."""
     assert_parity(run, ref, rtol=1e-5, later_grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
+
+
+class SaveCheckpoint(L.Callback):
+    """Save to ``path`` after optimizer step ``step`` (after every step if None); ``stop`` ends the run there."""
+
+    def __init__(self, path: str, step: int | None = None, stop: bool = False) -> None:
+        self.path, self.step, self.stop = path, step, stop
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.step is None or trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            if self.stop:
+                trainer.should_stop = True

@@ -5,7 +5,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from llama_runs import ADAMW
+from llama_runs import ADAMW, SaveCheckpoint
 
 from lightning_ultrascale import (
     LlamaModule,
@@ -17,17 +17,6 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.testing import WorkerError, run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, relative_error
-
-
-class _SaveAtStep(L.Callback):
-    """Save mid-training, as ModelCheckpoint(every_n_train_steps=...) does."""
-
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 def _interrupted_vs_uninterrupted(
@@ -47,7 +36,7 @@ def _interrupted_vs_uninterrupted(
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in module.named_parameters()}
 
-    uninterrupted = fit([_SaveAtStep(3, path)])
+    uninterrupted = fit([SaveCheckpoint(path, step=3)])
     resumed = fit(ckpt_path=path)  # a fresh model and optimizer, restored at step 3
     return max(relative_error(resumed[n], uninterrupted[n]) for n in uninterrupted)
 
@@ -76,14 +65,6 @@ def test_pipelined_run_resumes_exactly(tmp_path, stage, world_size, schedule):
 
 
 # --------------------------------------------------------------------------- crash-safe and async saves
-class _SaveEveryStep(L.Callback):
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_batch_end(self, trainer, *args):
-        trainer.save_checkpoint(self.path)
-
-
 class _DiesWhilePublishing(UltraScaleStrategy):
     """Rank 1 dies after writing its shard of step 3's checkpoint, before it is published."""
 
@@ -98,7 +79,7 @@ def _fit_saving(path: str, max_steps: int, strategy_cls=UltraScaleStrategy, ckpt
     recorder = ParityRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy_cls(ZeRO(stage=1, bucket_mb=0.1), **strategy_kwargs),
-        max_steps=max_steps, callbacks=[_SaveEveryStep(path), recorder], **QUIET_TRAINER,
+        max_steps=max_steps, callbacks=[SaveCheckpoint(path), recorder], **QUIET_TRAINER,
     )  # fmt: skip
     trainer.fit(
         LlamaModule("llama_tiny", optim=ADAMW), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4),

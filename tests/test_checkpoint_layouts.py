@@ -13,7 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from llama_runs import ADAMW, ADAMW_RTOL, GLOBAL_BATCH, SEQ_LEN, run_tiny_llama
+from llama_runs import ADAMW, ADAMW_RTOL, GLOBAL_BATCH, SEQ_LEN, SaveCheckpoint, run_tiny_llama
 
 from lightning_ultrascale import (
     ContextParallel,
@@ -56,23 +56,12 @@ PAIRS = {
 }
 
 
-class _SaveAndStopAtStep(L.Callback):
-    """Save at ``step`` and stop: the first steps of the 6-step run (its LR schedule spans max_steps)."""
-
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-            trainer.should_stop = True
-
-
 def _fit(layout: str, max_steps: int, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
     world_size, plugins, dp = LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    callbacks = [recorder] + ([_SaveAndStopAtStep(3, save_to)] if save_to else [])
+    # Saved at step 3 of a 6-step run, which then stops: the LR schedule spans max_steps.
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3, stop=True)] if save_to else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=max_steps,
         callbacks=callbacks, **QUIET_TRAINER,

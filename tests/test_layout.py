@@ -13,7 +13,7 @@ from typing import ClassVar
 import lightning as L
 import pytest
 import torch.distributed as dist
-from llama_runs import ADAMW, GLOBAL_BATCH, SEQ_LEN, SGD, run_tiny_llama
+from llama_runs import ADAMW, GLOBAL_BATCH, SEQ_LEN, SGD, SaveCheckpoint, run_tiny_llama
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
@@ -206,12 +206,7 @@ def _resume_with_norm_group(path: str) -> float:
         trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4), ckpt_path=ckpt_path)
         return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in module.named_parameters()}
 
-    class SaveAtStep3(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 3:
-                trainer.save_checkpoint(path)
-
-    uninterrupted = fit([SaveAtStep3()])
+    uninterrupted = fit([SaveCheckpoint(path, step=3)])
     resumed = fit(ckpt_path=path)
     return max(relative_error(resumed[n], uninterrupted[n]) for n in uninterrupted)
 
