@@ -216,10 +216,10 @@ def _tp_worker(sequence_parallel: bool) -> tuple[torch.Tensor, dict[str, torch.T
 
     mesh = init_device_mesh("cpu", (2,))
     model = build_model("llama_tiny", device="meta")
-    top, block = model.spec.tp_plan(sequence_parallel)
+    top, blocks = model.spec.tp_plan(sequence_parallel)
     parallelize_module(model, mesh, top)
-    for layer in model.layers.values():
-        parallelize_module(layer, mesh, block)
+    for name, layer in model.layers.items():
+        parallelize_module(layer, mesh, blocks[name])
     model.to_empty(device="cpu")
     model.init_weights(seed=0)  # DTensor path: each rank copies in its shard of the full draw
     logits = model(_tokens())

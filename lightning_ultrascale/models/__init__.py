@@ -15,12 +15,14 @@ import torch
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+from lightning_ultrascale.models.moe import MoEConfig
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, require_spec
 
 __all__ = [
     "MODEL_CONFIGS",
     "Llama",
     "LlamaConfig",
+    "MoEConfig",
     "ModelSpec",
     "RopeScaling",
     "SpecifiedModel",
@@ -69,6 +71,23 @@ MODEL_CONFIGS: dict[str, LlamaConfig] = {
     "llama3_405b": LlamaConfig(
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=53248,
         rope_scaling=_LLAMA31_ROPE, max_seq_len=_CONTEXT, name="llama3_405b",
+    ),
+    # The CPU default for MoE: DeepSeek-V3's design in miniature (sigmoid router over 4 groups of 2,
+    # top-2 of 2 groups, one shared expert, a dense first block, aux-loss-free balancing).
+    "moe_tiny": LlamaConfig(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=192,
+        max_seq_len=256, name="moe_tiny",
+        moe=MoEConfig(
+            n_routed_experts=8, top_k=2, moe_ffn_dim=64, n_shared_experts=1, first_k_dense=1,
+            router="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=1.0,
+            aux_loss="sequence", aux_loss_coeff=1e-4, bias_update_rate=1e-3,
+        ),
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 46.7B total, 12.9B active parameters.
+    "mixtral_8x7b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_hidden_dim=14336,
+        rope_theta=1e6, max_seq_len=32768, name="mixtral_8x7b",
+        moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=14336, aux_loss="switch", aux_loss_coeff=0.02),
     ),
 }  # fmt: skip
 

@@ -23,18 +23,23 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.moe import MoE, MoEConfig, attach_aux_loss
 from lightning_ultrascale.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.models.mla import MLAConfig
 
 __all__ = [
     "Attention",
@@ -80,8 +85,11 @@ class RopeScaling:
 class LlamaConfig:
     """Architecture of a Llama 3 model. ``validate()`` checks it; :class:`Llama` calls it.
 
-    ``rope_scaling`` may be given as a mapping (as it comes from a YAML file); it is turned into a
-    :class:`RopeScaling`.
+    ``rope_scaling``, ``moe`` and ``mla`` may be given as mappings (as they come from a YAML file);
+    they are turned into :class:`RopeScaling`, :class:`~lightning_ultrascale.models.moe.MoEConfig`
+    and :class:`~lightning_ultrascale.models.mla.MLAConfig`. With ``moe`` the blocks from
+    ``moe.first_k_dense`` on have a mixture-of-experts feed-forward (the others the dense SwiGLU of
+    width ``ffn_hidden_dim``); with ``mla`` attention is DeepSeek's multi-head latent attention.
 
     Example:
         >>> from dataclasses import replace
@@ -102,15 +110,33 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     name: str = "llama"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, Mapping):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.mla, Mapping):
+            from lightning_ultrascale.models.mla import MLAConfig
+
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def n_experts(self) -> int:
+        return self.moe.n_routed_experts if self.moe is not None else 0
+
+    def moe_blocks(self) -> tuple[int, ...]:
+        """The blocks whose feed-forward is a mixture of experts."""
+        if self.moe is None:
+            return ()
+        return tuple(i for i in range(self.n_layers) if self.moe.is_moe_block(i))
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first setting that cannot build a model.
@@ -130,9 +156,13 @@ class LlamaConfig:
         for option in ("norm_eps", "rope_theta"):
             if not getattr(self, option) > 0:
                 raise ConfigError(f"model.{option}={getattr(self, option)!r} must be > 0")
-        # RoPE rotates pairs of dimensions, so head_dim must be even as well as whole.
+        if self.moe is not None:
+            self.moe.validate(self.n_layers)
+        if self.mla is not None:
+            self.mla.validate()
+        # RoPE rotates pairs of dimensions, so head_dim must be even as well as whole (MLA sets its own).
         valid_heads = [h for h in divisors(self.dim) if (self.dim // h) % 2 == 0]
-        if self.n_heads not in valid_heads:
+        if self.mla is None and self.n_heads not in valid_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} must divide model.dim={self.dim} into an even head_dim; "
                 f"valid: {', '.join(map(str, valid_heads))}"
@@ -152,18 +182,32 @@ class LlamaConfig:
                     "must be a positive integer"
                 )
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
         """Parameter count of the whole model, a tied embedding counted once (no model needed).
+
+        ``active``: the parameters one token runs through (an MoE block's ``top_k`` routed experts
+        instead of all of them), the number TFLOP/s and MFU count.
 
         Example:
             >>> from lightning_ultrascale.models import get_model_config
             >>> get_model_config("llama3_8b").num_params()
             8030261248
         """
-        attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
-        block = attention + 3 * self.dim * self.ffn_hidden_dim + 2 * self.dim
+        if self.mla is not None:
+            from lightning_ultrascale.models.mla import mla_num_params
+
+            attention = mla_num_params(self)
+        else:
+            attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
+        blocks = 0
+        for layer in range(self.n_layers):
+            if self.moe is not None and self.moe.is_moe_block(layer):
+                ffn = self.moe.block_params(self.dim, active)
+            else:
+                ffn = 3 * self.dim * self.ffn_hidden_dim
+            blocks += attention + ffn + 2 * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * block + self.dim + head
+        return self.vocab_size * self.dim + blocks + self.dim + head
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) at ``seq_len``, from the config alone.
@@ -180,10 +224,15 @@ class LlamaConfig:
             >>> f"{get_model_config('llama3_8b').flops_per_token(8192) / 1e9:.1f} GFLOP"
             '57.9 GFLOP'
         """
-        matmul_params = self.num_params() - self.vocab_size * self.dim
+        matmul_params = self.num_params(active=True) - self.vocab_size * self.dim
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
-        return float(6 * matmul_params + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len)
+        if self.mla is not None:  # QK^T over the qk head dim, AV over the v head dim
+            qk = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+            attention = 6 * self.n_layers * self.n_heads * (qk + self.mla.v_head_dim) * seq_len
+        else:
+            attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return float(6 * matmul_params + attention)
 
 
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
@@ -196,6 +245,10 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
         >>> rope_inv_freq(get_model_config("llama_tiny")).shape
         torch.Size([8])
     """
+    if cfg.mla is not None:
+        from lightning_ultrascale.models.mla import mla_inv_freq
+
+        return mla_inv_freq(cfg, device=device)
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
     s = cfg.rope_scaling
@@ -300,22 +353,34 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    ``feed_forward`` is the dense SwiGLU or, in the MoE blocks of an MoE config, an
+    :class:`~lightning_ultrascale.models.moe.MoE`; ``attention`` is grouped-query attention or MLA.
+    """
+
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        if cfg.mla is not None:
+            from lightning_ultrascale.models.mla import MLAttention
+
+            self.attention: nn.Module = MLAttention(cfg)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        if cfg.moe is not None and cfg.moe.is_moe_block(layer):
+            self.feed_forward: nn.Module = MoE(cfg.dim, cfg.moe)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def llama_tp_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Tensor-parallel plan ``(top_level, per_block)`` of DTensor ``ParallelStyle``s (torchtitan's).
+def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Tensor-parallel plan ``(top_level, {block name: block plan})`` of DTensor ``ParallelStyle``s (torchtitan's).
 
     Megatron pairing: wq/wk/wv and w1/w3 split columns (heads / hidden units), wo and w2 split rows
     and reduce. The embedding is vocab-parallel; the output projection keeps logits sharded over
@@ -325,15 +390,22 @@ def llama_tp_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, An
     (``Shard(1)``): norms run on sequence shards, and the attention/MLP inputs are all-gathered
     (the all-reduces become reduce-scatters after wo/w2).
 
+    An MoE feed-forward is not split over ``tp``: its input is gathered, every tp rank routes the
+    same tokens to the same experts (split over ``ep`` instead), and its output is the residual
+    layout again. Splitting experts over tp as well would cut each expert's GEMMs into slivers
+    and add two collectives per MoE layer for weights that expert parallelism already divides.
+
     Example:
-        >>> top, block = llama_tp_plan(sequence_parallel=True)
-        >>> sorted(top), "attention.wq" in block
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> top, blocks = llama_tp_plan(get_model_config("llama_tiny"), sequence_parallel=True)
+        >>> sorted(top), "attention.wq" in blocks["0"]
         (['norm', 'output', 'tok_embeddings'], True)
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -343,27 +415,45 @@ def llama_tp_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, An
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
-    block: dict[str, Any] = {
-        # One conversion of each sub-layer's input, shared by its column-parallel projections: with
-        # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
-        # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
-        # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
-        "attention": PrepareModuleInput(
-            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
+    # One conversion of each sub-layer's input, shared by its column-parallel projections: with
+    # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
+    # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
+    # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
+    if cfg.mla is not None:
+        from lightning_ultrascale.models.mla import mla_tp_plan
+
+        attention: dict[str, Any] = mla_tp_plan(residual)
+    else:
+        attention = {
+            "attention": PrepareModuleInput(
+                input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+        }
+    dense = {
         "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
+    moe = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(residual,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(residual,),
+        )
+    }
+    norms = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
     if sequence_parallel:
         top["norm"] = SequenceParallel()
-        block |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-    return top, block
+    moe_blocks = set(cfg.moe_blocks())
+    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
+    return top, blocks
 
 
 class Llama(nn.Module):
@@ -404,13 +494,16 @@ class Llama(nn.Module):
             name=config.name,
             n_layers=config.n_layers,
             n_heads=config.n_heads,
-            n_kv_heads=config.n_kv_heads,
+            # MLA expands its latent kv per head: tensor parallelism splits n_heads of both.
+            n_kv_heads=config.n_heads if config.mla is not None else config.n_kv_heads,
             dim=config.dim,
             vocab_size=config.vocab_size,
-            tp_plan=llama_tp_plan,
+            n_experts=config.n_experts,
+            moe_blocks=config.moe_blocks(),
+            tp_plan=functools.partial(llama_tp_plan, config),
         )
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -426,12 +519,22 @@ class Llama(nn.Module):
         )
 
     def forward_stage(
-        self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
+        self,
+        x: Tensor,
+        position_ids: Tensor | None,
+        blocks: Sequence[str],
+        *,
+        embed: bool,
+        head: bool,
+        aux_loss_scale: Tensor | float | None = None,
     ) -> Tensor:
         """Run a part of the model: a pipeline stage (see :mod:`lightning_ultrascale.parallel.pipeline`).
 
         Embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs the named
-        blocks in order; applies the final norm and the output head if ``head``.
+        blocks in order; applies the final norm and the output head if ``head``. With
+        ``aux_loss_scale`` (the weight of one token's loss in the step's objective) the MoE blocks'
+        auxiliary losses join the objective through this stage's backward; without it they wait
+        for :meth:`pop_aux_loss`.
         """
         h = self.tok_embeddings(x) if embed else x
         if position_ids is None:
@@ -440,9 +543,55 @@ class Llama(nn.Module):
         cos, sin = self._rope_angles(position_ids)
         for name in blocks:
             h = self.layers[name](h, cos, sin)
+        if aux_loss_scale is not None:
+            aux = self.pop_aux_loss(blocks)
+            if aux is not None:
+                h = attach_aux_loss(h, aux, aux_loss_scale)
         if head:
             h = self.output(self.norm(h))
         return h
+
+    def moe_layers(self, blocks: Sequence[str] | None = None) -> dict[str, MoE]:
+        """The MoE feed-forwards this rank holds, by block name (of ``blocks`` only, if given)."""
+        names = self.layers.keys() if blocks is None else blocks
+        found = {name: self.layers[name].feed_forward for name in names if name in self.layers}
+        return {name: ffn for name, ffn in found.items() if isinstance(ffn, MoE)}
+
+    def pop_aux_loss(self, blocks: Sequence[str] | None = None) -> Tensor | None:
+        """The MoE auxiliary losses of the last training forward, summed over blocks and tokens (once).
+
+        The cross-entropy is a mean over labelled tokens: add ``pop_aux_loss() / labelled tokens``.
+        """
+        losses = [aux for moe in self.moe_layers(blocks).values() if (aux := moe.pop_aux_loss()) is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    @torch.no_grad()
+    def expert_loads(self, reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Tokens per expert ``[MoE blocks of the config, experts]`` and tokens dropped, since the last call.
+
+        Rows of blocks another rank holds are zeros; ``reduce`` (a sum over the ranks of the global
+        batch, each counted once) makes them global. Every rank gets the same tensor shape, so a
+        pipeline rank without MoE blocks takes part in the reduction like the others.
+        """
+        blocks = self.config.moe_blocks()
+        loads = torch.zeros(len(blocks) + 1, max(self.config.n_experts, 1), device=self.rope_inv_freq.device)
+        held = self.moe_layers()
+        for row, block in enumerate(blocks):
+            if str(block) in held:
+                load, dropped = held[str(block)].pop_load()
+                loads[row] = load
+                loads[-1, 0] += dropped
+        if reduce is not None:
+            loads = reduce(loads)
+        return loads[:-1], loads[-1, 0]
+
+    @torch.no_grad()
+    def update_expert_bias(self, loads: Tensor) -> None:
+        """Aux-loss-free balancing step of every MoE block held, from global ``loads`` (:meth:`expert_loads`)."""
+        held = self.moe_layers()
+        for row, block in enumerate(self.config.moe_blocks()):
+            if str(block) in held:
+                held[str(block)].router.update_bias(loads[row])
 
     def _rope_angles(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq = self.rope_inv_freq
@@ -477,6 +626,9 @@ class Llama(nn.Module):
             if device.type == "meta":
                 device = next((p.device for p in self.parameters()), device)
         self.rope_inv_freq = rope_inv_freq(self.config, device="cpu").to(device)
+        for moe in self.moe_layers().values():
+            for buffer in moe.buffers():
+                buffer.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -520,7 +672,7 @@ class Llama(nn.Module):
         if name.endswith("norm.weight"):
             return torch.ones(shape)
         std = 0.02
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
             std /= math.sqrt(2 * self.config.n_layers)
         generator = torch.Generator().manual_seed(param_seed(seed, name))
         return torch.empty(shape).normal_(0.0, std, generator=generator)

@@ -36,14 +36,17 @@ class ModelSpec:
     dim: int
     vocab_size: int
     n_experts: int = 0
+    #: The blocks whose ``moe`` module is a mixture of experts (expert parallelism splits those).
+    moe_blocks: tuple[int, ...] = ()
     embedding: str = "tok_embeddings"
     layers: str = "layers"
     final_norm: str = "norm"
     head: str = "output"
     attention: str = "attention"
-    # Tensor-parallel plan: ``tp_plan(sequence_parallel) -> (top_level_plan, per_block_plan)``,
-    # each a mapping of module name to a DTensor ``ParallelStyle``.
-    tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]] | None = field(
+    moe: str = "feed_forward"
+    # Tensor-parallel plan: ``tp_plan(sequence_parallel) -> (top_level_plan, {block name: block_plan})``,
+    # each plan a mapping of module name (relative to the model / the block) to a DTensor ``ParallelStyle``.
+    tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, dict[str, Any]]]] | None = field(
         default=None, compare=False, repr=False
     )
 

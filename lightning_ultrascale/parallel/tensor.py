@@ -84,12 +84,13 @@ class TensorParallel(ParallelPlugin):
         spec = require_spec(model)
         assert spec.tp_plan is not None
         tp_mesh = layout.mesh["tp"]
-        top, block_plan = spec.tp_plan(self.sequence_parallel)
+        top, block_plans = spec.tp_plan(self.sequence_parallel)
         # A rank may hold only part of the model (a pipeline stage): nothing to shard elsewhere.
         parallelize_module(model, tp_mesh, _styled(top, "", layout.linear_styles, layout.dropped))
         for name, block in model.get_submodule(spec.layers).named_children():
             prefix = f"{spec.layers}.{name}."
-            parallelize_module(block, tp_mesh, _styled(block_plan, prefix, layout.linear_styles, layout.dropped))
+            plan = _styled(block_plans[name], prefix, layout.linear_styles, layout.dropped)
+            parallelize_module(block, tp_mesh, plan)
         # parallelize_module swaps the embedding and head weights for two separate DTensors; a
         # tied model ties them again (both are sharded the same way: over the vocabulary).
         tie = getattr(model, "tie_weights", None)

@@ -1,0 +1,405 @@
+"""Mixture of experts: the feed-forward of an MoE block (Mixtral and DeepSeek-V3 routing).
+
+``MoE(x) = sum_k w_k expert_{e_k}(x) + shared_experts(x)``: a router picks ``top_k`` of
+``n_routed_experts`` SwiGLU experts per token, with weights ``w``; shared experts (DeepSeek) see
+every token. Two routers:
+
+- ``softmax`` (Mixtral): ``p = softmax(logits)``, top-k of ``p``, weights renormalised over the k;
+- ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``; experts are chosen by ``s + bias``, first the
+  ``topk_group`` of ``n_group`` groups with the largest sum of their two best scores, then the
+  top-k inside them; weights are ``s`` of the chosen (normalised if ``norm_topk_prob``) times
+  ``routed_scaling_factor``.
+
+Load balancing (any mix):
+
+- auxiliary loss ``aux_loss_coeff * sum_i f_i P_i`` with ``f_i = E / (k T) * tokens routed to i``
+  and ``P_i`` the mean (normalised) router probability, over a window of ``T`` tokens: the
+  micro-batch (``"switch"``, Switch/GShard) or each sequence (``"sequence"``, DeepSeek-V3's
+  sequence-wise loss). Written per token, ``l_t = coeff * sum_i f_i p_ti``, it adds up over tokens
+  like the cross-entropy, so it is weighted by the same token counts in every layout; ``f`` is a
+  count (no gradient), so a sequence split over context-parallel ranks only sums its counts over
+  them (:attr:`MoE.sequence_group`);
+- router z-loss ``z_loss_coeff * logsumexp(logits)^2`` per token (ST-MoE);
+- aux-loss-free balancing (DeepSeek-V3): a per-expert ``expert_bias`` used for selection only,
+  moved by ``+-bias_update_rate`` after every optimizer step, towards the mean load counted over
+  the whole global batch (:meth:`Router.update_bias`), so it is the same on every rank.
+
+Dispatch is dropless by default: tokens are sorted by expert and each expert runs on its
+contiguous rows (one grouped GEMM, ``torch._grouped_mm``, or a loop). An optional
+``capacity_factor`` keeps at most ``ceil(factor * T * k / E)`` tokens per expert (GShard: the
+first ones in token order) and counts the rest as dropped. Expert parallelism replaces the
+local :class:`Dispatcher` by one that moves tokens to the ranks holding their experts
+(``parallel/expert/``).
+
+Example:
+    >>> import torch
+    >>> cfg = MoEConfig(n_routed_experts=4, top_k=2, moe_ffn_dim=32, aux_loss="switch")
+    >>> moe = MoE(16, cfg).train()
+    >>> for p in moe.parameters(): _ = torch.nn.init.normal_(p, std=0.02)
+    >>> moe(torch.randn(2, 8, 16)).shape, moe.pop_aux_loss().shape
+    (torch.Size([2, 8, 16]), torch.Size([]))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_ultrascale.errors import ConfigError, divisors
+
+__all__ = [
+    "AUX_LOSSES",
+    "ROUTERS",
+    "Dispatcher",
+    "GroupedExperts",
+    "MoE",
+    "MoEConfig",
+    "Router",
+    "Routing",
+    "attach_aux_loss",
+]
+
+ROUTERS = ("softmax", "sigmoid")
+AUX_LOSSES = ("none", "switch", "sequence")
+EXPERT_KERNELS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The MoE part of a model config (``LlamaConfig.moe``); blocks ``first_k_dense..`` are MoE blocks.
+
+    Example:
+        >>> MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64).validate(n_layers=4)
+        >>> MoEConfig(n_routed_experts=8, top_k=9, moe_ffn_dim=64).validate(n_layers=4)
+        Traceback (most recent call last):
+        ...
+        lightning_ultrascale.errors.ConfigError: model.moe.top_k=9 must be at most ... valid: 1..8
+    """
+
+    n_routed_experts: int
+    top_k: int
+    moe_ffn_dim: int
+    n_shared_experts: int = 0
+    first_k_dense: int = 0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    aux_loss: str = "none"
+    aux_loss_coeff: float = 0.01
+    z_loss_coeff: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    expert_kernel: str = "auto"
+
+    def validate(self, n_layers: int) -> None:
+        """Raise :class:`ConfigError` naming the first setting that cannot build the layer."""
+        for name in ("n_routed_experts", "top_k", "moe_ffn_dim", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model.moe.{name}={value!r} must be a positive integer")
+        e = self.n_routed_experts
+        if self.top_k > e:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} must be at most model.moe.n_routed_experts={e}; valid: 1..{e}"
+            )
+        if e % self.n_group:
+            raise ConfigError(
+                f"model.moe.n_group={self.n_group} must divide model.moe.n_routed_experts={e}; "
+                f"valid: {', '.join(map(str, divisors(e)))}"
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(
+                f"model.moe.topk_group={self.topk_group} must be at most model.moe.n_group={self.n_group}; "
+                f"valid: 1..{self.n_group}"
+            )
+        if self.n_group > 1 and self.topk_group * (e // self.n_group) < self.top_k:
+            raise ConfigError(
+                f"model.moe.topk_group={self.topk_group} groups of {e // self.n_group} experts cannot hold "
+                f"model.moe.top_k={self.top_k} experts; raise topk_group or lower top_k"
+            )
+        if self.n_shared_experts < 0 or not 0 <= self.first_k_dense <= n_layers:
+            raise ConfigError(
+                f"model.moe.n_shared_experts={self.n_shared_experts} must be >= 0 and model.moe.first_k_dense="
+                f"{self.first_k_dense} in 0..{n_layers} (model.n_layers)"
+            )
+        choices = {"router": ROUTERS, "aux_loss": AUX_LOSSES, "expert_kernel": EXPERT_KERNELS}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} is unknown; valid: {', '.join(valid)}")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be >= 0")
+        if not self.routed_scaling_factor > 0:
+            raise ConfigError(f"model.moe.routed_scaling_factor={self.routed_scaling_factor!r} must be > 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(
+                f"model.moe.capacity_factor={self.capacity_factor!r} must be > 0 (e.g. 1.25), or null for dropless"
+            )
+
+    def is_moe_block(self, layer: int) -> bool:
+        return layer >= self.first_k_dense
+
+    def expert_params(self, dim: int) -> int:
+        """Parameters of one routed expert (a SwiGLU of width ``moe_ffn_dim``)."""
+        return 3 * dim * self.moe_ffn_dim
+
+    def block_params(self, dim: int, active: bool = False) -> int:
+        """Feed-forward parameters of one MoE block (router, routed and shared experts); ``active``: per token."""
+        routed = self.top_k if active else self.n_routed_experts
+        return dim * self.n_routed_experts + (routed + self.n_shared_experts) * self.expert_params(dim)
+
+
+class Routing(NamedTuple):
+    """A router's decision for ``T`` tokens: ``experts [T, k]`` and their fp32 ``weights [T, k]``.
+
+    ``probs [T, E]`` are the normalised affinities the auxiliary loss uses, ``logits [T, E]`` the
+    raw ones (z-loss).
+    """
+
+    experts: Tensor
+    weights: Tensor
+    probs: Tensor
+    logits: Tensor
+
+
+class Router(nn.Module):
+    """Top-k routing, Mixtral (softmax) or DeepSeek-V3 (sigmoid, group-limited), in fp32.
+
+    ``expert_bias`` (HF's ``e_score_correction_bias``) shifts the choice, never the weights.
+    """
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, dim))
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: Tensor) -> Routing:
+        cfg = self.cfg
+        # fp32 logits whatever the compute dtype (DeepSeek-V3 and torchtitan do): in bf16 near
+        # ties between experts flip from rank to rank and layout to layout.
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.router == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        choice = scores.detach() + self.expert_bias
+        if cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        experts = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts)
+        if cfg.norm_topk_prob and cfg.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if cfg.router == "sigmoid" else 0.0))
+        return Routing(experts, weights * cfg.routed_scaling_factor, probs, logits)
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor) -> None:
+        """Aux-loss-free balancing: move each expert's bias by ``+-rate`` towards the mean ``load`` (global counts)."""
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.float().mean() - load.float())
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (experts split over ``ep``), or the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts as stacked weights ``w1, w3 [n, hidden, dim]``, ``w2 [n, dim, hidden]``.
+
+    One global expert dim: expert parallelism shards it (``Shard(0)``) and checkpoints reshard it.
+    :meth:`forward` runs the experts this rank holds on rows sorted by expert.
+    """
+
+    def __init__(self, n: int, dim: int, hidden: int, kernel: str = "auto") -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: Tensor, counts: Tensor, grad_scale: float = 1.0) -> Tensor:
+        """``x [sum(counts), dim]``, rows of local expert ``i`` contiguous and ``counts[i]`` of them."""
+        w1, w2, w3 = (_scale_grad(_local(w), grad_scale) for w in (self.w1, self.w2, self.w3))
+        if self._grouped(x, w1):
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        outs = []
+        for i, rows in enumerate(x.split(counts.tolist())):
+            outs.append(F.linear(F.silu(F.linear(rows, w1[i])) * F.linear(rows, w3[i]), w2[i]))
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+    def _grouped(self, x: Tensor, w: Tensor) -> bool:
+        if self.kernel == "loop" or not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+            return False
+        # _grouped_mm needs row strides that are multiples of 16 bytes (checked on CPU, torch 2.13).
+        aligned = all(d * x.element_size() % 16 == 0 for d in (w.shape[1], w.shape[2]))
+        if self.kernel == "grouped_mm" and not aligned:
+            raise ConfigError(
+                f"model.moe.expert_kernel=grouped_mm needs dim and moe_ffn_dim x {x.element_size()} bytes to be "
+                f"multiples of 16, got {w.shape[2]} and {w.shape[1]}; use expert_kernel=loop or auto"
+            )
+        return aligned
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None  # type: ignore[attr-defined]
+
+
+def _scale_grad(x: Tensor, scale: float) -> Tensor:
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+class _AttachAux(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(scale)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (scale,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad, scale.reshape(()).float(), None
+
+
+def attach_aux_loss(x: Tensor, aux: Tensor, scale: Tensor | float) -> Tensor:
+    """``x`` unchanged, but backward through it also backpropagates ``scale * aux``.
+
+    How an auxiliary loss computed inside a pipeline stage joins the objective without being
+    carried to the last stage's loss (Megatron's ``MoEAuxLossAutoScaler``): ``scale`` is the weight
+    the step gives to one token's loss.
+
+    Example:
+        >>> x, aux = torch.ones(2, requires_grad=True), torch.tensor(3.0, requires_grad=True)
+        >>> attach_aux_loss(x, aux * 2, 0.5).sum().backward()
+        >>> float(aux.grad)
+        1.0
+    """
+    return _AttachAux.apply(x, aux, torch.as_tensor(scale, device=x.device))
+
+
+class Dispatcher:
+    """Runs routed tokens through the experts, all of them local (no expert parallelism).
+
+    :meth:`__call__` takes the rows sorted by expert and the count per expert; expert parallelism
+    subclasses it to send them to the ranks that hold the experts and back.
+    """
+
+    def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
+        return experts(x, counts)
+
+
+def _in_backward() -> bool:
+    # Activation checkpointing reruns forward inside backward: statistics are counted once.
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of a block: router, routed experts, shared experts; see the module docstring.
+
+    During training each forward records its auxiliary loss (summed over its tokens; read once by
+    :meth:`pop_aux_loss`) and adds its tokens per expert to ``load`` (read by the balancing update
+    and the metrics, then reset).
+    """
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        from lightning_ultrascale.models.llama import FeedForward
+
+        self.cfg = cfg
+        self.router = Router(dim, cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, dim, cfg.moe_ffn_dim, cfg.expert_kernel)
+        self.shared_experts = FeedForward(dim, cfg.n_shared_experts * cfg.moe_ffn_dim) if cfg.n_shared_experts else None
+        self.dispatcher = Dispatcher()
+        #: The group a sequence is split over (context parallelism), for the per-window counts.
+        self.sequence_group: dist.ProcessGroup | None = None
+        self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self._aux: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        routing = self.router(tokens)
+        cfg = self.cfg
+        flat = routing.experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
+        if cfg.capacity_factor is not None:
+            order, counts = self._drop_overflow(flat, order, counts, tokens.shape[0])
+        if self.training and not _in_backward():
+            self._observe(routing, b)
+        rows = order // cfg.top_k
+        y = self.dispatcher(self.experts, tokens[rows], counts)
+        weights = routing.weights.reshape(-1)[order, None]
+        out = torch.zeros_like(tokens, dtype=torch.float32).index_add_(0, rows, y.float() * weights)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.view(b, s, dim)
+
+    def _drop_overflow(self, flat: Tensor, order: Tensor, counts: Tensor, n_tokens: int) -> tuple[Tensor, Tensor]:
+        """GShard capacity: each expert keeps its first ``ceil(factor * T * k / E)`` tokens."""
+        cfg = self.cfg
+        assert cfg.capacity_factor is not None
+        capacity = math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.n_routed_experts)
+        starts = counts.cumsum(0) - counts
+        position = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
+        kept = counts.clamp(max=capacity)
+        if self.training and not _in_backward():
+            self.dropped += (counts - kept).sum()
+        return order[position < capacity], kept
+
+    def _observe(self, routing: Routing, batch: int) -> None:
+        cfg = self.cfg
+        e, k = cfg.n_routed_experts, cfg.top_k
+        hits = torch.zeros_like(routing.probs).scatter_(1, routing.experts, 1.0)  # [T, E]
+        self.load += hits.sum(0).detach()
+        aux = routing.logits.new_zeros(())
+        if cfg.aux_loss != "none" and cfg.aux_loss_coeff > 0:
+            windows = batch if cfg.aux_loss == "sequence" else 1
+            per_window = hits.view(windows, -1, e)
+            counts = torch.cat((per_window.sum(1), per_window.new_full((windows, 1), per_window.shape[1])), 1)
+            if self.sequence_group is not None:
+                dist.all_reduce(counts, group=self.sequence_group)
+            f = counts[:, :e] * e / (k * counts[:, e:])  # [windows, E]
+            probs = routing.probs.view(windows, -1, e)
+            aux = aux + cfg.aux_loss_coeff * (probs * f[:, None, :]).sum()
+        if cfg.z_loss_coeff > 0:
+            aux = aux + cfg.z_loss_coeff * routing.logits.logsumexp(-1).pow(2).sum()
+        self._aux = aux
+
+    def pop_aux_loss(self) -> Tensor | None:
+        """The auxiliary loss of the last training forward, summed over its tokens (once)."""
+        aux, self._aux = self._aux, None
+        return aux
+
+    def pop_load(self) -> tuple[Tensor, Tensor]:
+        """Tokens per expert and tokens dropped since the last call (this rank's), then reset."""
+        load, dropped = self.load.clone(), self.dropped.clone()
+        self.load.zero_()
+        self.dropped.zero_()
+        return load, dropped
