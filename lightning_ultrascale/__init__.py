@@ -15,6 +15,7 @@ from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.context import ContextParallel
 from lightning_ultrascale.parallel.data import DataParallel, ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.expert import ExpertParallel
 from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigError",
     "ContextParallel",
     "DataParallel",
+    "ExpertParallel",
     "LlamaConfig",
     "LlamaModule",
     "OptimConfig",

@@ -23,6 +23,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -106,6 +107,9 @@ class LlamaModule(L.LightningModule):
         self.seed = seed
         self.init_from = _hf_directory(init_from)
         self.model: Llama | None = None
+        #: Global tokens per expert ``[MoE blocks, experts]`` of the last optimizer step (MoE models).
+        self.expert_loads: torch.Tensor | None = None
+        self._moe_metrics: dict[str, torch.Tensor] = {}
         self.save_hyperparameters(
             {"model": self.config.name, "model_config": asdict(self.config), "optim": vars(self.optim), "seed": seed}
         )
@@ -140,14 +144,54 @@ class LlamaModule(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
+        labels = batch["labels"]
+        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), labels)
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        assert self.model is not None
+        aux = self.model.pop_aux_loss()
+        if aux is not None:
+            # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.
+            aux = aux / (labels != IGNORE_INDEX).sum().clamp(min=1)
+            self.log("train/aux_loss", aux.detach(), sync_dist=True)
+            loss = loss + aux
+        return loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.pipeline_step_end(loss, batch, batch_idx, "train")
         return loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        if self.config.moe is not None:
+            self._balance_experts()
+
+    @torch.no_grad()
+    def _balance_experts(self) -> None:
+        """After an optimizer step: global tokens per expert, the aux-loss-free bias update, the metrics."""
+        assert self.model is not None and self.config.moe is not None
+        strategy = self.trainer.strategy
+        # UltraScaleStrategy sums over the ranks that hold different tokens only (tp ranks repeat them).
+        reduce = getattr(strategy, "sum_over_batch", None) or (lambda t: strategy.reduce(t, reduce_op="sum"))
+        loads, dropped = self.model.expert_loads(reduce)
+        if self.config.moe.bias_update_rate > 0:
+            self.model.update_expert_bias(loads)
+        self.expert_loads = loads
+        imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
+        metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
+        metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}
+        biases = [moe.router.expert_bias for moe in self.model.moe_layers().values()]
+        if biases:
+            metrics["moe/bias_range"] = torch.stack([b.max() - b.min() for b in biases]).max()
+        self._moe_metrics = metrics
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Logged here (Lightning does not log from optimizer_step); values are global already.
+        if self._moe_metrics:
+            metrics, self._moe_metrics = self._moe_metrics, {}
+            self.log_dict(metrics, rank_zero_only=True)
+            self.log("imb", metrics["moe/max_over_mean"], prog_bar=True, logger=False, rank_zero_only=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -172,7 +216,5 @@ class LlamaModule(L.LightningModule):
         else:
             optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10**9
-        schedule = LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio)
-        )
+        schedule = LambdaLR(optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

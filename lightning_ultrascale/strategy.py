@@ -326,6 +326,15 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
             uncounted=[model.get_parameter(name) for name in plan.skip],
         )
 
+    def sum_over_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a statistic over the ranks that see different tokens (and pipeline stages), each counted once.
+
+        Tensor-parallel ranks hold the same tokens, so they are left out (Lightning's ``reduce``
+        would count them ``tp`` times). E.g. tokens per expert over the global batch.
+        """
+        torch.distributed.all_reduce(tensor, group=self.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group())
+        return tensor
+
     # ----------------------------------------------------------------------------- measurement
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where an engine keeps them away from ``param.grad`` (a sharded optimizer), else None."""
@@ -347,4 +356,3 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         """One line: the mesh and the plugins, for logs."""
         dims = self.parallel_dims
         return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.plugins))}"
-

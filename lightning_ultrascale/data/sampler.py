@@ -54,9 +54,7 @@ class DataParallelSampler(DistributedSampler):
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         if micro_batch_size <= 0:
             raise ConfigError(f"data.micro_batch_size={micro_batch_size} must be > 0")
         self.micro_batch_size = micro_batch_size

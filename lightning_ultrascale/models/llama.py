@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
-from lightning_ultrascale.models.moe import MoE, MoEConfig, attach_aux_loss
+from lightning_ultrascale.models.moe import MoE, MoEConfig
 from lightning_ultrascale.models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -519,22 +519,13 @@ class Llama(nn.Module):
         )
 
     def forward_stage(
-        self,
-        x: Tensor,
-        position_ids: Tensor | None,
-        blocks: Sequence[str],
-        *,
-        embed: bool,
-        head: bool,
-        aux_loss_scale: Tensor | float | None = None,
+        self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
     ) -> Tensor:
         """Run a part of the model: a pipeline stage (see :mod:`lightning_ultrascale.parallel.pipeline`).
 
         Embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs the named
-        blocks in order; applies the final norm and the output head if ``head``. With
-        ``aux_loss_scale`` (the weight of one token's loss in the step's objective) the MoE blocks'
-        auxiliary losses join the objective through this stage's backward; without it they wait
-        for :meth:`pop_aux_loss`.
+        blocks in order; applies the final norm and the output head if ``head``. The MoE blocks'
+        auxiliary losses wait for :meth:`pop_aux_loss`.
         """
         h = self.tok_embeddings(x) if embed else x
         if position_ids is None:
@@ -543,10 +534,6 @@ class Llama(nn.Module):
         cos, sin = self._rope_angles(position_ids)
         for name in blocks:
             h = self.layers[name](h, cos, sin)
-        if aux_loss_scale is not None:
-            aux = self.pop_aux_loss(blocks)
-            if aux is not None:
-                h = attach_aux_loss(h, aux, aux_loss_scale)
         if head:
             h = self.output(self.norm(h))
         return h

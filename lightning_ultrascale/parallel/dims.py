@@ -2,7 +2,8 @@
 
 The mesh is ``(pp, dp_replicate, dp_shard, cp, tp)``, row-major, so ``tp`` peers are neighbouring
 ranks (inside a node, as the playbook advises) and ``pp`` stages are the farthest apart. Expert
-parallelism borrows its ranks from ``dp_shard x cp`` (as torchtitan does) and adds no dimension.
+parallelism borrows its ranks from the data-parallel ones, ``dp_replicate x dp_shard x cp`` (torchtitan
+borrows ``dp_shard x cp``), and adds no dimension.
 
 Everything here is pure Python: it runs before any process group exists, so a bad layout fails
 in seconds with a message that names the option, its value and what would be valid.
@@ -111,11 +112,12 @@ class ParallelDims:
                 f"{world_size} ranks (trainer.devices x trainer.num_nodes); make the product equal "
                 f"{world_size}, e.g. leave one data-parallel size unset so it is inferred"
             )
-        ep_pool = self.dp_shard * self.cp
+        ep_pool = self.dp * self.cp
         if ep_pool % self.ep:
             raise ConfigError(
-                f"{self.option('ep')} must divide dp_shard x cp = {ep_pool} (experts borrow those "
-                f"ranks); valid: {', '.join(map(str, divisors(ep_pool)))}"
+                f"{self.option('ep')} must divide the data-parallel ranks dp_replicate x dp_shard x cp = "
+                f"{self.dp_replicate} x {self.dp_shard} x {self.cp} = {ep_pool} (experts borrow those ranks); "
+                f"valid: {', '.join(map(str, divisors(ep_pool)))}"
             )
 
     def validate_model(self, spec: ModelSpec) -> None:
@@ -128,8 +130,7 @@ class ParallelDims:
                 )
         if self.pp > spec.n_layers:
             raise ConfigError(
-                f"{self.option('pp')} exceeds n_layers={spec.n_layers} of model {spec.name}; "
-                f"valid: 1..{spec.n_layers}"
+                f"{self.option('pp')} exceeds n_layers={spec.n_layers} of model {spec.name}; valid: 1..{spec.n_layers}"
             )
         if self.ep > 1 and spec.n_experts % self.ep:
             raise ConfigError(

@@ -168,9 +168,7 @@ def assert_parity(
         _assert_tensors_close(run.params, ref.params, rtol if param_rtol is None else param_rtol, "final parameter")
 
 
-def _assert_tensors_close(
-    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float, what: str
-) -> None:
+def _assert_tensors_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], rtol: float, what: str) -> None:
     assert got.keys() == ref.keys(), f"{what}: names differ: {sorted(got.keys() ^ ref.keys())[:5]}"
     errors = {n: relative_error(got[n], ref[n]) for n in ref}
     worst = max(errors, key=errors.__getitem__)

@@ -66,9 +66,7 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args, **kwargs)
         conn.send(("ok", _dumps(result)))
     except BaseException:  # report everything, KeyboardInterrupt included, then die

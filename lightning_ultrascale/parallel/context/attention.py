@@ -128,6 +128,12 @@ def block_attention_backward(
     return dq, dk, dv
 
 
+def _pad(x: Tensor, dim: int) -> Tensor:
+    # torch's CPU flash kernel wants one head size for q, k and v; MLA's v is narrower than q/k.
+    # Zero columns add nothing to the scores nor to the output's real columns, forward or backward.
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
 def _sdpa_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     if q.device.type != "cpu":
         raise NotImplementedError(
@@ -135,17 +141,21 @@ def _sdpa_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> 
             "(a CUDA flash kernel with LSE is not built yet)"
         )
     _count(q, k, causal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
-    return out.float(), lse.float()
+    d = max(q.shape[-1], v.shape[-1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _pad(q, d), _pad(k, d), _pad(v, d), 0.0, causal, scale=scale
+    )[:2]
+    return out[..., : v.shape[-1]].float(), lse.float()
 
 
 def _sdpa_block_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale
-    )
-    return grads[0].float(), grads[1].float(), grads[2].float()
+    d = max(q.shape[-1], v.shape[-1])
+    padded = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*padded, lse, 0.0, causal, scale=scale)
+    dq, dk, dv = (g[..., : t.shape[-1]].float() for g, t in zip(grads[:3], (q, k, v)))
+    return dq, dk, dv
 
 
 #: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse).
@@ -177,10 +187,11 @@ class _RingAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
         length = q.shape[-2]
-        # Laid out [b, s, heads, d] in memory: the output projection reads it as [b, s, heads x d]
-        # without a copy, and the tensor saved for backward is that same memory.
-        b, h, s, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+        # Laid out [b, s, heads, d_v] in memory: the output projection reads it as [b, s, heads x d_v]
+        # without a copy, and the tensor saved for backward is that same memory. (d_v is v's head
+        # size, which MLA makes differ from q's and k's.)
+        b, h, s = q.shape[:3]
+        out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = (k.contiguous(), v.contiguous())
         for step in range(size):
@@ -248,9 +259,9 @@ def ring_attention(
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence spread on ``group``.
 
-    ``q``: ``[b, heads, local_len, head_dim]``; ``k``, ``v``: ``[b, kv_heads, local_len, head_dim]``,
-    the local part of the sequence laid out by :func:`local_positions` for ``method``; ``kernel``:
-    a name in :data:`KERNELS`.
+    ``q``: ``[b, heads, local_len, head_dim]``; ``k``, ``v``: ``[b, kv_heads, local_len, head_dim]``
+    (``v``'s head size may differ: MLA's does), the local part of the sequence laid out by
+    :func:`local_positions` for ``method``; ``kernel``: a name in :data:`KERNELS`.
     """
     return _RingAttention.apply(q, k, v, method, group, kernel)
 

@@ -229,8 +229,9 @@ class FSDPEngine(GradientSync):
     ) -> None:
         shard_dims = tuple(d for d in group.dims if d != "dp_replicate")
         shard_mesh = layout.mesh.over(shard_dims)
-        if replicate > 1:
-            # HSDP: shard inside a group of ranks, replicate across groups.
+        if replicate > 1 and "dp_replicate" in group.dims:
+            # HSDP: shard inside a group of ranks, replicate across groups (a group reducing over
+            # its own ranks, e.g. experts over edp, is sharded over all of them).
             shard_mesh = layout.mesh.root[("dp_replicate", shard_mesh.mesh_dim_names[0])]
         super().__init__(group, layout, shard_mesh)
         # A pipeline stage runs its forward once per microbatch: re-gathering the parameters for

@@ -153,9 +153,7 @@ class PipelineParallel(ParallelPlugin):
                 # The last stage's copy is the same parameter: count it once in the gradient norm.
                 layout.grad_norm.skip.add(f"{spec.head}.weight")
         self.model, self.spec = model, spec
-        self.stages = [
-            StageModule(model, spec, s, self.ranges[s], first=s == 0, last=s == last) for s in self.local
-        ]
+        self.stages = [StageModule(model, spec, s, self.ranges[s], first=s == 0, last=s == last) for s in self.local]
         # Facts for the plugins after this one: FSDP roots, parameters re-gathered per microbatch,
         # sharded states keyed per stage, and the gradient norm summed over the stages.
         layout.parts = list(self.stages)

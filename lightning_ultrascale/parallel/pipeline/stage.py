@@ -9,11 +9,12 @@ weight gradients from them) and FSDP can wrap a stage as the root of its own uni
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from lightning_ultrascale.models.moe import attach_aux_loss
 from lightning_ultrascale.models.spec import ModelSpec
 
 
@@ -23,6 +24,11 @@ class StageModule(nn.Module):
     ``x`` is the token ids on the first stage and the previous stage's hidden state elsewhere.
     The model must implement ``forward_stage(x, position_ids, blocks, embed=, head=)`` (our
     :class:`~lightning_ultrascale.models.llama.Llama` does).
+
+    A model with auxiliary losses (MoE balancing: ``pop_aux_loss(blocks)``) has them join the
+    objective through this stage's own backward, weighted by ``aux_loss_scale()`` (the weight of
+    one token's loss in the step), instead of carrying them to the last stage; ``aux_total`` adds
+    up their weighted values for the reported loss.
     """
 
     def __init__(self, model: nn.Module, spec: ModelSpec, index: int, blocks: Sequence[int], first: bool, last: bool):
@@ -33,6 +39,8 @@ class StageModule(nn.Module):
         self.first = first
         self.last = last
         self.block_names = [str(i) for i in blocks]
+        self.aux_loss_scale: Callable[[], Tensor | float] = lambda: 1.0
+        self.aux_total: Tensor | None = None
         layers = model.get_submodule(spec.layers)
         if first:
             self.add_module(spec.embedding, model.get_submodule(spec.embedding))
@@ -44,6 +52,13 @@ class StageModule(nn.Module):
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
         model = self.__dict__["_model"]
         out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last)
+        pop = getattr(model, "pop_aux_loss", None)
+        aux = pop(self.block_names) if pop is not None else None
+        if aux is not None:
+            scale = self.aux_loss_scale()
+            out = attach_aux_loss(out, aux, scale)
+            weighted = aux.detach() * scale
+            self.aux_total = weighted if self.aux_total is None else self.aux_total + weighted
         return out
 
     def extra_repr(self) -> str:

@@ -135,10 +135,22 @@ class PipelineStep(StepRunner):
             schedule.eval(*args, target=target, losses=losses, position_ids=position_ids)
         loss = torch.zeros((), device=tokens.device)
         if holds_last:
-            loss = torch.stack([_value(x) for x in losses]).sum() * accumulate
+            loss = torch.stack([_value(x) for x in losses]).sum()
         # Every rank reports the loss (Lightning logs and callbacks run everywhere).
         dist.broadcast(loss, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
-        return loss
+        if train and pipeline.spec is not None and pipeline.spec.moe_blocks:
+            loss = loss + self._aux_total(loss)
+        return loss * accumulate
+
+    def _aux_total(self, like: torch.Tensor) -> torch.Tensor:
+        """The weighted auxiliary losses of every stage (MoE balancing), summed over the pipeline's ranks."""
+        total = torch.zeros_like(like)
+        for stage in self.pipeline.stages:
+            if stage.aux_total is not None:
+                total += stage.aux_total.to(total.dtype)
+            stage.aux_total = None
+        dist.all_reduce(total, group=self.pipeline.group)
+        return total
 
     def _torch_schedule(self) -> Any:
         """Built at the first step, once the stages' parameters have storage."""
@@ -151,6 +163,8 @@ class PipelineStep(StepRunner):
                 PipelineStage(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
                 for m in pipeline.stages
             ]
+            for module in pipeline.stages:
+                module.aux_loss_scale = lambda: self._token_scale
             schedule_class = get_schedule_class(pipeline.info.torch_class)
             # Our loss is already weighted by token counts: torch must not divide by microbatches.
             self._schedule = schedule_class(
