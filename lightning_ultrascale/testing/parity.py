@@ -40,8 +40,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
 
 
-def _whole_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every rank's named tensors merged: pipeline stages each hold only their own parameters."""
+def _whole_model(tensors: dict[str, torch.Tensor], spread: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """Every rank's named tensors merged: pipeline stages each hold only their own parameters.
+
+    ``spread``, if given, receives each name's largest difference between the ranks that hold it.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tensors
     parts: list[Any] = [None] * dist.get_world_size()
@@ -49,7 +52,9 @@ def _whole_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         for name, value in part.items():
-            merged.setdefault(name, value)
+            first = merged.setdefault(name, value)
+            if spread is not None:
+                spread[name] = max(spread.get(name, 0.0), float((value - first).abs().max()))
     return merged
 
 
@@ -60,6 +65,9 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Final persistent buffers (e.g. MoE routing biases), and how far apart the ranks' copies are.
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffer_spread: dict[str, float] = field(default_factory=dict)
 
 
 class ParityRecorder(L.Callback):
@@ -91,6 +99,9 @@ class ParityRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record.params = _whole_model({n: _full(p) for n, p in pl_module.named_parameters()})
+        persistent = pl_module.state_dict().keys()
+        buffers = {n: _full(b) for n, b in pl_module.named_buffers() if n in persistent}
+        self.record.buffers = _whole_model(buffers, self.record.buffer_spread)
 
 
 def record_run(

@@ -119,6 +119,10 @@ class ContextParallel(ParallelPlugin):
                     "swaps it for ring / all-to-all attention (see models/llama.py Attention)"
                 )
             attention.attention_fn = fn
+        # Modules with per-sequence statistics (MoE balancing counts) sum them over the sequence's ranks.
+        for module in model.modules():
+            if hasattr(module, "sequence_group"):
+                module.sequence_group = cp_mesh.get_group()
         layout.batch_transforms.append(self.shard_batch)
         return model
 
