@@ -31,20 +31,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from lightning_ultrascale.errors import ConfigError
-
-# The module, not its names: llama.py imports this file while it is itself half imported.
-from lightning_ultrascale.models import llama
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import Placement
-
-    from lightning_ultrascale.models.llama import LlamaConfig
+from lightning_ultrascale.models.llama import LlamaConfig, RMSNorm, apply_rope, causal_attention
 
 __all__ = [
     "MLA_HF_NAMES",
@@ -81,8 +76,8 @@ class YarnScaling:
 
     Frequencies that turn more than ``beta_fast`` times over ``original_max_position_embeddings``
     tokens are kept, those turning fewer than ``beta_slow`` times are divided by ``factor``, with a
-    linear ramp between. ``mscale`` / ``mscale_all_dim`` set where YaRN's attention temperature goes (HF's
-    rules): see :attr:`rope_factor` and :attr:`softmax_factor`; DeepSeek sets both equal, which puts
+    linear ramp between. ``mscale`` / ``mscale_all_dim`` say where YaRN's attention temperature goes
+    (HF's rules: :attr:`rope_factor`, :attr:`softmax_factor`); DeepSeek sets them equal, which puts
     all of it on the softmax scale.
 
     Example:
@@ -251,21 +246,24 @@ class MLAttention(nn.Module):
         heads = cfg.n_heads
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
-        self.q_norm: llama.RMSNorm | None = None
+        self.q_norm: RMSNorm | None = None
         self.wq_b: nn.Linear | None = None
         if mla.q_lora_rank is None:
             self.wq = nn.Linear(cfg.dim, heads * mla.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(cfg.dim, mla.q_lora_rank, bias=False)
-            self.q_norm = llama.RMSNorm(mla.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(mla.q_lora_rank, cfg.norm_eps)
             self.wq_b = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
-        self.kv_norm = llama.RMSNorm(mla.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(mla.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * mla.v_head_dim, cfg.dim, bias=False)
+        # The rotary key, one per token, is shared by every head, so a tensor-parallel rank holding
+        # some heads gets only their part of its gradient: mla_tp_plan sums the parts here.
+        self.shared_k_rot = nn.Identity()
         self.rope_factor = 1.0 if mla.yarn is None else mla.yarn.rope_factor
         self.q_scale = 1.0 if mla.yarn is None else mla.yarn.softmax_factor
-        self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = llama.causal_attention
+        self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -283,44 +281,55 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
-        q_rot = llama.apply_rope(_deinterleave(q_rot), cos, sin)
-        k_rot = llama.apply_rope(_deinterleave(k_rot[:, None]), cos, sin)  # one rotary key for every head
+        q_rot = apply_rope(_deinterleave(q_rot), cos, sin)
+        k_rot = apply_rope(_deinterleave(k_rot[:, None]), cos, sin)  # one rotary key for every head
         q = torch.cat((q_nope, q_rot), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        k = torch.cat((k_nope, self.shared_k_rot(k_rot).expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def mla_tp_plan(residual: Placement, mla: MLAConfig) -> dict[str, Any]:
+class _SumGradOverRanks(ParallelStyle):
+    """Megatron's ``f`` on a module's inputs: identity forward, gradients summed over the mesh backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod: nn.Module, inputs: tuple[Tensor, ...], mesh: DeviceMesh) -> tuple[Tensor, ...]:
+            return tuple(
+                DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+                for t in inputs
+            )
+
+        return distribute_module(module, device_mesh, input_fn=input_fn)
+
+
+def mla_tp_plan(residual: Placement, mla: MLAConfig) -> dict[str, ParallelStyle]:
     """Tensor-parallel entries of an MLA block's attention, relative to the block (torchtitan's split).
 
     The up projections (``wq`` or ``wq_b``, ``wkv_b``) split heads (column-parallel), ``wo`` splits
     rows and reduces into the ``residual`` layout (``Shard(1)`` under sequence parallelism); ``mla``
-    says which query projection exists. The
-    down projections and latent norms stay whole on every rank: their outputs are ``rank``-sized
-    latents, and the input is handed to them as a plain (local) tensor, so each column-parallel
-    up projection all-reduces its latent's gradient in backward, as a Llama block does for ``x``.
+    says which query projection exists. The down projections and latent norms stay whole on every
+    rank and see the gathered input as a plain tensor, so their weights and outputs are replicated;
+    backward sums over the ranks' heads what each head slice contributes to a replicated tensor:
+    each latent's gradient (by the column-parallel projection reading it, as a Llama block does
+    for ``x``) and the shared rotary key's (``shared_k_rot``).
 
     Example:
         >>> from torch.distributed.tensor import Shard
         >>> mla = MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48)
         >>> sorted(mla_tp_plan(Shard(1), mla))
-        ['attention', 'attention.wkv_b', 'attention.wo', 'attention.wq_b']
+        ['attention', 'attention.shared_k_rot', 'attention.wkv_b', 'attention.wo', 'attention.wq_b']
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    q_up = "attention.wq" if mla.q_lora_rank is None else "attention.wq_b"
     return {
         "attention": PrepareModuleInput(
             input_layouts=(residual, None, None),
             desired_input_layouts=(Replicate(), None, None),
             use_local_output=True,
         ),
-        q_up: ColwiseParallel(),
+        "attention.wq" if mla.q_lora_rank is None else "attention.wq_b": ColwiseParallel(),
         "attention.wkv_b": ColwiseParallel(),
+        "attention.shared_k_rot": _SumGradOverRanks(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
     }
 
