@@ -350,7 +350,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
         if cfg.capacity_factor is not None:
             order, counts = self._drop_overflow(flat, order, counts, tokens.shape[0])
-        if self.training and not _in_backward():
+        if self.training:
             self._observe(routing, b)
         rows = order // cfg.top_k
         y = self.dispatcher(self.experts, tokens[rows], counts)
@@ -369,7 +369,7 @@ class MoE(nn.Module):
         starts = counts.cumsum(0) - counts
         position = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
         kept = counts.clamp(max=capacity)
-        if self.training and not _in_backward():
+        if self.training and not _in_backward():  # a recomputed forward counts nothing again
             self.dropped += (counts - kept).sum()
         return order[position < capacity], kept
 
@@ -377,7 +377,11 @@ class MoE(nn.Module):
         cfg = self.cfg
         e, k = cfg.n_routed_experts, cfg.top_k
         hits = torch.zeros_like(routing.probs).scatter_(1, routing.experts, 1.0)  # [T, E]
-        self.load += hits.sum(0).detach()
+        # A recomputed forward (activation checkpointing, inside backward) builds the same graph
+        # but counts nothing again and leaves no loss behind (torchtitan counted tokens twice).
+        recomputing = _in_backward()
+        if not recomputing:
+            self.load += hits.sum(0).detach()
         aux = routing.logits.new_zeros(())
         if cfg.aux_loss != "none" and cfg.aux_loss_coeff > 0:
             windows = batch if cfg.aux_loss == "sequence" else 1
@@ -390,7 +394,8 @@ class MoE(nn.Module):
             aux = aux + cfg.aux_loss_coeff * (probs * f[:, None, :]).sum()
         if cfg.z_loss_coeff > 0:
             aux = aux + cfg.z_loss_coeff * routing.logits.logsumexp(-1).pow(2).sum()
-        self._aux = aux
+        if not recomputing:
+            self._aux = aux
 
     def pop_aux_loss(self) -> Tensor | None:
         """The auxiliary loss of the last training forward, summed over its tokens (once)."""

@@ -9,7 +9,8 @@ weight gradients from them) and FSDP can wrap a stage as the root of its own uni
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,7 @@ class StageModule(nn.Module):
         self.block_names = [str(i) for i in blocks]
         self.aux_loss_scale: Callable[[], Tensor | float] = lambda: 1.0
         self.aux_total: Tensor | None = None
+        self._tracking = True
         layers = model.get_submodule(spec.layers)
         if first:
             self.add_module(spec.embedding, model.get_submodule(spec.embedding))
@@ -54,12 +56,28 @@ class StageModule(nn.Module):
         out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last)
         pop = getattr(model, "pop_aux_loss", None)
         aux = pop(self.block_names) if pop is not None else None
-        if aux is not None:
+        if aux is not None and self._tracking:
             scale = self.aux_loss_scale()
             out = attach_aux_loss(out, aux, scale)
             weighted = aux.detach() * scale
             self.aux_total = weighted if self.aux_total is None else self.aux_total + weighted
         return out
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Forwards that change nothing: torch's metadata inference runs the stage on uninitialised tensors.
+
+        Buffers (an MoE layer's token counts) are restored after, and auxiliary losses dropped.
+        """
+        saved = [(b, b.clone()) for b in self.buffers()]
+        self._tracking = False
+        try:
+            yield
+        finally:
+            self._tracking = True
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
 
     def extra_repr(self) -> str:
         return f"index={self.index}, blocks={self.block_names}, first={self.first}, last={self.last}"

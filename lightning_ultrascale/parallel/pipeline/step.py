@@ -155,12 +155,12 @@ class PipelineStep(StepRunner):
     def _torch_schedule(self) -> Any:
         """Built at the first step, once the stages' parameters have storage."""
         if self._schedule is None:
-            from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining.schedules import get_schedule_class
 
             pipeline = self.pipeline
+            stage_class = _stage_class()
             stages = [
-                PipelineStage(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
+                stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
                 for m in pipeline.stages
             ]
             for module in pipeline.stages:
@@ -179,6 +179,23 @@ class PipelineStep(StepRunner):
         assert self._loss_fn is not None
         loss = self._loss_fn(logits, labels)
         return loss * ((labels != IGNORE_INDEX).sum() * self._token_scale)
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, whose metadata inference leaves our stage's statistics untouched.
+
+    torch 2.13 infers shapes by running each stage once on uninitialised tensors (with grad):
+    MoE token counts and auxiliary losses from that run would be garbage, so it runs
+    :meth:`StageModule.untracked`.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            with self.submod.untracked():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return Stage
 
 
 def _loss_fn_of(module: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -1,0 +1,266 @@
+"""Mixture of experts and expert parallelism: routers, balancing, dispatch, parity of every layout, bad input."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
+
+from lightning_ultrascale import (
+    ContextParallel,
+    ExpertParallel,
+    PipelineParallel,
+    Recompute,
+    TensorParallel,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import build_model, get_model_config
+from lightning_ultrascale.models.moe import GroupedExperts, MoE, MoEConfig, attach_aux_loss
+from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.testing.parity import RunRecord, assert_parity
+
+MOE_TINY = get_model_config("moe_tiny")  # DeepSeek-V3 routing: sigmoid, groups, shared expert, bias
+# Mixtral routing: softmax top-2 renormalised, no shared expert, every block MoE, z-loss on.
+MIXTRAL_TINY = replace(
+    MOE_TINY,
+    name="mixtral_tiny",
+    moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64, aux_loss="sequence", z_loss_coeff=1e-3),
+)
+
+
+# ------------------------------------------------------------------------------------ routers
+def test_mixtral_router_matches_transformers():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    hf = MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=8, num_experts_per_tok=2))
+    torch.nn.init.normal_(hf.weight)
+    moe = MoE(16, MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=16))
+    moe.router.weight.data.copy_(hf.weight)
+    x = torch.randn(32, 16)
+    _, weights, experts = hf(x)
+    ours = moe.router(x)
+    order, hf_order = ours.experts.sort(-1).indices, experts.sort(-1).indices
+    assert torch.equal(ours.experts.gather(1, order), experts.gather(1, hf_order))
+    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, hf_order))
+
+
+def test_deepseek_router_matches_transformers_with_groups_and_bias():
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    hf = DeepseekV3TopkRouter(cfg)
+    torch.nn.init.normal_(hf.weight)
+    hf.e_score_correction_bias.normal_(std=0.1)
+    moe = MoE(16, replace(MOE_TINY.moe, routed_scaling_factor=2.5))
+    moe.router.weight.data.copy_(hf.weight)
+    moe.router.expert_bias.copy_(hf.e_score_correction_bias)
+    x = torch.randn(64, 16)
+    _, weights, experts = hf(x)
+    ours = moe.router(x)
+    order, hf_order = ours.experts.sort(-1).indices, experts.sort(-1).indices
+    assert torch.equal(ours.experts.gather(1, order), experts.gather(1, hf_order))
+    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, hf_order))
+
+
+def test_group_limit_keeps_every_choice_inside_topk_group_groups():
+    moe = MoE(16, MOE_TINY.moe)  # 4 groups of 2 experts, 2 groups chosen
+    torch.nn.init.normal_(moe.router.weight)
+    experts = moe.router(torch.randn(256, 16)).experts
+    assert (experts // 2).unique(dim=None).numel() > 2  # groups differ between tokens
+    for row in experts // 2:
+        assert row.unique().numel() <= 2
+
+
+# ------------------------------------------------------------------------------------ experts
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_per_expert_loop_with_uneven_and_empty_groups(dtype):
+    torch.manual_seed(0)
+    grouped, loop = GroupedExperts(4, 32, 64, "grouped_mm"), GroupedExperts(4, 32, 64, "loop")
+    for p in grouped.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    loop.load_state_dict(grouped.state_dict())
+    grouped.to(dtype), loop.to(dtype)
+    counts = torch.tensor([5, 0, 11, 3])
+    x = torch.randn(19, 32, dtype=dtype)
+    outs = []
+    for experts in (grouped, loop):
+        xi = x.clone().requires_grad_()
+        y = experts(xi, counts)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum().backward()
+        outs.append((y, xi.grad, experts.w1.grad, experts.w2.grad))
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_capacity_factor_drops_the_overflow_and_counts_it():
+    cfg = replace(MIXTRAL_TINY.moe, capacity_factor=0.5)
+    moe = MoE(16, cfg).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(1, 64, 16)
+    moe(x)
+    load, dropped = moe.pop_load()
+    capacity = 64 * 2 * 0.5 / 8
+    assert dropped == (load - capacity).clamp(min=0).sum() > 0
+    dropless = MoE(16, replace(cfg, capacity_factor=None)).train()
+    dropless.load_state_dict(moe.state_dict())
+    assert not torch.equal(dropless(x), moe(x))  # dropped tokens lose their routed experts' output
+
+
+# ------------------------------------------------------------------------------------ balancing
+def test_sequence_aux_loss_is_the_published_formula():
+    cfg = replace(MOE_TINY.moe, aux_loss_coeff=0.1)
+    moe = MoE(16, cfg).train()
+    torch.nn.init.normal_(moe.router.weight)
+    x = torch.randn(3, 10, 16)
+    routing = moe.router(x.view(-1, 16))
+    moe(x)
+    expected = 0.0
+    for seq in range(3):
+        rows = slice(seq * 10, (seq + 1) * 10)
+        hits = torch.zeros(10, 8).scatter_(1, routing.experts[rows], 1.0)
+        f = hits.sum(0) * 8 / (2 * 10)
+        p = routing.probs[rows].mean(0)
+        expected += 0.1 * (f * p).sum()  # DeepSeek-V3 eq. 17-20, one sequence
+    # The layer returns the sum over tokens: a sequence's loss times its length.
+    torch.testing.assert_close(moe.pop_aux_loss(), expected * 10)
+
+
+def test_aux_free_bias_moves_towards_the_mean_load():
+    moe = MoE(16, replace(MOE_TINY.moe, bias_update_rate=0.01))
+    moe.router.update_bias(torch.tensor([10.0, 2, 6, 6, 6, 6, 6, 6]))
+    assert moe.router.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0])
+
+
+def test_attached_aux_loss_gets_the_given_weight():
+    x = torch.randn(4, requires_grad=True)
+    aux = torch.tensor(2.0, requires_grad=True)
+    (attach_aux_loss(x * 1, aux * 3, torch.tensor(0.25)) * 2).sum().backward()
+    assert float(aux.grad) == 0.75 and torch.equal(x.grad, torch.full((4,), 2.0))
+
+
+def test_recomputed_forward_counts_tokens_once():
+    model = build_model(MOE_TINY).train()
+    plain = model(torch.randint(0, 320, (2, 16)))
+    plain.sum().backward()
+    loads, _ = model.expert_loads()
+    checkpointed = build_model(MOE_TINY).train()
+    from torch.utils.checkpoint import checkpoint
+
+    block = checkpointed.layers["1"]
+    block.forward = lambda *a, f=block.forward: checkpoint(f, *a, use_reentrant=False)
+    checkpointed(torch.randint(0, 320, (2, 16))).sum().backward()
+    again, _ = checkpointed.expert_loads()
+    assert torch.equal(loads.sum(-1), again.sum(-1)) and float(loads[0].sum()) == 2 * 16 * 2
+
+
+# ------------------------------------------------------------------------------------ model configs
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [("mixtral_8x7b", 46.7e9, 12.9e9)],
+)
+def test_published_parameter_counts_on_the_meta_device(name, total, active):
+    cfg = get_model_config(name)
+    model = build_model(name, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert cfg.num_params() == pytest.approx(total, rel=5e-3)
+    assert cfg.num_params(active=True) == pytest.approx(active, rel=5e-3)
+
+
+def test_moe_tiny_is_small_and_has_dense_and_moe_blocks():
+    model = build_model("moe_tiny")
+    assert 1e5 < sum(p.numel() for p in model.parameters()) < 1e6
+    assert list(model.moe_layers()) == ["1", "2", "3"]
+
+
+# ------------------------------------------------------------------------------------ parity
+def _moe_reference(model, optim=SGD):
+    return run_tiny_llama(optim, model=model, steps=3)
+
+
+@pytest.fixture(scope="module")
+def moe_reference() -> RunRecord:
+    return _moe_reference(MOE_TINY)
+
+
+def _assert_bias_parity(run: RunRecord, ref: RunRecord) -> None:
+    biases = [n for n in ref.buffers if n.endswith("expert_bias")]
+    assert biases and any(float(ref.buffers[n].abs().max()) > 0 for n in biases)  # the bias did move
+    for name in biases:
+        assert run.buffer_spread.get(name, 0.0) == 0.0, f"{name} differs between ranks"
+        torch.testing.assert_close(run.buffers[name], ref.buffers[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("plugins", "world_size"),
+    [
+        (lambda: [ExpertParallel(2)], 2),
+        (lambda: [ExpertParallel(4)], 4),
+        (lambda: [ExpertParallel(2), ZeRO(stage=1)], 4),
+        (lambda: [ExpertParallel(2), ZeRO(stage=2)], 4),
+        (lambda: [ExpertParallel(2), ZeRO(stage=3)], 4),
+        (lambda: [ExpertParallel(2), TensorParallel(2)], 4),
+        (lambda: [ExpertParallel(2), PipelineParallel(2, schedule="1f1b", microbatches=2)], 4),
+        (lambda: [ExpertParallel(2), ContextParallel(2)], 2),
+        (lambda: [ExpertParallel(2), Recompute("full")], 2),
+    ],
+    ids=["ep2", "ep4", "ep2-zero1", "ep2-zero2", "ep2-zero3", "ep2xtp2", "ep2xpp2", "ep2xcp2", "ep2-recompute"],
+)
+def test_expert_parallel_matches_one_process(plugins, world_size, moe_reference):
+    run = run_tiny_llama(SGD, plugins, world_size=world_size, model=MOE_TINY, steps=3, dp=_dp(plugins, world_size))
+    assert_parity(run, moe_reference, rtol=1e-5)
+    _assert_bias_parity(run, moe_reference)
+
+
+def _dp(plugins, world_size):
+    dims = UltraScaleStrategy(*plugins()).resolve_dims(world_size)
+    return dims.dp
+
+
+def test_mixtral_routing_with_ep2_and_zero3_matches_one_process():
+    ref = _moe_reference(MIXTRAL_TINY)
+    run = run_tiny_llama(SGD, lambda: [ExpertParallel(2), ZeRO(stage=3)], world_size=2, model=MIXTRAL_TINY, steps=3)
+    assert_parity(run, ref, rtol=1e-5)
+
+
+def test_ep2_with_adamw_and_gradient_accumulation_matches_one_process():
+    ref = run_tiny_llama(ADAMW, model=MOE_TINY, steps=3)
+    run = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=MOE_TINY, steps=3, accumulate=2)
+    assert_adamw_parity(run, ref)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_bad_expert_layouts_fail_before_any_process_group():
+    spec = build_model("moe_tiny", device="meta").spec
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide n_experts=8 of model moe_tiny; valid: 1, 2, 4"):
+        ParallelDims(dp_shard=6, ep=3).validate_model(spec)
+    pool = r"parallel.ep=4 must divide the data-parallel ranks .* = 2 \(experts borrow those ranks\); valid: 1, 2"
+    with pytest.raises(ConfigError, match=pool):
+        ParallelDims(dp_shard=2, tp=2, ep=4).validate(world_size=4)
+    dense = build_model("llama_tiny", device="meta").spec
+    strategy = UltraScaleStrategy(ExpertParallel(2))
+    with pytest.raises(ConfigError, match=r"ExpertParallel\(size=2\) splits MoE experts, but model llama_tiny has no"):
+        strategy.validate(dense, world_size=2)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"top_k": 9}, r"model.moe.top_k=9 must be at most model.moe.n_routed_experts=8; valid: 1..8"),
+        ({"n_group": 3}, r"model.moe.n_group=3 must divide model.moe.n_routed_experts=8; valid: 1, 2, 4, 8"),
+        ({"topk_group": 5}, r"model.moe.topk_group=5 must be at most model.moe.n_group=4; valid: 1..4"),
+        ({"capacity_factor": 0.0}, r"model.moe.capacity_factor=0.0 must be > 0 \(e.g. 1.25\), or null for dropless"),
+        ({"router": "relu"}, r"model.moe.router='relu' is unknown; valid: softmax, sigmoid"),
+    ],
+)
+def test_bad_moe_options_name_the_option_the_value_and_what_is_valid(change, message):
+    with pytest.raises(ConfigError, match=message):
+        replace(MOE_TINY, moe=replace(MOE_TINY.moe, **change)).validate()
