@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, build_model, get_model_config
+from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, MoEConfig, build_model, get_model_config
 from lightning_ultrascale.models.hf import (
     config_from_hf,
     config_to_hf,
+    hf_architecture,
     load_hf_pretrained,
     state_dict_from_hf,
     state_dict_to_hf,
@@ -22,16 +23,23 @@ transformers = pytest.importorskip("transformers")
 
 TINY = get_model_config("llama_tiny")
 TINY_TIED = replace(TINY, tie_embeddings=True, name="llama_tiny_tied")
+# Mixtral: every block MoE, softmax top-2 of 8, weights renormalised.
+MIXTRAL_TINY = replace(
+    get_model_config("moe_tiny"),
+    name="mixtral_tiny",
+    moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64, aux_loss="switch", aux_loss_coeff=0.02),
+)
 # fp32. With HF's "sdpa" attention the logits come out bit-identical on this CPU (HF "eager"
 # differs by ~2e-7: another softmax); the tolerance leaves room for other kernels. Logits are
 # O(0.01-1), so the absolute floor of 1e-6 only matters for entries near 0, where rtol cannot.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _hf_model(cfg: LlamaConfig, seed: int = 0) -> transformers.LlamaForCausalLM:
+def _hf_model(cfg: LlamaConfig, seed: int = 0) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
-    hf_config = transformers.LlamaConfig(**config_to_hf(cfg), attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(hf_config).eval()
+    config_class, model_class = (getattr(transformers, c) for c in hf_architecture(cfg))
+    hf_config = config_class(**config_to_hf(cfg), attn_implementation="sdpa")
+    model = model_class(hf_config).eval()
     # HF initialises every norm to 1; perturb them so that swapping attention_norm and ffn_norm
     # in the key map would show.
     with torch.no_grad():
@@ -58,7 +66,11 @@ def _ours_from_hf(hf: transformers.LlamaForCausalLM, cfg: LlamaConfig) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED, replace(TINY, rope_scaling=None)], ids=["tiny", "tied", "no-scaling"])
+@pytest.mark.parametrize(
+    "cfg",
+    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), MIXTRAL_TINY],
+    ids=["tiny", "tied", "no-scaling", "mixtral"],
+)
 def test_hf_weights_give_hf_logits(cfg: LlamaConfig) -> None:
     hf = _hf_model(cfg)
     ours = _ours_from_hf(hf, cfg)
@@ -83,7 +95,7 @@ def test_hf_parity_with_context_parallel_position_ids() -> None:
     assert not torch.allclose(expected, _hf_logits(hf, tokens), rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["tiny", "tied"])
+@pytest.mark.parametrize("cfg", [TINY, TINY_TIED, MIXTRAL_TINY], ids=["tiny", "tied", "mixtral"])
 def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
     ours = build_model(cfg, seed=5)
     hf = _hf_model(cfg, seed=99)
@@ -93,10 +105,12 @@ def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
         torch.testing.assert_close(_hf_logits(hf, tokens), ours(tokens), **TOL)
 
 
-@pytest.mark.parametrize("name", sorted(MODEL_CONFIGS))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, c in MODEL_CONFIGS.items() if c.moe is None or c.moe.router == "softmax")
+)
 def test_config_round_trips_through_hf(name: str) -> None:
     cfg = MODEL_CONFIGS[name]
-    hf_config = transformers.LlamaConfig(**config_to_hf(cfg))
+    hf_config = getattr(transformers, hf_architecture(cfg)[0])(**config_to_hf(cfg))
     assert config_from_hf(hf_config, name=name) == cfg
 
 

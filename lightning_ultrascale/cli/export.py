@@ -50,6 +50,11 @@ def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     check_checkpoint_path(checkpoint, "CKPT")
     path = checkpoint_location(checkpoint)
     config = checkpoint_config(path)
+    if config.moe is not None:
+        raise ConfigError(
+            f"model {config.name} is a mixture of experts: ultrascale-export writes dense Llama checkpoints "
+            "only so far; convert in memory with lightning_ultrascale.models.hf.state_dict_to_hf (Mixtral-shaped MoE)"
+        )
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Llama(config).named_parameters()}
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)

@@ -25,10 +25,12 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+from lightning_ultrascale.models.moe import MoEConfig
 
 __all__ = [
     "config_from_hf",
     "config_to_hf",
+    "hf_architecture",
     "load_hf_pretrained",
     "load_hf_weights",
     "state_dict_from_hf",
@@ -49,13 +51,45 @@ _KEY_PAIRS = (
     ("model.layers.{}.mlp.up_proj.weight", "layers.{}.feed_forward.w3.weight"),
     ("model.norm.weight", "norm.weight"),
     ("lm_head.weight", "output.weight"),
+    # Mixture of experts (MixtralForCausalLM, DeepseekV3ForCausalLM). HF fuses each expert's gate
+    # and up projections into one [E, 2I, H] tensor: :func:`_split_experts` unfuses it into the
+    # two pseudo keys below first (views, no copy), :func:`_fuse_experts` fuses them back.
+    ("model.layers.{}.mlp.gate.weight", "layers.{}.feed_forward.router.weight"),
+    ("model.layers.{}.mlp.gate.e_score_correction_bias", "layers.{}.feed_forward.router.expert_bias"),
+    ("model.layers.{}.mlp.experts.gate_proj", "layers.{}.feed_forward.experts.w1"),
+    ("model.layers.{}.mlp.experts.up_proj", "layers.{}.feed_forward.experts.w3"),
+    ("model.layers.{}.mlp.experts.down_proj", "layers.{}.feed_forward.experts.w2"),
+    ("model.layers.{}.mlp.shared_experts.gate_proj.weight", "layers.{}.feed_forward.shared_experts.w1.weight"),
+    ("model.layers.{}.mlp.shared_experts.down_proj.weight", "layers.{}.feed_forward.shared_experts.w2.weight"),
+    ("model.layers.{}.mlp.shared_experts.up_proj.weight", "layers.{}.feed_forward.shared_experts.w3.weight"),
 )
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)gate_up_proj")
 # Older HF checkpoints saved the RoPE frequencies; they are recomputed from the config.
 _HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
+def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
+    """The transformers ``(config class, model class)`` of ``cfg``: Llama, or Mixtral for a Mixtral-shaped MoE.
+
+    Example:
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> hf_architecture(get_model_config("mixtral_8x7b"))
+        ('MixtralConfig', 'MixtralForCausalLM')
+    """
+    moe = cfg.moe
+    if moe is None:
+        return "LlamaConfig", "LlamaForCausalLM"
+    mixtral = moe.router == "softmax" and moe.norm_topk_prob and moe.routed_scaling_factor == 1.0
+    if mixtral and not (moe.n_shared_experts or moe.first_k_dense or moe.n_group > 1) and cfg.mla is None:
+        return "MixtralConfig", "MixtralForCausalLM"
+    raise ConfigError(
+        f"model {cfg.name}: this MoE has no Hugging Face counterpart yet; Mixtral-shaped ones convert "
+        "(softmax router, normalised top-k, no shared experts, no dense blocks, no expert groups)"
+    )
+
+
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """Keyword arguments of ``transformers.LlamaConfig`` for the same architecture.
+    """Keyword arguments of ``transformers.LlamaConfig`` (Mixtral MoE: ``MixtralConfig``) for the same architecture.
 
     Uses the ``rope_theta`` / ``rope_scaling`` spelling, which transformers 4.x reads and 5.x
     converts to its ``rope_parameters``.
@@ -92,6 +126,18 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
+    } | _moe_to_hf(cfg)
+
+
+def _moe_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    if cfg.moe is None:
+        return {}
+    hf_architecture(cfg)
+    return {
+        "intermediate_size": cfg.moe.moe_ffn_dim,
+        "num_local_experts": cfg.moe.n_routed_experts,
+        "num_experts_per_tok": cfg.moe.top_k,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coeff,
     }
 
 
@@ -138,7 +184,17 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
             raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
 
     rope_theta, scaling = _rope_from_hf(hf_config)
+    moe = None
+    if getattr(hf_config, "num_local_experts", None):  # Mixtral
+        moe = MoEConfig(
+            n_routed_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            moe_ffn_dim=hf_config.intermediate_size,
+            aux_loss="switch",
+            aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
+        )
     return LlamaConfig(
+        moe=moe,
         dim=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads,
@@ -172,11 +228,45 @@ def _rename(sd: dict[str, Tensor], pairs: list[tuple[str, str]], ignore: re.Patt
     return out
 
 
-def _check_complete(sd: dict[str, Tensor], cfg: LlamaConfig, expected_names: list[str], where: str) -> None:
-    expected = {k.format(i) for k in expected_names for i in range(cfg.n_layers)}
+def _our_keys(cfg: LlamaConfig) -> set[str]:
+    """Every key of our state dict for ``cfg`` (a meta build: no memory)."""
+    with torch.device("meta"):
+        return set(Llama(cfg).state_dict().keys())
+
+
+def _check_complete(sd: dict[str, Tensor], expected: set[str], cfg: LlamaConfig, where: str) -> None:
     missing = sorted(expected - sd.keys())
     if missing:
         raise KeyError(f"{where} misses {len(missing)} key(s) for n_layers={cfg.n_layers}: {', '.join(missing[:5])}")
+
+
+def _split_experts(hf_sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for key, value in hf_sd.items():
+        m = _FUSED.fullmatch(key)
+        if m:
+            out[m.group(1) + "gate_proj"], out[m.group(1) + "up_proj"] = value.chunk(2, dim=1)
+        else:
+            out[key] = value
+    return out
+
+
+def _fuse_experts(hf_sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for key, value in hf_sd.items():
+        if key.endswith("mlp.experts.up_proj"):
+            continue
+        if key.endswith("mlp.experts.gate_proj"):
+            prefix = key[: -len("gate_proj")]
+            out[prefix + "gate_up_proj"] = torch.cat((value, hf_sd[prefix + "up_proj"]), dim=1)
+        else:
+            out[key] = value
+    return out
+
+
+def _softmax_router(cfg: LlamaConfig) -> bool:
+    """Mixtral's router, which has no selection bias in HF's checkpoints."""
+    return cfg.moe is not None and cfg.moe.router == "softmax"
 
 
 def state_dict_from_hf(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
@@ -190,10 +280,15 @@ def state_dict_from_hf(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
         >>> sd = state_dict_from_hf(hf_model.state_dict(), cfg)  # doctest: +SKIP
         >>> Llama(cfg).load_state_dict(sd)  # doctest: +SKIP
     """
-    sd = _rename(hf_sd, list(_KEY_PAIRS), ignore=_HF_IGNORED)
+    sd = _rename(_split_experts(hf_sd), list(_KEY_PAIRS), ignore=_HF_IGNORED)
     if cfg.tie_embeddings and "tok_embeddings.weight" in sd:
         sd.setdefault("output.weight", sd["tok_embeddings.weight"])
-    _check_complete(sd, cfg, [ours for _, ours in _KEY_PAIRS], "the HF state dict")
+    expected = _our_keys(cfg)
+    if _softmax_router(cfg):
+        for key in expected - sd.keys():
+            if key.endswith("router.expert_bias"):
+                sd[key] = torch.zeros(cfg.n_experts)
+    _check_complete(sd, expected, cfg, "the HF state dict")
     return sd
 
 
@@ -203,10 +298,21 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tenso
     Example:
         >>> hf_model.load_state_dict(state_dict_to_hf(model.state_dict(), model.config))  # doctest: +SKIP
     """
-    hf_sd = _rename(sd, [(ours, hf) for hf, ours in _KEY_PAIRS], ignore=None)
+    if _softmax_router(cfg):
+        biases = {k: v for k, v in sd.items() if k.endswith("router.expert_bias")}
+        if any(bool(v.any()) for v in biases.values()):
+            raise ConfigError(
+                "a softmax (Mixtral) router with a non-zero expert_bias has no HF counterpart; "
+                "export with model.moe.bias_update_rate=0 or a sigmoid (DeepSeek-V3) router"
+            )
+        sd = {k: v for k, v in sd.items() if k not in biases}
+    pairs = [(ours, hf) for hf, ours in _KEY_PAIRS]
+    hf_sd = _fuse_experts(_rename(sd, pairs, ignore=None))
     if cfg.tie_embeddings and "model.embed_tokens.weight" in hf_sd:
         hf_sd.setdefault("lm_head.weight", hf_sd["model.embed_tokens.weight"])
-    _check_complete(hf_sd, cfg, [hf for hf, _ in _KEY_PAIRS], "our state dict")
+    ours = {k for k in _our_keys(cfg) if not (_softmax_router(cfg) and k.endswith("router.expert_bias"))}
+    expected = set(_fuse_experts(_rename({k: torch.zeros(1, 1, 1) for k in ours}, pairs, ignore=None)))
+    _check_complete(hf_sd, expected, cfg, "our state dict")
     return hf_sd
 
 
@@ -272,6 +378,12 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     except ImportError:
         raise ConfigError(f"model.init_from=hf:{path} needs the safetensors package: pip install safetensors") from None
     theirs, ours = hf_directory_config(path), model.config
+    if ours.moe is not None:
+        raise ConfigError(
+            f"model.init_from=hf:{path}: model {ours.name} is a mixture of experts, and loading HF MoE "
+            "checkpoints through DCP is not supported yet; use load_hf_pretrained-style in-memory conversion "
+            "(state_dict_from_hf) on one process"
+        )
     wrong = [f"{k}={getattr(theirs, k)} (model {ours.name}: {getattr(ours, k)})" for k in _SHAPE
              if getattr(theirs, k) != getattr(ours, k)]  # fmt: skip
     if wrong:
