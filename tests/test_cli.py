@@ -67,7 +67,9 @@ def test_strategy_rejects_a_layout_when_the_trainer_is_built():
 
 
 def test_unknown_recipe_names_the_valid_ones():
-    with pytest.raises(ConfigError, match=r"recipe='llama9' is unknown; valid: llama3_8b, llama_tiny_cpu"):
+    with pytest.raises(
+        ConfigError, match=r"recipe='llama9' is unknown; valid: llama3_8b, llama_tiny_cpu, mixtral_8x7b, moe_tiny_cpu"
+    ):
         hydra_argv(["recipe=llama9"])
 
 
@@ -112,6 +114,26 @@ def test_two_process_training_run_shares_one_run_dir(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt").is_dir()
     assert [p.name for p in run_dir.rglob(".hydra")] == [".hydra"]  # rank 0 only
     assert not (tmp_path / "outputs").exists() and not (Path.cwd() / "outputs" / "run").exists()
+
+
+def test_moe_recipe_trains_with_expert_parallelism_and_logs_the_balance(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = ["recipe=moe_tiny_cpu", *_train_overrides(steps=4), "model.moe.aux_loss=switch"]
+    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ExpertParallel(ep=2)" in out.stderr + out.stdout
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
+    imbalance = [float(r["moe/max_over_mean"]) for r in rows if r.get("moe/max_over_mean")]
+    assert len(imbalance) == 4 and all(x >= 1.0 for x in imbalance)
+    assert any(r.get("train/aux_loss") for r in rows) and any(r.get("moe/bias_range") for r in rows)
+
+
+def test_moe_options_on_a_dense_model_are_refused_before_any_process_group(tmp_path):
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
+    out = subprocess.run([*TRAIN, "parallel.ep=2"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "parallel.ep=2 splits MoE experts, but model llama_tiny has none" in out.stderr
 
 
 def test_torchrun_launch_shares_one_run_dir_without_a_rendezvous_id(tmp_path):

@@ -230,7 +230,7 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
     init_from = cfg.model.get("init_from")
-    module = LlamaModule(cfg.model.name, optim=OptimConfig(**optim), seed=cfg.seed, init_from=init_from)
+    module = LlamaModule(_model_config(cfg.model), optim=OptimConfig(**optim), seed=cfg.seed, init_from=init_from)
     data = cfg.data
     datamodule = UltraScaleDataModule(
         source=data.source,
@@ -246,6 +246,23 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
             f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
         )
     return module, datamodule
+
+
+def _model_config(model: DictConfig) -> Any:
+    """The named config, with the ``model.moe.*`` keys of the model node applied."""
+    from lightning_ultrascale.models import get_model_config
+
+    config = get_model_config(model.name)
+    moe = model.get("moe")
+    if moe is None:
+        return config
+    if config.moe is None:
+        raise ConfigError(
+            f"model.moe is set, but model={model.name} is dense; valid: an MoE model (e.g. model=moe_tiny)"
+        )
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **OmegaConf.to_container(moe)))
+    config.validate()
+    return config
 
 
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
