@@ -422,7 +422,7 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
     if cfg.mla is not None:
         from lightning_ultrascale.models.mla import mla_tp_plan
 
-        attention: dict[str, Any] = mla_tp_plan(residual)
+        attention: dict[str, Any] = mla_tp_plan(residual, cfg.mla)
     else:
         attention = {
             "attention": PrepareModuleInput(
