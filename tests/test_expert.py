@@ -2,16 +2,28 @@
 
 from dataclasses import replace
 
+import lightning as L
 import pytest
 import torch
-from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
+from llama_runs import (
+    ADAMW,
+    ADAMW_RTOL,
+    GLOBAL_BATCH,
+    SEQ_LEN,
+    SGD,
+    SaveCheckpoint,
+    assert_adamw_parity,
+    run_tiny_llama,
+)
 
 from lightning_ultrascale import (
     ContextParallel,
     ExpertParallel,
+    LlamaModule,
     PipelineParallel,
     Recompute,
     TensorParallel,
+    UltraScaleDataModule,
     UltraScaleStrategy,
     ZeRO,
 )
@@ -19,7 +31,8 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.models.moe import GroupedExperts, MoE, MoEConfig, attach_aux_loss
 from lightning_ultrascale.parallel.dims import ParallelDims
-from lightning_ultrascale.testing.parity import RunRecord, assert_parity
+from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 
 MOE_TINY = get_model_config("moe_tiny")  # DeepSeek-V3 routing: sigmoid, groups, shared expert, bias
 # Mixtral routing: softmax top-2 renormalised, no shared expert, every block MoE, z-loss on.
@@ -264,3 +277,33 @@ def test_bad_expert_layouts_fail_before_any_process_group():
 def test_bad_moe_options_name_the_option_the_value_and_what_is_valid(change, message):
     with pytest.raises(ConfigError, match=message):
         replace(MOE_TINY, moe=replace(MOE_TINY.moe, **change)).validate()
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+EP_LAYOUTS = {"one": (1, list, 1), "ep2": (2, lambda: [ExpertParallel(2)], 2)}
+EP_LAYOUTS["ep2-zero3"] = (2, lambda: [ExpertParallel(2), ZeRO(stage=3)], 2)
+
+
+def _fit_moe(layout: str, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
+    world_size, plugins, dp = EP_LAYOUTS[layout]
+    L.seed_everything(0, verbose=False)
+    recorder = ParityRecorder()
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3, stop=True)] if save_to else [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=6,
+        callbacks=callbacks, **QUIET_TRAINER,
+    )  # fmt: skip
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0)
+    trainer.fit(LlamaModule("moe_tiny", optim=ADAMW), datamodule=data, ckpt_path=ckpt_path)
+    return recorder.record
+
+
+def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
+    # The experts are one global Shard(0) dim: DCP reshards them like any other DTensor.
+    for layout, (world_size, _, _) in EP_LAYOUTS.items():
+        run_workers(_fit_moe, world_size, layout, None, str(tmp_path / layout), timeout_s=300)
+    full = run_tiny_llama(ADAMW, steps=6, model="moe_tiny")
+    reference = RunRecord(full.losses[3:], full.grads[3:], full.params)
+    for source, target in [("ep2", "one"), ("one", "ep2"), ("ep2", "ep2-zero3"), ("ep2-zero3", "one")]:
+        run = run_workers(_fit_moe, EP_LAYOUTS[target][0], target, str(tmp_path / source), timeout_s=300)[0]
+        assert_parity(run, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
