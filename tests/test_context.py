@@ -62,12 +62,15 @@ def _full_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), is_causal=True)
 
 
-def _kernel_errors(method: str, seq: int, heads: int, kv_heads: int, kernel: str = "reference") -> list[float]:
+def kernel_errors(
+    method: str, seq: int, heads: int, kv_heads: int, kernel: str = "reference", qk_dim: int = 8, v_dim: int = 8
+) -> list[float]:
+    """Output and dq/dk/dv relative errors of context-parallel attention against full causal attention."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, heads, seq, 8, generator=g)
-    k, v = torch.randn(2, kv_heads, seq, 8, generator=g), torch.randn(2, kv_heads, seq, 8, generator=g)
-    dout = torch.randn(2, heads, seq, 8, generator=g)
+    q = torch.randn(2, heads, seq, qk_dim, generator=g)
+    k, v = torch.randn(2, kv_heads, seq, qk_dim, generator=g), torch.randn(2, kv_heads, seq, v_dim, generator=g)
+    dout = torch.randn(2, heads, seq, v_dim, generator=g)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     _full_attention(*full).backward(dout)
     index = local_positions("ring" if method == "all_to_all" else method, seq, cp, rank)
@@ -87,14 +90,14 @@ def _kernel_errors(method: str, seq: int, heads: int, kv_heads: int, kernel: str
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_and_its_gradients_equal_full_causal_attention(method, cp):
     # GQA (8 query heads on 2 kv heads); 3 tokens per zig-zag chunk, so no chunk is a power of two.
-    errors = run_workers(_kernel_errors, cp, method, 2 * cp * 3, 8, 2)
+    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2)
     worst = max(max(e) for e in errors)
     assert worst < 1e-5, f"{method} cp={cp}: output/dq/dk/dv relative errors {errors}"
 
 
 @pytest.mark.parametrize("method", ["ring", "zigzag_ring"])
 def test_fused_sdpa_kernel_gives_the_same_ring_attention(method):
-    errors = run_workers(_kernel_errors, 2, method, 12, 8, 2, "sdpa")
+    errors = run_workers(kernel_errors, 2, method, 12, 8, 2, "sdpa")
     assert max(max(e) for e in errors) < 1e-5, errors
 
 

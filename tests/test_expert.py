@@ -44,6 +44,13 @@ MIXTRAL_TINY = replace(
 
 
 # ------------------------------------------------------------------------------------ routers
+def _assert_same_routing(ours, weights: torch.Tensor, experts: torch.Tensor) -> None:
+    """Same experts and weights per token, in any order within the token's top-k (torch.topk(sorted=False))."""
+    order, hf_order = ours.experts.sort(-1).indices, experts.sort(-1).indices
+    assert torch.equal(ours.experts.gather(1, order), experts.gather(1, hf_order))
+    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, hf_order))
+
+
 def test_mixtral_router_matches_transformers():
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
@@ -53,11 +60,7 @@ def test_mixtral_router_matches_transformers():
     moe = MoE(16, MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=16))
     moe.router.weight.data.copy_(hf.weight)
     x = torch.randn(32, 16)
-    _, weights, experts = hf(x)
-    ours = moe.router(x)
-    order, hf_order = ours.experts.sort(-1).indices, experts.sort(-1).indices
-    assert torch.equal(ours.experts.gather(1, order), experts.gather(1, hf_order))
-    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, hf_order))
+    _assert_same_routing(moe.router(x), *hf(x)[1:])
 
 
 def test_deepseek_router_matches_transformers_with_groups_and_bias():
@@ -74,11 +77,7 @@ def test_deepseek_router_matches_transformers_with_groups_and_bias():
     moe.router.weight.data.copy_(hf.weight)
     moe.router.expert_bias.copy_(hf.e_score_correction_bias)
     x = torch.randn(64, 16)
-    _, weights, experts = hf(x)
-    ours = moe.router(x)
-    order, hf_order = ours.experts.sort(-1).indices, experts.sort(-1).indices
-    assert torch.equal(ours.experts.gather(1, order), experts.gather(1, hf_order))
-    torch.testing.assert_close(ours.weights.gather(1, order), weights.gather(1, hf_order))
+    _assert_same_routing(moe.router(x), *hf(x)[1:])
 
 
 def test_group_limit_keeps_every_choice_inside_topk_group_groups():

@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from llama_runs import SGD, run_tiny_llama
+from test_context import kernel_errors
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
@@ -16,7 +15,6 @@ from lightning_ultrascale import ContextParallel, TensorParallel
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import get_model_config
 from lightning_ultrascale.models.mla import MLA_HF_NAMES, MLAConfig, MLAttention, YarnScaling, mla_inv_freq
-from lightning_ultrascale.parallel.context.attention import local_positions, ring_attention, ulysses_attention
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity, relative_error
 
@@ -130,33 +128,14 @@ def test_invalid_mla_config_names_option_value_and_what_is_valid(change, message
 
 
 # ------------------------------------------------------------------------------------ context kernels
-def _narrow_v_errors(method: str, kernel: str) -> list[float]:
-    """Output and q/k/v gradient errors of context-parallel attention with MLA's head sizes."""
-    cp, rank, seq = dist.get_world_size(), dist.get_rank(), 12
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 4, seq, 24, generator=g), torch.randn(2, 4, seq, 24, generator=g)
-    v, dout = torch.randn(2, 4, seq, 16, generator=g), torch.randn(2, 4, seq, 16, generator=g)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = F.scaled_dot_product_attention(*full, is_causal=True)
-    expected.backward(dout)
-    index = local_positions("ring" if method == "all_to_all" else method, seq, cp, rank)
-    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    if method == "all_to_all":
-        out = ulysses_attention(*local, dist.group.WORLD)
-    else:
-        out = ring_attention(*local, dist.group.WORLD, method, kernel)
-    out.backward(dout[:, :, index])
-    errors = [relative_error(out.detach(), expected.detach()[:, :, index])]
-    return errors + [relative_error(part.grad, whole.grad[:, :, index]) for part, whole in zip(local, full)]
-
-
 @pytest.mark.parametrize(
     ("method", "kernel"),
     [("ring", "reference"), ("ring", "sdpa"), ("zigzag_ring", "reference"), ("zigzag_ring", "sdpa"),
      ("all_to_all", "sdpa")],  # Ulysses always runs torch's SDPA on whole sequences
 )  # fmt: skip
 def test_context_attention_with_v_narrower_than_qk_equals_full_attention(method, kernel):
-    errors = run_workers(_narrow_v_errors, 2, method, kernel)
+    # MLA's head sizes: q/k 24, v 16.
+    errors = run_workers(kernel_errors, 2, method, 12, 4, 4, kernel, 24, 16)
     assert max(max(e) for e in errors) < 1e-5, f"{method}/{kernel}: output/dq/dk/dv relative errors {errors}"
 
 

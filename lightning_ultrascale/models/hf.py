@@ -251,14 +251,21 @@ def _split_experts(hf_sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _fused_key(key: str) -> str:
+    """The HF key a (pseudo) key ends up in: an expert's gate and up projections share ``gate_up_proj``."""
+    for half in ("gate_proj", "up_proj"):
+        if key.endswith(f"mlp.experts.{half}"):
+            return key[: -len(half)] + "gate_up_proj"
+    return key
+
+
 def _fuse_experts(hf_sd: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for key, value in hf_sd.items():
         if key.endswith("mlp.experts.up_proj"):
             continue
         if key.endswith("mlp.experts.gate_proj"):
-            prefix = key[: -len("gate_proj")]
-            out[prefix + "gate_up_proj"] = torch.cat((value, hf_sd[prefix + "up_proj"]), dim=1)
+            out[_fused_key(key)] = torch.cat((value, hf_sd[key[: -len("gate_proj")] + "up_proj"]), dim=1)
         else:
             out[key] = value
     return out
@@ -311,7 +318,7 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tenso
     if cfg.tie_embeddings and "model.embed_tokens.weight" in hf_sd:
         hf_sd.setdefault("lm_head.weight", hf_sd["model.embed_tokens.weight"])
     ours = {k for k in _our_keys(cfg) if not (_softmax_router(cfg) and k.endswith("router.expert_bias"))}
-    expected = set(_fuse_experts(_rename({k: torch.zeros(1, 1, 1) for k in ours}, pairs, ignore=None)))
+    expected = {_fused_key(k) for k in _rename({k: k for k in ours}, pairs, ignore=None)}
     _check_complete(hf_sd, expected, cfg, "our state dict")
     return hf_sd
 
