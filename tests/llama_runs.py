@@ -1,11 +1,13 @@
 """One way to train llama_tiny for parity tests: same data, seed and global batch in every layout."""
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
 
 from lightning_ultrascale import LlamaConfig, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy
+from lightning_ultrascale.models import MLAConfig, MoEConfig, get_model_config
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.testing.parity import RunRecord, assert_parity, record_run
 
@@ -22,6 +24,29 @@ ADAMW = OptimConfig(name="adamw", lr=3e-3, warmup_steps=0)
 # AMD). Later gradients and final parameters get ADAMW_RTOL: 8x the worst, so it holds on the
 # next CPU too; a missed reduction or a wrong scale is off by 1e-1 or more.
 ADAMW_RTOL = 2e-4
+
+# Tiny models with a Hugging Face counterpart (transformers builds them on CPU).
+MOE_TINY = get_model_config("moe_tiny")
+# Mixtral: every block MoE, softmax top-2 of 8, weights renormalised.
+MIXTRAL_TINY = replace(
+    MOE_TINY,
+    name="mixtral_tiny",
+    ffn_hidden_dim=64,  # Mixtral has no dense block: HF's intermediate_size is the experts' width
+    moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64, aux_loss="switch", aux_loss_coeff=0.02),
+)
+# DeepSeek-V3: MLA with low-rank queries and YaRN, sigmoid router over 4 groups of 2 (top-2 of 2
+# groups) with a scaling factor, one shared expert, first block dense (moe_tiny's MoE part).
+DEEPSEEK_V3_TINY = replace(
+    MOE_TINY,
+    name="deepseek_v3_tiny",
+    n_kv_heads=4,
+    max_seq_len=1024,
+    moe=replace(MOE_TINY.moe, routed_scaling_factor=2.5),
+    mla=MLAConfig(
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48,
+        yarn={"factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+)  # fmt: skip
 
 
 def run_tiny_llama(

@@ -1,4 +1,4 @@
-"""Our Llama against Hugging Face's ``LlamaForCausalLM``: same config, same weights, same logits."""
+"""Our models against Hugging Face's Llama, Mixtral and DeepSeek-V3: same config, same weights, same logits."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from llama_runs import DEEPSEEK_V3_TINY, MIXTRAL_TINY
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, MoEConfig, build_model, get_model_config
+from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, build_model, get_model_config
 from lightning_ultrascale.models.hf import (
     config_from_hf,
     config_to_hf,
     hf_architecture,
+    hf_file_tensors,
     load_hf_pretrained,
     state_dict_from_hf,
     state_dict_to_hf,
@@ -23,12 +25,6 @@ transformers = pytest.importorskip("transformers")
 
 TINY = get_model_config("llama_tiny")
 TINY_TIED = replace(TINY, tie_embeddings=True, name="llama_tiny_tied")
-# Mixtral: every block MoE, softmax top-2 of 8, weights renormalised.
-MIXTRAL_TINY = replace(
-    get_model_config("moe_tiny"),
-    name="mixtral_tiny",
-    moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64, aux_loss="switch", aux_loss_coeff=0.02),
-)
 # fp32. With HF's "sdpa" attention the logits come out bit-identical on this CPU (HF "eager"
 # differs by ~2e-7: another softmax); the tolerance leaves room for other kernels. Logits are
 # O(0.01-1), so the absolute floor of 1e-6 only matters for entries near 0, where rtol cannot.
@@ -40,12 +36,15 @@ def _hf_model(cfg: LlamaConfig, seed: int = 0) -> transformers.PreTrainedModel:
     config_class, model_class = (getattr(transformers, c) for c in hf_architecture(cfg))
     hf_config = config_class(**config_to_hf(cfg), attn_implementation="sdpa")
     model = model_class(hf_config).eval()
-    # HF initialises every norm to 1; perturb them so that swapping attention_norm and ffn_norm
-    # in the key map would show.
+    # HF initialises every norm to 1 and DeepSeek's selection bias to 0; perturb them so that
+    # swapping attention_norm and ffn_norm in the key map, or losing the bias, would show.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
     return model
 
 
@@ -68,8 +67,8 @@ def _ours_from_hf(hf: transformers.LlamaForCausalLM, cfg: LlamaConfig) -> Llama:
 
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), MIXTRAL_TINY],
-    ids=["tiny", "tied", "no-scaling", "mixtral"],
+    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), MIXTRAL_TINY, DEEPSEEK_V3_TINY],
+    ids=["tiny", "tied", "no-scaling", "mixtral", "deepseek_v3"],
 )
 def test_hf_weights_give_hf_logits(cfg: LlamaConfig) -> None:
     hf = _hf_model(cfg)
@@ -95,9 +94,15 @@ def test_hf_parity_with_context_parallel_position_ids() -> None:
     assert not torch.allclose(expected, _hf_logits(hf, tokens), rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED, MIXTRAL_TINY], ids=["tiny", "tied", "mixtral"])
+@pytest.mark.parametrize(
+    "cfg", [TINY, TINY_TIED, MIXTRAL_TINY, DEEPSEEK_V3_TINY], ids=["tiny", "tied", "mixtral", "deepseek_v3"]
+)
 def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
     ours = build_model(cfg, seed=5)
+    with torch.no_grad():  # a trained selection bias, as aux-loss-free balancing leaves it (DeepSeek)
+        for name, b in ours.named_buffers():
+            if name.endswith("router.expert_bias") and cfg.moe.router == "sigmoid":
+                b.copy_(0.2 * torch.randn_like(b))
     hf = _hf_model(cfg, seed=99)
     hf.load_state_dict(state_dict_to_hf(ours.state_dict(), cfg), strict=True)
     tokens = _tokens()
@@ -105,13 +110,41 @@ def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
         torch.testing.assert_close(_hf_logits(hf, tokens), ours(tokens), **TOL)
 
 
-@pytest.mark.parametrize(
-    "name", sorted(n for n, c in MODEL_CONFIGS.items() if c.moe is None or c.moe.router == "softmax")
-)
+def _convertible(cfg: LlamaConfig) -> bool:
+    try:
+        hf_architecture(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in MODEL_CONFIGS.items() if _convertible(c)))
 def test_config_round_trips_through_hf(name: str) -> None:
     cfg = MODEL_CONFIGS[name]
     hf_config = getattr(transformers, hf_architecture(cfg)[0])(**config_to_hf(cfg))
     assert config_from_hf(hf_config, name=name) == cfg
+
+
+def test_deepseek_v3_config_reads_deepseeks_config_json_spelling() -> None:
+    # What deepseek-ai/DeepSeek-V3's config.json says (less its FP8 quantization_config), and
+    # transformers builds the same parameter count from it, on the meta device.
+    cfg = get_model_config("deepseek_v3")
+    hf_json = config_to_hf(cfg)
+    assert hf_json["rope_scaling"]["type"] == "yarn" and hf_json["rope_interleave"] is True
+    assert config_from_hf(transformers.DeepseekV3Config(**hf_json), name="deepseek_v3") == cfg
+    hf_config = transformers.DeepseekV3Config(**hf_json)
+    with torch.device("meta"):
+        hf = transformers.DeepseekV3ForCausalLM(hf_config)
+    assert sum(p.numel() for p in hf.parameters()) == cfg.num_params() == 671_026_404_352
+    with pytest.raises(ConfigError, match="hf quantization_config is set"):
+        config_from_hf(transformers.DeepseekV3Config(**hf_json, quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(ConfigError, match="hf scoring_func='softmax' is not supported; valid: 'sigmoid'"):
+        config_from_hf(transformers.DeepseekV3Config(**(hf_json | {"scoring_func": "softmax"})))
+
+
+def test_models_without_an_hf_counterpart_say_which_ones_convert() -> None:
+    with pytest.raises(ConfigError, match="model deepseek_v2_lite has no Hugging Face counterpart we convert"):
+        hf_architecture(get_model_config("deepseek_v2_lite"))
 
 
 @pytest.mark.parametrize(
@@ -154,12 +187,19 @@ def test_tied_hf_checkpoint_without_lm_head_loads() -> None:
     assert sd["output.weight"] is sd["tok_embeddings.weight"]
 
 
-@pytest.mark.parametrize("cfg", [TINY, TINY_TIED], ids=["tiny", "tied"])
+@pytest.mark.parametrize(
+    "cfg", [TINY, TINY_TIED, MIXTRAL_TINY, DEEPSEEK_V3_TINY], ids=["tiny", "tied", "mixtral", "deepseek_v3"]
+)
 @pytest.mark.parametrize("source", ["model", "directory"])
 def test_load_hf_pretrained(cfg: LlamaConfig, source: str, tmp_path: Path) -> None:
     hf = _hf_model(cfg)
     if source == "directory":
         hf.save_pretrained(tmp_path)
+        # What the DCP path (model.init_from=hf:, ultrascale-export) reads and writes: the files' tensors.
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "model.safetensors", "pt") as f:
+            assert set(f.keys()) == set(hf_file_tensors(cfg))
     model = load_hf_pretrained(tmp_path if source == "directory" else hf)
     assert replace(model.config, name=cfg.name) == cfg
     assert (model.output.weight is model.tok_embeddings.weight) == cfg.tie_embeddings

@@ -4,12 +4,20 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from llama_runs import ADAMW, SGD
+from llama_runs import ADAMW, DEEPSEEK_V3_TINY, MIXTRAL_TINY, SGD
 
-from lightning_ultrascale import LlamaModule, TensorParallel, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+from lightning_ultrascale import (
+    ExpertParallel,
+    LlamaModule,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
 from lightning_ultrascale.cli.export import export
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models import get_model_config
+from lightning_ultrascale.models import LlamaConfig, get_model_config
+from lightning_ultrascale.models.hf import hf_architecture
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, record_run
@@ -32,8 +40,8 @@ def exported(tmp_path_factory):
     return root
 
 
-def _trained_model(checkpoint) -> Llama:
-    model = Llama(get_model_config("llama_tiny"))
+def _trained_model(checkpoint, cfg: LlamaConfig | None = None) -> Llama:
+    model = Llama(cfg or get_model_config("llama_tiny"))
     state = {f"state_dict.model.{n}": t for n, t in model.state_dict().items()}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     return model
@@ -72,3 +80,75 @@ def test_an_hf_directory_of_another_architecture_is_refused(exported):
 
         with torch.device("meta"):
             load_hf_weights(Llama(get_model_config("llama3_1b")), exported / "hf")
+
+
+# ------------------------------------------------------------------ mixture of experts (Mixtral, DeepSeek-V3)
+def _train_moe_and_save(cfg, path: str) -> None:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=UltraScaleStrategy(ZeRO(stage=3), ExpertParallel(2)),  # each rank holds 4 of the 8 experts
+        max_steps=3,
+        **QUIET_TRAINER,
+    )
+    trainer.fit(LlamaModule(cfg, optim=ADAMW), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4))
+    trainer.save_checkpoint(path)
+
+
+@pytest.fixture(scope="module", params=[DEEPSEEK_V3_TINY, MIXTRAL_TINY], ids=["deepseek_v3", "mixtral"])
+def exported_moe(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param.name)
+    run_workers(_train_moe_and_save, 2, request.param, str(root / "ckpt"))
+    run_workers(export, 2, str(root / "ckpt"), str(root / "hf"))
+    return request.param, root
+
+
+def test_transformers_loads_an_expert_parallel_moe_export_with_our_logits(exported_moe):
+    from transformers import AutoModelForCausalLM
+
+    cfg, root = exported_moe
+    hf = AutoModelForCausalLM.from_pretrained(root / "hf", local_files_only=True).eval()
+    assert type(hf).__name__ == hf_architecture(cfg)[1]
+    ours = _trained_model(root / "ckpt", cfg).eval()
+    biases = [b for n, b in ours.named_buffers() if n.endswith("router.expert_bias")]
+    # DeepSeek-V3's aux-loss-free bias moved in training and travels as e_score_correction_bias.
+    assert all(b.abs().max() > 0 for b in biases) == (cfg.moe.bias_update_rate > 0)
+    tokens = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ours(tokens), hf(tokens).logits
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_a_moe_export_imports_into_ep2_with_the_one_process_first_loss(exported_moe):
+    cfg, root = exported_moe
+
+    def module():
+        return LlamaModule(cfg, optim=SGD, init_from=f"hf:{root / 'hf'}")
+
+    def data(micro_batch_size: int = 8):
+        return UltraScaleDataModule(seq_len=64, micro_batch_size=micro_batch_size, seed=0)
+
+    one = record_run(module, data, steps=1)
+    # Each rank reads only its 4 experts' tensors of the file, straight into its shard. ep borrows
+    # the data-parallel ranks: 4 sequences each, the same global batch of 8.
+    ep2 = record_run(
+        module, lambda: data(4), steps=1, strategy=lambda: UltraScaleStrategy(ExpertParallel(2)), world_size=2
+    )
+    assert abs(ep2.losses[0] - one.losses[0]) / one.losses[0] < 1e-5
+    if cfg.moe.router == "sigmoid":  # and with experts FSDP-sharded too: 2 of a rank's 4 experts per rank
+        zero3 = record_run(
+            module,
+            lambda: data(2),
+            steps=1,
+            strategy=lambda: UltraScaleStrategy(ZeRO(stage=3), ExpertParallel(2)),
+            world_size=4,
+        )
+        assert abs(zero3.losses[0] - one.losses[0]) / one.losses[0] < 1e-5
+    trained = _trained_model(root / "ckpt", cfg)
+    for name, bias in trained.named_buffers():
+        if name.endswith("expert_bias"):  # the import's bias, one SGD step later: moved by at most γ
+            moved = one.buffers[f"model.{name}"] - bias
+            assert (moved.abs() <= cfg.moe.bias_update_rate * (1 + 1e-5)).all()
+    fresh = record_run(lambda: LlamaModule(cfg, optim=SGD), data, steps=1)
+    assert abs(fresh.losses[0] - one.losses[0]) > 1e-3

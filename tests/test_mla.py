@@ -23,8 +23,8 @@ from lightning_ultrascale.testing.parity import assert_parity, relative_error
 # with rope_theta 5e5 an original context of 256 puts the 4 rotary frequencies in all three bands.
 YARN = YarnScaling(factor=4.0, original_max_position_embeddings=256, mscale=0.9, mscale_all_dim=0.7)
 MLA = MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48, yarn=YARN)
-# HF's latent norms have eps 1e-6 whatever rms_norm_eps says (so has DeepSeek's reference code).
-TINY_MLA = dataclasses.replace(get_model_config("llama_tiny"), norm_eps=1e-6, mla=MLA, name="llama_tiny_mla")
+# norm_eps 1e-5 (HF's default rms_norm_eps is 1e-6): the latent norms keep 1e-6 either way.
+TINY_MLA = dataclasses.replace(get_model_config("llama_tiny"), mla=MLA, name="llama_tiny_mla")
 
 
 def _hf_attention(mla: MLAConfig) -> tuple[DeepseekV3Attention, DeepseekV3RotaryEmbedding]:

@@ -15,6 +15,7 @@ import torch
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+from lightning_ultrascale.models.mla import MLAConfig, YarnScaling
 from lightning_ultrascale.models.moe import MoEConfig
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, require_spec
 
@@ -22,6 +23,7 @@ __all__ = [
     "MODEL_CONFIGS",
     "Llama",
     "LlamaConfig",
+    "MLAConfig",
     "MoEConfig",
     "ModelSpec",
     "RopeScaling",
@@ -88,6 +90,38 @@ MODEL_CONFIGS: dict[str, LlamaConfig] = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, ffn_hidden_dim=14336,
         rope_theta=1e6, max_seq_len=32768, name="mixtral_8x7b",
         moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=14336, aux_loss="switch", aux_loss_coeff=0.02),
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite config.json: 15.7B total, 2.4B active parameters (DeepSeek count
+    # the active ones without the input embedding, a lookup). The mid-size MoE: trains on 8 H100s.
+    # Softmax router without renormalisation (DeepSeek-V2's "greedy" top-k), full-rank queries.
+    "deepseek_v2_lite": LlamaConfig(
+        dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, vocab_size=102400, ffn_hidden_dim=10944,
+        norm_eps=1e-6, rope_theta=10000.0, max_seq_len=163840, name="deepseek_v2_lite",
+        moe=MoEConfig(
+            n_routed_experts=64, top_k=6, moe_ffn_dim=1408, n_shared_experts=2, first_k_dense=1,
+            router="softmax", norm_topk_prob=False, aux_loss="sequence", aux_loss_coeff=1e-3,
+        ),
+        mla=MLAConfig(
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            yarn=YarnScaling(
+                factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707
+            ),
+        ),
+    ),
+    # deepseek-ai/DeepSeek-V3 config.json: 671B total, 37B active parameters (without the input
+    # embedding). Its multi-token-prediction module (14B more, num_nextn_predict_layers=1) is left out.
+    "deepseek_v3": LlamaConfig(
+        dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280, ffn_hidden_dim=18432,
+        norm_eps=1e-6, rope_theta=10000.0, max_seq_len=163840, name="deepseek_v3",
+        moe=MoEConfig(
+            n_routed_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1, first_k_dense=3,
+            router="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+            aux_loss="sequence", aux_loss_coeff=1e-4, bias_update_rate=1e-3,
+        ),
+        mla=MLAConfig(
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536,
+            yarn=YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
+        ),
     ),
 }  # fmt: skip
 

@@ -1,8 +1,15 @@
-"""Convert Llama configs and weights from and to Hugging Face ``transformers`` (``LlamaForCausalLM``).
+"""Convert configs and weights from and to Hugging Face ``transformers``.
 
-Our RoPE uses HF's ``rotate_half`` layout, so weights convert by renaming keys only: no q/k
-permutation, no copy. ``transformers`` is imported only by :func:`load_hf_pretrained`; the other
-functions work on plain configs and state dicts.
+Three architectures: ``LlamaForCausalLM`` (dense), ``MixtralForCausalLM`` (softmax-routed
+experts) and ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited router
+with its ``e_score_correction_bias``, shared experts, dense first blocks; also Moonlight and other
+models saved as ``deepseek_v3``). :func:`hf_architecture` says which one a config is.
+
+Our RoPE uses HF's ``rotate_half`` layout (and MLA de-interleaves DeepSeek's rotary rows at run
+time), so weights convert by renaming keys only: no permutation, no copy, except that HF fuses each
+layer's expert gate and up projections into one ``gate_up_proj [E, 2I, H]`` that we keep as
+``w1`` / ``w3`` (split as views, fused by one concatenation). ``transformers`` is imported only by
+:func:`load_hf_pretrained`; the other functions work on plain configs and state dicts.
 
 Example (fine-tune from a downloaded checkpoint):
     >>> from lightning_ultrascale.models.hf import load_hf_pretrained, state_dict_to_hf
@@ -13,6 +20,7 @@ Example (fine-tune from a downloaded checkpoint):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,12 +33,14 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
+from lightning_ultrascale.models.mla import MLA_HF_NAMES, MLAConfig, YarnScaling
 from lightning_ultrascale.models.moe import MoEConfig
 
 __all__ = [
     "config_from_hf",
     "config_to_hf",
     "hf_architecture",
+    "hf_file_tensors",
     "load_hf_pretrained",
     "load_hf_weights",
     "state_dict_from_hf",
@@ -62,29 +72,49 @@ _KEY_PAIRS = (
     ("model.layers.{}.mlp.shared_experts.gate_proj.weight", "layers.{}.feed_forward.shared_experts.w1.weight"),
     ("model.layers.{}.mlp.shared_experts.down_proj.weight", "layers.{}.feed_forward.shared_experts.w2.weight"),
     ("model.layers.{}.mlp.shared_experts.up_proj.weight", "layers.{}.feed_forward.shared_experts.w3.weight"),
+    # Multi-head latent attention (DeepseekV3ForCausalLM); q_proj and o_proj are the pairs above.
+    *(
+        (f"model.layers.{{}}.self_attn.{hf}.weight", f"layers.{{}}.attention.{ours}.weight")
+        for ours, hf in MLA_HF_NAMES.items()
+        if ours not in ("wq", "wo")
+    ),
 )
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)gate_up_proj")
 # Older HF checkpoints saved the RoPE frequencies; they are recomputed from the config.
 _HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
+#: transformers ``model_type`` of each model class we convert.
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+
 def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
-    """The transformers ``(config class, model class)`` of ``cfg``: Llama, or Mixtral for a Mixtral-shaped MoE.
+    """The transformers ``(config class, model class)`` of ``cfg``: Llama, Mixtral or DeepSeek-V3.
+
+    Raises :class:`ConfigError` for an architecture none of them has (e.g. DeepSeek-V2's softmax
+    router with MLA, or MLA in a dense model).
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
         >>> hf_architecture(get_model_config("mixtral_8x7b"))
         ('MixtralConfig', 'MixtralForCausalLM')
+        >>> hf_architecture(get_model_config("deepseek_v3"))
+        ('DeepseekV3Config', 'DeepseekV3ForCausalLM')
     """
     moe = cfg.moe
-    if moe is None:
+    if moe is None and cfg.mla is None:
         return "LlamaConfig", "LlamaForCausalLM"
-    mixtral = moe.router == "softmax" and moe.norm_topk_prob and moe.routed_scaling_factor == 1.0
-    if mixtral and not (moe.n_shared_experts or moe.first_k_dense or moe.n_group > 1) and cfg.mla is None:
-        return "MixtralConfig", "MixtralForCausalLM"
+    if moe is not None and cfg.mla is None:
+        mixtral = moe.router == "softmax" and moe.norm_topk_prob and moe.routed_scaling_factor == 1.0
+        if mixtral and not (moe.n_shared_experts or moe.first_k_dense or moe.n_group > 1):
+            return "MixtralConfig", "MixtralForCausalLM"
+    if moe is not None and cfg.mla is not None and moe.router == "sigmoid" and moe.first_k_dense < cfg.n_layers:
+        return "DeepseekV3Config", "DeepseekV3ForCausalLM"
     raise ConfigError(
-        f"model {cfg.name}: this MoE has no Hugging Face counterpart yet; Mixtral-shaped ones convert "
-        "(softmax router, normalised top-k, no shared experts, no dense blocks, no expert groups)"
+        f"model {cfg.name} has no Hugging Face counterpart we convert: Mixtral (softmax router, normalised "
+        "top-k, no shared experts, dense blocks or expert groups, standard attention) and DeepSeek-V3 (MLA "
+        "with a sigmoid router and at least one MoE block) do; DeepSeek-V2 (MLA with a softmax router) "
+        "does not yet"
     )
 
 
@@ -101,6 +131,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         >>> hf_config.num_key_value_heads
         8
     """
+    if hf_architecture(cfg)[0] == "DeepseekV3Config":
+        return _deepseek_v3_to_hf(cfg)
     s = cfg.rope_scaling
     return {
         "vocab_size": cfg.vocab_size,
@@ -132,12 +164,50 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
 def _moe_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     if cfg.moe is None:
         return {}
-    hf_architecture(cfg)
     return {
         "intermediate_size": cfg.moe.moe_ffn_dim,
         "num_local_experts": cfg.moe.n_routed_experts,
         "num_experts_per_tok": cfg.moe.top_k,
         "router_aux_loss_coef": cfg.moe.aux_loss_coeff,
+    }
+
+
+def _deepseek_v3_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """``DeepseekV3Config`` keyword arguments (and ``config.json`` keys, DeepSeek's spelling)."""
+    moe, mla = cfg.moe, cfg.mla
+    assert moe is not None and mla is not None
+    y = mla.yarn
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "moe_intermediate_size": moe.moe_ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "n_shared_experts": moe.n_shared_experts,
+        "n_routed_experts": moe.n_routed_experts,
+        "num_experts_per_tok": moe.top_k,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "first_k_dense_replace": moe.first_k_dense,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if y is None else {"type": "yarn", **dataclasses.asdict(y)},
+        "rope_interleave": True,  # MLAttention reads DeepSeek's interleaved rotary rows
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
     }
 
 
@@ -159,11 +229,70 @@ def _rope_from_hf(hf_config: Any) -> tuple[Any, RopeScaling | None]:
     )
 
 
-def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
-    """Our :class:`LlamaConfig` from a ``transformers.LlamaConfig`` (4.x or 5.x).
+def _hf_field(hf_config: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` that ``hf_config`` has (transformers configs alias some; config.json does not)."""
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    return default
 
-    Raises :class:`ConfigError` for features our Llama does not have (biases, another activation,
-    a head_dim other than dim / n_heads, a RoPE type other than default or llama3).
+
+def _deepseek_v3_from_hf(hf_config: Any) -> tuple[MoEConfig, MLAConfig]:
+    """The MoE and MLA parts of a ``DeepseekV3Config`` (or of its ``config.json``)."""
+    unsupported = {
+        "scoring_func": (_hf_field(hf_config, "scoring_func", default="sigmoid"), "sigmoid"),
+        "topk_method": (_hf_field(hf_config, "topk_method", default="noaux_tc"), "noaux_tc"),
+        "moe_layer_freq": (_hf_field(hf_config, "moe_layer_freq", default=1), 1),
+        "rope_interleave": (_hf_field(hf_config, "rope_interleave", default=True), True),
+    }
+    for option, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
+    if getattr(hf_config, "quantization_config", None):
+        raise ConfigError(
+            "hf quantization_config is set (DeepSeek's released weights are FP8 blocks with scales): "
+            "dequantize them to bf16 first; valid: an unquantized checkpoint"
+        )
+    rope = dict(_hf_field(hf_config, "rope_parameters", "rope_scaling", default={}))
+    yarn = None
+    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
+        fields = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+        yarn = YarnScaling(**{k: rope[k] for k in fields if rope.get(k) is not None})
+    moe = MoEConfig(
+        n_routed_experts=_hf_field(hf_config, "n_routed_experts", "num_local_experts"),
+        top_k=hf_config.num_experts_per_tok,
+        moe_ffn_dim=hf_config.moe_intermediate_size,
+        n_shared_experts=_hf_field(hf_config, "n_shared_experts", default=0),
+        first_k_dense=_hf_field(hf_config, "first_k_dense_replace", default=0),
+        router="sigmoid",
+        n_group=_hf_field(hf_config, "n_group", default=1),
+        topk_group=_hf_field(hf_config, "topk_group", default=1),
+        norm_topk_prob=bool(_hf_field(hf_config, "norm_topk_prob", default=True)),
+        routed_scaling_factor=float(_hf_field(hf_config, "routed_scaling_factor", default=1.0)),
+        # DeepSeek-V3's training settings (its config.json keeps none): sequence-wise aux loss 1e-4, bias step 1e-3.
+        aux_loss="sequence",
+        aux_loss_coeff=1e-4,
+        bias_update_rate=1e-3,
+    )
+    mla = MLAConfig(
+        kv_lora_rank=hf_config.kv_lora_rank,
+        qk_nope_head_dim=hf_config.qk_nope_head_dim,
+        qk_rope_head_dim=hf_config.qk_rope_head_dim,
+        v_head_dim=hf_config.v_head_dim,
+        q_lora_rank=hf_config.q_lora_rank,
+        yarn=yarn,
+    )
+    return moe, mla
+
+
+def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
+    """Our :class:`LlamaConfig` from a transformers Llama, Mixtral or DeepSeek-V3 config (4.x or 5.x).
+
+    Raises :class:`ConfigError` for features our models do not have (biases, another activation,
+    a head_dim other than dim / n_heads, a RoPE type other than default, llama3 or, with MLA, yarn).
+    A DeepSeek-V3 config gets DeepSeek-V3's balancing settings (sequence-wise aux loss 1e-4,
+    aux-loss-free bias step 1e-3), which its ``config.json`` does not record.
 
     Example:
         >>> import transformers
@@ -171,30 +300,37 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         >>> config_from_hf(hf_config, name="llama3_8b").n_layers  # doctest: +SKIP
         32
     """
+    deepseek_v3 = getattr(hf_config, "kv_lora_rank", None) is not None
     unsupported = {
         "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
         "attention_bias": (getattr(hf_config, "attention_bias", False), False),
         "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
     }
     head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim is not None:
+    if head_dim is not None and not deepseek_v3:  # DeepseekV3Config's head_dim is its rotary width
         unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
     for option, (value, supported) in unsupported.items():
         if value != supported:
             raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
 
-    rope_theta, scaling = _rope_from_hf(hf_config)
-    moe = None
-    if getattr(hf_config, "num_local_experts", None):  # Mixtral
-        moe = MoEConfig(
-            n_routed_experts=hf_config.num_local_experts,
-            top_k=hf_config.num_experts_per_tok,
-            moe_ffn_dim=hf_config.intermediate_size,
-            aux_loss="switch",
-            aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
-        )
+    moe, mla = None, None
+    if deepseek_v3:
+        moe, mla = _deepseek_v3_from_hf(hf_config)
+        rope = _hf_field(hf_config, "rope_parameters", default={})
+        rope_theta, scaling = rope.get("rope_theta", _hf_field(hf_config, "rope_theta", default=10000.0)), None
+    else:
+        rope_theta, scaling = _rope_from_hf(hf_config)
+        if getattr(hf_config, "num_local_experts", None):  # Mixtral
+            moe = MoEConfig(
+                n_routed_experts=hf_config.num_local_experts,
+                top_k=hf_config.num_experts_per_tok,
+                moe_ffn_dim=hf_config.intermediate_size,
+                aux_loss="switch",
+                aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
+            )
     return LlamaConfig(
         moe=moe,
+        mla=mla,
         dim=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers,
         n_heads=hf_config.num_attention_heads,
@@ -324,10 +460,10 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tenso
 
 
 def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Llama:
-    """Our :class:`Llama` holding the weights of an HF ``LlamaForCausalLM`` or of a local directory.
+    """Our :class:`Llama` holding the weights of an HF Llama, Mixtral or DeepSeek-V3 model or directory.
 
-    A directory (``config.json`` + safetensors) is read with
-    ``LlamaForCausalLM.from_pretrained(path, local_files_only=True)``: no download; fetch it first,
+    A directory (``config.json`` + safetensors) is read with the architecture's
+    ``from_pretrained(path, local_files_only=True)``: no download; fetch it first,
     e.g. with ``huggingface-cli download meta-llama/Llama-3.2-1B --local-dir ...``. The weights
     keep the checkpoint's dtype (cast with ``.float()`` for fp32 master weights) and are shared
     with the HF model, not copied. ``config.name`` is the HF ``name_or_path``.
@@ -338,9 +474,10 @@ def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Lla
         (True, 16)
     """
     if isinstance(path_or_model, (str, os.PathLike)):
-        from transformers import LlamaForCausalLM
+        import transformers
 
-        hf_model = LlamaForCausalLM.from_pretrained(path_or_model, local_files_only=True)
+        model_class = hf_architecture(hf_directory_config(path_or_model))[1]
+        hf_model = getattr(transformers, model_class).from_pretrained(path_or_model, local_files_only=True)
     else:
         hf_model = path_or_model
     cfg = config_from_hf(hf_model.config)
@@ -355,6 +492,63 @@ def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Lla
 
 #: The shape of an architecture: what an HF checkpoint and our config must agree on to load.
 _SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings")
+_MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
+
+
+def _architecture_differences(theirs: LlamaConfig, ours: LlamaConfig) -> list[str]:
+    """``option=theirs (model: ours)`` for every shape setting in which two configs differ."""
+    pairs = [(k, getattr(theirs, k), getattr(ours, k)) for k in _SHAPE]
+    pairs += [(k, getattr(theirs, k) is not None, getattr(ours, k) is not None) for k in ("moe", "mla")]
+    if theirs.moe is not None and ours.moe is not None:
+        pairs += [(f"moe.{k}", getattr(theirs.moe, k), getattr(ours.moe, k)) for k in _MOE_SHAPE]
+    if theirs.mla is not None and ours.mla is not None:
+        pairs += [(f"mla.{f.name}", getattr(theirs.mla, f.name), getattr(ours.mla, f.name))
+                  for f in dataclasses.fields(ours.mla)]  # fmt: skip
+    return [f"{k}={a} (model {ours.name}: {b})" for k, a, b in pairs if a != b]
+
+
+#: Our expert weights -> their names in an HF checkpoint's files, per architecture.
+_FILE_EXPERTS = {
+    "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\w+")
+
+
+def hf_file_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, int | None]]:
+    """Each tensor in the safetensors files of ``cfg``'s HF checkpoint -> (our state-dict key, expert).
+
+    Files keep the layout the models were released in (and ``save_pretrained`` writes): one 2D
+    tensor per expert and projection (Mixtral ``block_sparse_moe.experts.{j}.w1.weight``,
+    DeepSeek-V3 ``mlp.experts.{j}.gate_proj.weight``), which transformers fuses only when it loads.
+    ``expert`` is ``j``, the index into our stacked ``[E, ...]`` weight, or None for the rest. A
+    tied output head is saved once, as the embedding; a softmax (Mixtral) router's ``expert_bias``
+    has no HF tensor.
+
+    Example:
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> hf_file_tensors(get_model_config("mixtral_8x7b"))["model.layers.0.block_sparse_moe.experts.7.w3.weight"]
+        ('layers.0.feed_forward.experts.w3', 7)
+    """
+    ours = [
+        k for k in _our_keys(cfg)
+        if not (_softmax_router(cfg) and k.endswith("router.expert_bias"))
+        and not (cfg.tie_embeddings and k == "output.weight")
+    ]  # fmt: skip
+    renamed = _rename({k: k for k in ours}, [(o, h) for h, o in _KEY_PAIRS], ignore=None)
+    if cfg.moe is None:
+        return {hf: (our, None) for hf, our in sorted(renamed.items())}
+    block, names = _FILE_EXPERTS[hf_architecture(cfg)[1]]
+    out: dict[str, tuple[str, int | None]] = {}
+    for hf, our in sorted(renamed.items()):
+        m = _EXPERTS.fullmatch(hf)
+        if m:
+            name = names[our.rsplit(".", 1)[1]]
+            for j in range(cfg.n_experts):
+                out[f"model.layers.{m.group(1)}.{block}.experts.{j}.{name}.weight"] = (our, j)
+        else:
+            out[hf.replace(".mlp.gate.", f".{block}.gate.")] = (our, None)
+    return out
 
 
 def hf_directory_config(path: str | os.PathLike[str]) -> LlamaConfig:
@@ -367,12 +561,27 @@ def hf_directory_config(path: str | os.PathLike[str]) -> LlamaConfig:
     return config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
 
 
+def _local_experts(weight: Tensor) -> tuple[Tensor, int]:
+    """This rank's ``[e, ...]`` block of a stacked expert weight and the global index of its first expert."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(weight, DTensor):
+        return weight, 0
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    if tuple(shape[1:]) != tuple(weight.shape[1:]):
+        raise NotImplementedError(f"expert weights split inside an expert ({weight.placements}) cannot load from HF")
+    return weight.to_local(), offset[0]
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     """Copy an HF safetensors directory's weights into ``model`` through DCP, in any layout.
 
-    Each rank reads only what it holds (a tensor-parallel or FSDP shard, a pipeline stage's
-    parameters): nothing is gathered. The directory's architecture must be the model's.
+    Each rank reads only what it holds (a tensor-parallel, FSDP or expert-parallel shard, a pipeline
+    stage's parameters): nothing is gathered. Expert weights are stored one expert per tensor
+    (:func:`hf_file_tensors`): a rank reads just the experts it holds, straight into its shard.
+    The directory's architecture must be the model's.
 
     Example:
         >>> load_hf_weights(model, "/models/Llama-3.2-1B")  # doctest: +SKIP
@@ -385,18 +594,19 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     except ImportError:
         raise ConfigError(f"model.init_from=hf:{path} needs the safetensors package: pip install safetensors") from None
     theirs, ours = hf_directory_config(path), model.config
-    if ours.moe is not None:
-        raise ConfigError(
-            f"model.init_from=hf:{path}: model {ours.name} is a mixture of experts, and loading HF MoE "
-            "checkpoints through DCP is not supported yet; use load_hf_pretrained-style in-memory conversion "
-            "(state_dict_from_hf) on one process"
-        )
-    wrong = [f"{k}={getattr(theirs, k)} (model {ours.name}: {getattr(ours, k)})" for k in _SHAPE
-             if getattr(theirs, k) != getattr(ours, k)]  # fmt: skip
+    wrong = _architecture_differences(theirs, ours)
     if wrong:
         raise ConfigError(f"model.init_from=hf:{path} is another architecture: {', '.join(wrong)}")
-    pairs = [(ours, hf) for hf, ours in _KEY_PAIRS]
-    if ours.tie_embeddings:  # HF saves the tied weight once, as the embedding
-        pairs = [(o, "model.embed_tokens.weight" if o == "output.weight" else h) for o, h in pairs]
-    targets = _rename({n: p.detach() for n, p in model.named_parameters()}, pairs, ignore=None)
+    held = {n: p.detach() for n, p in model.named_parameters()}
+    held |= {n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
+    targets: dict[str, Tensor] = {}
+    for hf, (key, expert) in hf_file_tensors(ours).items():
+        if key not in held:  # another pipeline stage's
+            continue
+        if expert is None:
+            targets[hf] = held[key]
+            continue
+        local, first = _local_experts(held[key])
+        if first <= expert < first + local.shape[0]:  # one of this rank's experts: a view of its weight
+            targets[hf] = local[expert - first]
     load(targets, storage_reader=HuggingFaceStorageReader(str(path)))

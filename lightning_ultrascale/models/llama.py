@@ -603,7 +603,7 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute the RoPE buffer, in fp32 on the CPU (same values everywhere), then move it.
+        """Recompute the RoPE buffer, in fp32 on the CPU (same values everywhere), then move it; zero MoE token counts.
 
         ``device`` defaults to where the buffer is, or to the parameters' device if that is meta
         (as after ``load_state_dict(assign=True)`` into a meta-built model).
@@ -613,9 +613,9 @@ class Llama(nn.Module):
             if device.type == "meta":
                 device = next((p.device for p in self.parameters()), device)
         self.rope_inv_freq = rope_inv_freq(self.config, device="cpu").to(device)
-        for moe in self.moe_layers().values():
-            for buffer in moe.buffers():
-                buffer.zero_()
+        for moe in self.moe_layers().values():  # the token counters; the router's expert_bias is state
+            moe.load.zero_()
+            moe.dropped.zero_()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -638,6 +638,8 @@ class Llama(nn.Module):
         """
         self.tie_weights()
         self.init_buffers()
+        for moe in self.moe_layers().values():
+            moe.router.expert_bias.zero_()
         if self.pretrained is not None:
             from lightning_ultrascale.models.hf import load_hf_weights
 

@@ -51,6 +51,10 @@ __all__ = [
     "mla_tp_plan",
 ]
 
+#: eps of the latent norms ``q_norm`` / ``kv_norm``: 1e-6 whatever ``norm_eps`` is, as in DeepSeek's
+#: reference code and HF's ``DeepseekV3Attention`` (DeepSeek-V2-Lite's blocks use 1e-6 too, Moonlight 1e-5).
+LATENT_NORM_EPS = 1e-6
+
 #: Our attention sub-module names -> HF ``DeepseekV3Attention``'s (a checkpoint has ``wq`` or the
 #: ``wq_a``/``q_norm``/``wq_b`` trio, never both).
 MLA_HF_NAMES: dict[str, str] = {
@@ -252,10 +256,10 @@ class MLAttention(nn.Module):
             self.wq = nn.Linear(cfg.dim, heads * mla.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(cfg.dim, mla.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(mla.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(mla.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * mla.v_head_dim, cfg.dim, bias=False)
         # The rotary key, one per token, is shared by every head, so a tensor-parallel rank holding
