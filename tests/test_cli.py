@@ -11,9 +11,19 @@ import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from lightning_ultrascale.cli.train import CONFIG_DIR, build, expand_overrides, hydra_argv
+from lightning_ultrascale import LlamaModule
+from lightning_ultrascale.cli.train import (
+    CONFIG_DIR,
+    RECIPES_DIR,
+    _model_config,
+    build,
+    expand_overrides,
+    hydra_argv,
+    plugins,
+)
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import DataParallel
+from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.strategy import UltraScaleStrategy
 from lightning_ultrascale.testing.spawn import free_port
 
@@ -67,9 +77,8 @@ def test_strategy_rejects_a_layout_when_the_trainer_is_built():
 
 
 def test_unknown_recipe_names_the_valid_ones():
-    with pytest.raises(
-        ConfigError, match=r"recipe='llama9' is unknown; valid: llama3_8b, llama_tiny_cpu, mixtral_8x7b, moe_tiny_cpu"
-    ):
+    valid = "deepseek_v2_lite, llama3_8b, llama_tiny_cpu, mixtral_8x7b, moe_tiny_cpu"
+    with pytest.raises(ConfigError, match=rf"recipe='llama9' is unknown; valid: {valid}"):
         hydra_argv(["recipe=llama9"])
 
 
@@ -401,7 +410,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_any_process_group(tm
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model=nonexistent", r"model=nonexistent is unknown; valid: llama3_1b, .*llama_tiny"),
+        ("model=nonexistent", r"model=nonexistent is unknown; valid: deepseek_v2_lite, .*llama_tiny"),
         ("data=web", r"data=web is unknown; valid: pydoc, tokens"),
         ("parallel=zero4", r"parallel=zero4 is unknown; valid: dp, hsdp, pp, zero1, zero2, zero3"),
         ("precision=fp8", r"precision=fp8 is unknown; valid: bf16_mixed, fp32"),
@@ -421,3 +430,33 @@ def test_checkpoint_keep_leaves_the_newest_k_and_last(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "last.ckpt", "step=3.ckpt", "step=4.ckpt"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypatch):
+    # GPU recipes cannot run here; their layout, batch and model are checked as a run would check
+    # them before any process group (the world size is the recipe's devices x nodes; torchrun's
+    # variables as on one node of 8 GPUs, where a recipe does not set its number of nodes).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+        cfg = compose(recipe, overrides=[f"hydra.searchpath=[file://{CONFIG_DIR}]"])
+    config = _model_config(cfg.model)
+    strategy = UltraScaleStrategy(*plugins(cfg.parallel))
+    shape = DataShape(cfg.data.seq_len, cfg.data.micro_batch_size, cfg.data.global_batch_size)
+    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    strategy.validate(LlamaModule(config).model_spec, shape, world_size=world)
+    assert cfg.data.seq_len <= config.max_seq_len and not dist.is_initialized()
+
+
+def test_moe_and_mla_options_are_checked_against_the_model(tmp_path):
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
+    for overrides, message in [
+        (["model.moe.top_k=2"], "model.moe.top_k is set, but model=llama_tiny has no mixture of experts; valid: a"),
+        (["model=moe_tiny", "model.moe.topk=2"], "model.moe.topk is unknown; valid: n_routed_experts, top_k"),
+        (["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k=9 must be at most model.moe.n_routed_experts=8"),
+        (["model=moe_tiny", "model.mla.kv_lora_rank=8"], "model.mla.kv_lora_rank is set, but model=moe_tiny has no"),
+    ]:
+        out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert message in out.stderr, out.stderr[-2000:]

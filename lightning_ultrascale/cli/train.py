@@ -95,6 +95,10 @@ OmegaConf.register_new_resolver("ultrascale.div", lambda a, b: int(a) // int(b),
 OmegaConf.register_new_resolver("ultrascale.run_dir", run_dir, replace=True)
 
 
+#: Overrides of a model's MoE and MLA settings (``model.moe.top_k=4``).
+MODEL_PARTS = ("model.moe.", "model.mla.")
+
+
 def expand_overrides(overrides: list[str]) -> list[str]:
     """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``)."""
     nodes = plugin_nodes(CONFIG_DIR)
@@ -120,7 +124,11 @@ def hydra_argv(argv: list[str]) -> list[str]:
     check_group_choices(argv)
     out: list[str] = []
     for arg in expand_overrides(argv):
-        if arg.startswith("recipe="):
+        if arg.startswith(MODEL_PARTS):
+            # Force-add: on a dense model Hydra would stop at "Key 'moe' is not in struct"; _model_config
+            # then names the option, the model and what is valid instead.
+            out.append("++" + arg)
+        elif arg.startswith("recipe="):
             name = arg.split("=", 1)[1]
             available = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
             if name not in available:
@@ -249,18 +257,29 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
 
 
 def _model_config(model: DictConfig) -> Any:
-    """The named config, with the ``model.moe.*`` keys of the model node applied."""
-    from lightning_ultrascale.models import get_model_config
+    """The named config, with the ``model.moe.*`` and ``model.mla.*`` keys of the model node applied."""
+    from lightning_ultrascale.models import MODEL_CONFIGS, get_model_config
 
     config = get_model_config(model.name)
-    moe = model.get("moe")
-    if moe is None:
-        return config
-    if config.moe is None:
-        raise ConfigError(
-            f"model.moe is set, but model={model.name} is dense; valid: an MoE model (e.g. model=moe_tiny)"
-        )
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, **OmegaConf.to_container(moe)))
+    for part in ("moe", "mla"):
+        node = model.get(part)
+        if node is None:
+            continue
+        settings = OmegaConf.to_container(node)
+        assert isinstance(settings, dict)
+        current = getattr(config, part)
+        if current is None:
+            having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part) is not None)
+            what = "a mixture of experts" if part == "moe" else "multi-head latent attention"
+            raise ConfigError(
+                f"model.{part}.{next(iter(settings), '')} is set, but model={model.name} has no {what}; "
+                f"valid: a model with one ({having})"
+            )
+        fields = [f.name for f in dataclasses.fields(current)]
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise ConfigError(f"model.{part}.{unknown[0]} is unknown; valid: {', '.join(fields)}")
+        config = dataclasses.replace(config, **{part: dataclasses.replace(current, **settings)})
     config.validate()
     return config
 
