@@ -153,9 +153,13 @@ class LlamaModule(L.LightningModule):
         if aux is not None:
             # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.
             aux = aux / (labels != IGNORE_INDEX).sum().clamp(min=1)
-            self.log("train/aux_loss", aux.detach(), sync_dist=True)
+            self.pipeline_aux_loss(aux.detach())
             loss = loss + aux
         return loss
+
+    def pipeline_aux_loss(self, aux: torch.Tensor) -> None:
+        """Log the MoE balancing losses included in a step's loss (pipeline parallelism calls it too)."""
+        self.log("train/aux_loss", aux, sync_dist=True)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -181,9 +185,17 @@ class LlamaModule(L.LightningModule):
         imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
         metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}
-        biases = [moe.router.expert_bias for moe in self.model.moe_layers().values()]
-        if biases:
-            metrics["moe/bias_range"] = torch.stack([b.max() - b.min() for b in biases]).max()
+        # The selection bias's spread, max - min, per MoE block; a pipeline stage holds some blocks only.
+        ranges = loads.new_zeros(len(loads))
+        held = self.model.moe_layers()
+        for row, block in enumerate(self.config.moe_blocks()):
+            if str(block) in held:
+                bias = held[str(block)].router.expert_bias
+                ranges[row] = bias.max() - bias.min()
+        max_over_stages = getattr(strategy, "max_over_stages", None)
+        ranges = max_over_stages(ranges) if max_over_stages else ranges
+        metrics["moe/bias_range"] = ranges.max()
+        metrics |= {f"moe/layer{b}/bias_range": v for b, v in zip(self.config.moe_blocks(), ranges)}
         self._moe_metrics = metrics
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

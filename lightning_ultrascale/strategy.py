@@ -335,6 +335,12 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         torch.distributed.all_reduce(tensor, group=self.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group())
         return tensor
 
+    def max_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the pipeline stages (each holds its blocks' values, zeros elsewhere)."""
+        if self.parallel_dims.pp > 1:
+            torch.distributed.all_reduce(tensor, torch.distributed.ReduceOp.MAX, group=self.mesh["pp"].get_group())
+        return tensor
+
     # ----------------------------------------------------------------------------- measurement
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where an engine keeps them away from ``param.grad`` (a sharded optimizer), else None."""

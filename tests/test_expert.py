@@ -317,3 +317,28 @@ def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     for source, target in [("ep2", "one"), ("one", "ep2"), ("ep2", "ep2-zero3"), ("ep2-zero3", "one")]:
         run = run_workers(_fit_moe, EP_LAYOUTS[target][0], target, str(tmp_path / source), timeout_s=300)[0]
         assert_parity(run, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
+
+
+# ------------------------------------------------------------------------------------ metrics
+def _fit_metrics(plugins, world_size: int) -> dict[str, float]:
+    def worker() -> dict[str, float]:
+        L.seed_everything(0, verbose=False)
+        strategy = UltraScaleStrategy(*plugins()) if plugins else "auto"
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, **QUIET_TRAINER)
+        module = LlamaModule(MOE_TINY, optim=SGD)
+        trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH))
+        return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("moe/", "train/aux"))}
+
+    return run_workers(worker, world_size)[0]
+
+
+def test_balance_metrics_under_pipeline_parallelism_equal_one_process():
+    # Stage 0 holds MoE block 1, stage 1 blocks 2 and 3: rank 0 logs every block's bias range and
+    # the aux loss of both stages.
+    one = _fit_metrics(None, 1)
+    pp2 = _fit_metrics(lambda: [PipelineParallel(2, schedule="1f1b", microbatches=2)], 2)
+    assert {f"moe/layer{b}/bias_range" for b in (1, 2, 3)} <= one.keys() and "train/aux_loss" in one
+    assert one.keys() == pp2.keys()
+    for key, value in one.items():
+        assert abs(pp2[key] - value) <= 1e-5 * abs(value) + 1e-9, (key, pp2[key], value)
+    assert one["moe/layer3/bias_range"] > 0 and one["train/aux_loss"] > 0

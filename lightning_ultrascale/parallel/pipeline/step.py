@@ -139,7 +139,11 @@ class PipelineStep(StepRunner):
         # Every rank reports the loss (Lightning logs and callbacks run everywhere).
         dist.broadcast(loss, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
         if train and pipeline.spec is not None and pipeline.spec.moe_blocks:
-            loss = loss + self._aux_total(loss)
+            aux = self._aux_total(loss)
+            loss = loss + aux
+            hook = getattr(module, "pipeline_aux_loss", None)
+            if hook is not None:
+                hook(aux * accumulate)
         return loss * accumulate
 
     def _aux_total(self, like: torch.Tensor) -> torch.Tensor:
