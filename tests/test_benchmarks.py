@@ -94,3 +94,66 @@ def test_pipeline_benchmark_quick_run_measures_every_schedule_near_the_formula(t
         # (a serialised pipeline) give r >= 1, 8x the formula. So: between 0.5x and 6x.
         ratio = rows[name]["measured_bubble"] / rows[name]["formula_bubble"]
         assert 0.5 < ratio < 6, f"{name}: measured bubble {ratio:.2f} x the formula"
+
+
+def test_expert_benchmark_quick_run_traces_the_routed_bytes_exactly_and_balances(tmp_path):
+    result, stdout = _quick_run("expert", tmp_path)
+    assert "All-to-all bytes" in stdout and "Tokens/s" in stdout and "Load imbalance" in stdout
+    dim, moe = result["model"]["dim"], result["model"]["moe"]
+    assert {(r["ep"], r["routing"]) for r in result["comm"]} == {(2, "init"), (2, "skewed")}
+    for row in result["comm"]:
+        ep, where = row["ep"], f"ep={row['ep']} {row['routing']}"
+        assert row["all_exact"], where
+        assert row["uniform_bytes_per_exchange"] == row["tokens_per_rank"] * moe["top_k"] * dim * 4 * (ep - 1) // ep
+        for layer in row["layers"]:
+            ranks = layer["per_rank"]
+            for r in ranks:
+                # To the byte: the rows the routers send to other ranks' experts, forward and again backward.
+                sent, received = r["rows_routed_to_remote_experts"], r["rows_received_from_remote_ranks"]
+                traced = r["traced_remote_bytes"]
+                assert traced["forward_dispatch"] == traced["backward_combine"] == sent * dim * 4, (where, r)
+                assert traced["forward_combine"] == traced["backward_dispatch"] == received * dim * 4, (where, r)
+                assert r["counts_exchange"]["remote_bytes"] == moe["n_routed_experts"] * 8 * (ep - 1) // ep
+            # What the ranks send away, the ranks receive.
+            assert sum(r["rows_routed_to_remote_experts"] for r in ranks) == sum(
+                r["rows_received_from_remote_ranks"] for r in ranks
+            )
+    comm = {r["routing"]: r for r in result["comm"]}
+    # The uniform formula holds on average over ranks (every rank routes alike), skewed or not ...
+    for row in comm.values():
+        for layer in row["layers"]:
+            assert 0.8 < layer["ratio_mean"] < 1.2, layer["ratio_mean"]
+    # ... but skew moves the bytes: rank 1 sends nearly all its rows to rank 0 (experts 0 and 2), rank 0 almost none.
+    skewed = [v for layer in comm["skewed"]["layers"] for v in layer["dispatch_ratio_per_rank"]]
+    assert min(skewed) < 0.3 and max(skewed) > 1.5, skewed
+    params = {r["ep"]: r for r in result["params"]}
+    assert set(params) == {1, 2}
+    for row in params.values():
+        assert row["expert_ratio"] == 1.0 and row["expert_local"] * row["ep"] == row["expert_global"], row
+        assert row["replicated"] == params[1]["replicated"]
+    for row in result["grouped_gemm"]:
+        assert row["equal_within_tolerance"], row
+        assert row["grouped_mm_ms"] > 0 and row["loop_ms"] > 0
+    assert all(v > 0 for v in result["speed"]["tokens_per_s"].values())
+    balancing = {m["method"]: m for m in result["balancing"]["methods"]}
+    assert set(balancing) == {"aux_loss", "aux_free_bias", "neither"}
+    for m in balancing.values():
+        assert m["step0"] > 3, m["step0"]  # the skew: most tokens on experts 0 and 2
+    # 60 quick steps are too few to reach 1.3 (the full run's 400 are enough): balancing must cut the
+    # imbalance well down, the control must not.
+    assert balancing["neither"]["final_trailing_mean"] > 3.5
+    for name in ("aux_loss", "aux_free_bias"):
+        m = balancing[name]
+        assert m["final_trailing_mean"] < 0.6 * m["step0"], (name, m["final_trailing_mean"])
+
+
+def test_expert_benchmark_committed_full_run_balances_below_1_3():
+    result = json.loads((ROOT / "benchmarks" / "results" / "expert.json").read_text())
+    assert not result["quick"]
+    assert {r["ep"] for r in result["comm"]} == {2, 4} and all(r["all_exact"] for r in result["comm"])
+    assert all(r["expert_ratio"] == 1.0 for r in result["params"])
+    methods = {m["method"]: m for m in result["balancing"]["methods"]}
+    for name in ("aux_loss", "aux_free_bias"):
+        m = methods[name]
+        assert m["stays_below_from"] is not None and m["final_trailing_mean"] < 1.3, (name, m["stays_below_from"])
+    assert methods["neither"]["first_below"] is None
