@@ -240,9 +240,11 @@ class GroupedExperts(nn.Module):
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        # unbind: one backward op stacks the experts' gradients (indexing w[i] would add a full-size
+        # zero-padded gradient per expert: quadratic in the number of experts).
         outs = []
-        for i, rows in enumerate(x.split(counts.tolist())):
-            outs.append(F.linear(F.silu(F.linear(rows, w1[i])) * F.linear(rows, w3[i]), w2[i]))
+        for rows, a, b, c in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
+            outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
     def _grouped(self, x: Tensor, w: Tensor) -> bool:
