@@ -1,0 +1,68 @@
+"""DeepSeek-V3's blockwise FP8 linear, emulated in pure torch: runs on any device.
+
+Every GEMM of a linear layer takes E4M3 operands with fp32 scales and accumulates in fp32
+(DeepSeek-V3 technical report, section 3.3):
+
+* forward ``y = x W^T``: ``x`` in 1 x 128 tiles along the input features, ``W`` in 128 x 128 blocks;
+* input gradient ``dx = dy W``: ``dy`` in 1 x 128 tiles along the output features, ``W`` the same blocks;
+* weight gradient ``dW = dy^T x``: both in 128 x 1 tiles, along the tokens (the reduction dim).
+
+Emulation dequantises each operand (``data * scale``, exact in fp32) and multiplies in fp32, so
+the result is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order of the
+additions. Backward keeps the quantised ``x`` and ``W`` (E4M3 bytes plus scales), as a real FP8
+kernel does, not the high-precision ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_ultrascale.fp8.quantize import Quantized, quantize
+
+__all__ = ["blockwise_fp8_linear"]
+
+
+def _mm(a: Quantized, b: Quantized) -> Tensor:
+    """``a @ b^T`` of two quantised 2-D operands, accumulated in fp32."""
+    return a.dequantize() @ b.dequantize().t()
+
+
+class _BlockwiseFP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, qw = quantize(x2, "tile"), quantize(weight, "block")
+        ctx.save_for_backward(qx.data, qx.scale, qw.data, qw.scale)
+        ctx.shape, ctx.dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        return _mm(qx, qw).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor]:
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        qx, qw = Quantized(x_data, x_scale, "tile"), Quantized(w_data, w_scale, "block")
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        # dx = dy W: dy tiled along the output features, W's blocks read transposed.
+        dx = _mm(quantize(dy2, "tile"), Quantized(qw.data.t(), qw.scale.t(), "block"))
+        # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces; x from its
+        # saved E4M3 copy, re-quantised along the other dim (as DeepSeek-V3 caches activations in FP8).
+        dw = _mm(quantize(dy2.t().contiguous(), "tile"), quantize(qx.dequantize().t().contiguous(), "tile"))
+        return dx.to(ctx.dtype).reshape(ctx.shape), dw.to(ctx.weight_dtype)
+
+
+def blockwise_fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight^T`` with DeepSeek-V3's blockwise FP8 recipe (see the module docstring).
+
+    ``weight [out, in]`` with both dims multiples of 128; ``x [..., in]``, whose token count must be
+    a multiple of 128 for the weight gradient's 128 x 1 tiles.
+
+    Example:
+        >>> import torch
+        >>> x, w = torch.randn(128, 256, requires_grad=True), torch.randn(128, 256, requires_grad=True)
+        >>> y, exact = blockwise_fp8_linear(x, w).detach(), (x @ w.t()).detach()
+        >>> y.shape, float((y - exact).norm() / exact.norm()) < 0.1
+        (torch.Size([128, 128]), True)
+    """
+    return _BlockwiseFP8Linear.apply(x, weight)

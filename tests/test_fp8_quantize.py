@@ -1,0 +1,154 @@
+"""FP8 quantisation against an independent reference quantiser, and DeepSeek-V3's blockwise linear."""
+
+import pytest
+import torch
+
+from lightning_ultrascale.fp8 import E4M3_MAX, Quantized, blockwise_fp8_linear, quantize, to_e4m3
+
+
+# ------------------------------------------------------------------------ an independent reference
+def _reference(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise group by group with explicit loops: E4M3 data and fp32 scales (amax / 448)."""
+    x = x.float()
+    rows = x.reshape(-1, x.shape[-1])
+    m, k = rows.shape
+    if granularity == "tensor":
+        groups = [[(slice(0, m), slice(0, k))]]
+    elif granularity == "row":
+        groups = [[(slice(i, i + 1), slice(0, k))] for i in range(m)]
+    elif granularity == "tile":
+        groups = [[(slice(i, i + 1), slice(j, j + 128))] for i in range(m) for j in range(0, k, 128)]
+    else:  # block
+        groups = [[(slice(i, i + 128), slice(j, j + 128))] for i in range(0, m, 128) for j in range(0, k, 128)]
+    data = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+    scales = []
+    for (where,) in groups:
+        block = rows[where]
+        amax = max(float(v) for v in block.abs().flatten())
+        scale = torch.tensor(max(amax, 1e-12), dtype=torch.float32) / torch.tensor(448.0)
+        scales.append(scale)
+        scaled = block / scale
+        data[where] = torch.where(scaled.abs() > 448, scaled.sign() * 448, scaled).to(torch.float8_e4m3fn)
+    scale = torch.stack(scales)
+    shapes = {"tensor": (), "row": (*x.shape[:-1], 1), "tile": (*x.shape[:-1], k // 128)}
+    return data.reshape(x.shape), scale.reshape(shapes.get(granularity, (m // 128, k // 128)))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("granularity", "shape"),
+    [("tensor", (5, 3, 40)), ("row", (2, 7, 33)), ("tile", (3, 5, 384)), ("block", (256, 384))],
+)
+def test_every_granularity_equals_the_reference_bit_for_bit(granularity, shape):
+    g = torch.Generator().manual_seed(0)
+    # Groups of very different magnitudes, so that a scale from the wrong group would show.
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    q = quantize(x, granularity)
+    data, scale = _reference(x, granularity)
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert q.scale.shape == scale.shape and torch.equal(q.scale, scale)
+    assert torch.equal(_bits(q.data), _bits(data))
+    # Each group's largest magnitude lands on E4M3's largest value.
+    assert float(q.data.float().abs().max()) == E4M3_MAX
+
+
+def test_e4m3_saturates_at_448():
+    x = torch.tensor([448.0, 449.0, 500.0, -1e6, float("inf"), float("-inf"), 0.5])
+    assert to_e4m3(x).float().tolist() == [448.0, 448.0, 448.0, -448.0, 448.0, -448.0, 0.5]
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "tile"])
+def test_zero_huge_and_infinite_inputs_give_no_nan_or_inf(granularity):
+    zero = quantize(torch.zeros(2, 256), granularity)
+    assert torch.equal(zero.dequantize(), torch.zeros(2, 256)) and torch.isfinite(zero.scale).all()
+    huge = torch.full((2, 256), 3e38)
+    huge[0, 0] = float("inf")
+    q = quantize(huge, granularity)
+    assert torch.isfinite(q.scale).all() and torch.isfinite(q.dequantize()).all()
+    assert not q.data.float().isnan().any()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "tile", "block"])
+def test_round_trip_error_is_within_e4m3_half_ulp(granularity):
+    # E4M3 has 3 mantissa bits: a normal value is off by at most 2^-4 of itself, a subnormal one
+    # (below 2^-6 in scaled units) by at most half the subnormal step 2^-9, i.e. 2^-10 x scale.
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 4, 512)
+    q = quantize(x, granularity)
+    # Each entry's scale: its group's amax / 448, from the reference quantiser's amax per group.
+    _, scale = _reference(x, granularity)
+    ones = Quantized(torch.ones_like(x).to(torch.float8_e4m3fn), scale, granularity)
+    per_entry = ones.dequantize()
+    bound = 2**-4 * x.abs() + 2**-10 * per_entry
+    assert ((q.dequantize() - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_power_of_two_scales_cover_the_amax():
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+    q = quantize(x, "row", pow2_scales=True)
+    assert torch.equal(q.scale, torch.exp2(torch.log2(q.scale).round()))
+    assert (q.scale * E4M3_MAX >= x.abs().amax(-1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize(
+    ("granularity", "shape", "message"),
+    [
+        ("tiles", (4, 128), "granularity='tiles' is unknown; valid: tensor, row, tile, block"),
+        ("tile", (4, 100), r"tile quantisation needs the last dim a multiple of 128; got \(4, 100\)"),
+        ("block", (100, 128), r"block quantisation needs a 2-D tensor, both dims multiples of 128"),
+    ],
+)
+def test_bad_shapes_and_names_say_what_is_valid(granularity, shape, message):
+    with pytest.raises(ValueError, match=message):
+        quantize(torch.ones(shape), granularity)
+
+
+# ------------------------------------------------------------------------ the blockwise linear
+def _dequantized(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    data, scale = _reference(x, granularity)
+    if granularity == "tile":
+        return (data.float().reshape(*x.shape[:-1], -1, 128) * scale[..., None]).reshape(x.shape)
+    m, k = x.shape
+    return (data.float().reshape(m // 128, 128, k // 128, 128) * scale[:, None, :, None]).reshape(m, k)
+
+
+def test_blockwise_linear_computes_deepseek_v3s_three_gemms():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 128, 256, generator=g, requires_grad=True)
+    w = (torch.randn(384, 256, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(2, 128, 384, generator=g)
+    y = blockwise_fp8_linear(x, w)
+    y.backward(dy)
+
+    # The recipe written out with the reference quantiser: forward x (1x128) W (128x128); input
+    # gradient dy (1x128) W; weight gradient dy^T and x both in 128x1 tiles, x from its FP8 copy.
+    x2, dy2 = x.detach().reshape(256, 256), dy.reshape(256, 384)
+    qx, qw = _dequantized(x2, "tile"), _dequantized(w.detach(), "block")
+    want_y = qx @ qw.t()
+    want_dx = _dequantized(dy2, "tile") @ qw
+    want_dw = _dequantized(dy2.t().contiguous(), "tile") @ _dequantized(qx.t().contiguous(), "tile").t()
+    # Same operands, fp32 accumulation: only the order of the additions may differ.
+    torch.testing.assert_close(y.detach().reshape(256, 384), want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.reshape(256, 256), want_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, want_dw, rtol=1e-5, atol=1e-5)
+
+    # And it is a linear layer: within E4M3's error of the fp32 one (deterministic quantisation
+    # error, 3.7-4.4% relative on these inputs, not reduction-order noise: the bound only checks scale).
+    x3, w3 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    exact = x3 @ w3.t()
+    exact.backward(dy)
+    for got, ref in ((y, exact), (x.grad, x3.grad), (w.grad, w3.grad)):
+        assert float((got.detach() - ref.detach()).norm() / ref.detach().norm()) < 0.08
+
+
+def test_blockwise_linear_keeps_the_weight_dtype_and_saves_fp8():
+    x = torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, 128, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        y = blockwise_fp8_linear(x, w)
+    y.sum().backward()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert saved.count(torch.float8_e4m3fn) == 2 and torch.bfloat16 not in saved  # E4M3 x and W, fp32 scales
