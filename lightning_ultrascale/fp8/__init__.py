@@ -1,4 +1,4 @@
-"""FP8 training: quantisation at every scale granularity, and the emulated blockwise linear.
+"""FP8 training: quantisation at every scale granularity, the emulated blockwise linear, the module swap.
 
 Example:
     >>> import torch
@@ -8,7 +8,20 @@ Example:
     (torch.float8_e4m3fn, torch.Size([4, 2]))
 """
 
+from lightning_ultrascale.fp8.convert import BlockwiseFP8Linear, FP8Conversion, convert_to_fp8, plan_fp8
 from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
 from lightning_ultrascale.fp8.quantize import E4M3_MAX, GRANULARITIES, TILE, Quantized, quantize, to_e4m3
 
-__all__ = ["E4M3_MAX", "GRANULARITIES", "TILE", "Quantized", "blockwise_fp8_linear", "quantize", "to_e4m3"]
+__all__ = [
+    "E4M3_MAX",
+    "GRANULARITIES",
+    "TILE",
+    "BlockwiseFP8Linear",
+    "FP8Conversion",
+    "Quantized",
+    "blockwise_fp8_linear",
+    "convert_to_fp8",
+    "plan_fp8",
+    "quantize",
+    "to_e4m3",
+]

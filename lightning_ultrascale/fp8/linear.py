@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ultrascale.fp8.quantize import Quantized, quantize
+from lightning_ultrascale.fp8.quantize import TILE, Quantized, quantize
 
 __all__ = ["blockwise_fp8_linear"]
 
@@ -28,6 +28,12 @@ __all__ = ["blockwise_fp8_linear"]
 def _mm(a: Quantized, b: Quantized) -> Tensor:
     """``a @ b^T`` of two quantised 2-D operands, accumulated in fp32."""
     return a.dequantize() @ b.dequantize().t()
+
+
+def _pad_tokens(t: Tensor) -> Tensor:
+    """``t [features, tokens]`` with zero columns up to a multiple of 128 tokens, contiguous."""
+    pad = -t.shape[1] % TILE
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
 class _BlockwiseFP8Linear(torch.autograd.Function):
@@ -48,15 +54,17 @@ class _BlockwiseFP8Linear(torch.autograd.Function):
         dx = _mm(quantize(dy2, "tile"), Quantized(qw.data.t(), qw.scale.t(), "block"))
         # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces; x from its
         # saved E4M3 copy, re-quantised along the other dim (as DeepSeek-V3 caches activations in FP8).
-        dw = _mm(quantize(dy2.t().contiguous(), "tile"), quantize(qx.dequantize().t().contiguous(), "tile"))
+        # A token count that is not a multiple of 128 is padded with zero rows: they add nothing.
+        dy_t, x_t = _pad_tokens(dy2.t()), _pad_tokens(qx.dequantize().t())
+        dw = _mm(quantize(dy_t, "tile"), quantize(x_t, "tile"))
         return dx.to(ctx.dtype).reshape(ctx.shape), dw.to(ctx.weight_dtype)
 
 
 def blockwise_fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ weight^T`` with DeepSeek-V3's blockwise FP8 recipe (see the module docstring).
 
-    ``weight [out, in]`` with both dims multiples of 128; ``x [..., in]``, whose token count must be
-    a multiple of 128 for the weight gradient's 128 x 1 tiles.
+    ``weight [out, in]`` with both dims multiples of 128; ``x [..., in]`` with any number of tokens
+    (the weight gradient's 128 x 1 tiles pad the last one with zeros).
 
     Example:
         >>> import torch

@@ -1,9 +1,21 @@
-"""FP8 quantisation against an independent reference quantiser, and DeepSeek-V3's blockwise linear."""
+"""FP8: quantisation against an independent reference quantiser, DeepSeek-V3's blockwise linear, the module swap."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from lightning_ultrascale.fp8 import E4M3_MAX, Quantized, blockwise_fp8_linear, quantize, to_e4m3
+from lightning_ultrascale.data.corpus import load_default_corpus_tokens
+from lightning_ultrascale.fp8 import (
+    E4M3_MAX,
+    Quantized,
+    blockwise_fp8_linear,
+    convert_to_fp8,
+    plan_fp8,
+    quantize,
+    to_e4m3,
+)
+from lightning_ultrascale.models import build_model, get_model_config
 
 
 # ------------------------------------------------------------------------ an independent reference
@@ -152,3 +164,62 @@ def test_blockwise_linear_keeps_the_weight_dtype_and_saves_fp8():
     y.sum().backward()
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
     assert saved.count(torch.float8_e4m3fn) == 2 and torch.bfloat16 not in saved  # E4M3 x and W, fp32 scales
+
+
+def test_weight_gradient_pads_a_token_count_that_is_not_a_multiple_of_128():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(150, 128, generator=g, requires_grad=True)
+    w = torch.randn(256, 128, generator=g, requires_grad=True)
+    dy = torch.randn(150, 256, generator=g)
+    blockwise_fp8_linear(x, w).backward(dy)
+    pad = torch.nn.functional.pad
+    x_t = pad(_dequantized(x.detach(), "tile").t(), (0, 106)).contiguous()  # 150 tokens -> 256, zeros
+    want = _dequantized(pad(dy.t(), (0, 106)).contiguous(), "tile") @ _dequantized(x_t, "tile").t()
+    torch.testing.assert_close(w.grad, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ which linears convert
+SMALL = replace(get_model_config("llama_tiny"), dim=256, ffn_hidden_dim=512, n_heads=2, n_kv_heads=2, name="small")
+
+
+def test_the_blocks_linears_convert_and_the_head_and_small_dims_stay_high_precision():
+    plan = plan_fp8(build_model(SMALL, device="meta"))
+    per_block = ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
+    per_block += ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert plan.converted == [f"layers.{i}.{n}" for i in range(4) for n in per_block]
+    assert plan.skipped == {"output": "the output head stays high precision"}
+    tiny = plan_fp8(build_model("moe_tiny", device="meta"))  # dim 64: nothing suits 128-wide tiles
+    assert not tiny.converted and "router" not in " ".join(tiny.skipped)  # router and experts are no linears
+    assert tiny.skipped["layers.1.feed_forward.shared_experts.w2"] == (
+        "in_features=64 and out_features=64 not a multiple of 128 (blockwise tiles)"
+    )
+    with pytest.raises(ValueError, match="recipe='mxfp8' is unknown; valid: blockwise"):
+        plan_fp8(build_model(SMALL, device="meta"), "mxfp8")
+
+
+def test_a_converted_model_keeps_its_checkpoint_and_trains_like_the_high_precision_one():
+    data = load_default_corpus_tokens()[: 65 * 4 * 12].long().reshape(-1, 65)
+    cfg = replace(SMALL, n_layers=2)
+
+    def train(fp8: bool) -> tuple[list[float], dict]:
+        model = build_model(cfg, seed=0)
+        if fp8:
+            assert len(convert_to_fp8(model).converted) == 14
+        keys = {k: v.shape for k, v in model.state_dict().items()}
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for batch in data.split(4):  # 12 steps of 4 x 64 tokens (256: two 128-token tiles)
+            loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses.append(loss.item())
+        return losses, keys
+
+    (high, high_keys), (fp8, fp8_keys) = train(False), train(True)
+    assert fp8_keys == high_keys  # same names and shapes: checkpoints are interchangeable
+    # Measured: the last 4 steps' mean within 0.03% of fp32 (60 steps of a 4-layer model: 0.2%).
+    # Bound 2%, the issue's bar for the 200-step comparison; a wrong scale or a dropped gradient
+    # leaves the loss far above (the first step is 5.7, the last ones about 3.1).
+    assert abs(sum(fp8[-4:]) - sum(high[-4:])) / sum(high[-4:]) < 0.02, (fp8, high)
+    assert fp8[-1] < 0.7 * fp8[0]
