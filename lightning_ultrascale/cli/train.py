@@ -270,7 +270,7 @@ def _model_config(model: DictConfig) -> Any:
         current = getattr(config, part)
         if current is None:
             having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part) is not None)
-            what = "a mixture of experts" if part == "moe" else "multi-head latent attention"
+            what = "mixture of experts" if part == "moe" else "multi-head latent attention"
             raise ConfigError(
                 f"model.{part}.{next(iter(settings), '')} is set, but model={model.name} has no {what}; "
                 f"valid: a model with one ({having})"
