@@ -154,6 +154,8 @@ def _collect(conns: dict[Connection, int], procs: list[mp.process.BaseProcess], 
             try:
                 status, payload = conn.recv()  # type: ignore[union-attr]
             except EOFError:
+                # The pipe closes a moment before the process is reaped: wait for its exit code.
+                procs[rank].join(timeout=10)
                 raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
             if status == "error":
                 raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
