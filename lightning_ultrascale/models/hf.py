@@ -135,17 +135,9 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         return _deepseek_v3_to_hf(cfg)
     s = cfg.rope_scaling
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
+        **_common_to_hf(cfg),
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
         "rope_scaling": None
         if s is None
         else {
@@ -155,10 +147,25 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         },
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
         "mlp_bias": False,
     } | _moe_to_hf(cfg)
+
+
+def _common_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """The config keys every architecture we convert spells the same way."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+    }
 
 
 def _moe_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
@@ -178,12 +185,8 @@ def _deepseek_v3_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     assert moe is not None and mla is not None
     y = mla.yarn
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim,
+        **_common_to_hf(cfg),
         "moe_intermediate_size": moe.moe_ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_heads,
         "n_shared_experts": moe.n_shared_experts,
         "n_routed_experts": moe.n_routed_experts,
@@ -200,14 +203,8 @@ def _deepseek_v3_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "qk_nope_head_dim": mla.qk_nope_head_dim,
         "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
         "rope_scaling": None if y is None else {"type": "yarn", **dataclasses.asdict(y)},
         "rope_interleave": True,  # MLAttention reads DeepSeek's interleaved rotary rows
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
     }
 
 
