@@ -185,13 +185,8 @@ class LlamaModule(L.LightningModule):
         imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
         metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}
-        # The selection bias's spread, max - min, per MoE block; a pipeline stage holds some blocks only.
-        ranges = loads.new_zeros(len(loads))
-        held = self.model.moe_layers()
-        for row, block in enumerate(self.config.moe_blocks()):
-            if str(block) in held:
-                bias = held[str(block)].router.expert_bias
-                ranges[row] = bias.max() - bias.min()
+        # The selection bias's spread per MoE block; a pipeline stage holds some blocks only.
+        ranges = self.model.expert_bias_ranges()
         max_over_stages = getattr(strategy, "max_over_stages", None)
         ranges = max_over_stages(ranges) if max_over_stages else ranges
         metrics["moe/bias_range"] = ranges.max()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -562,12 +562,10 @@ class Llama(nn.Module):
         """
         blocks = self.config.moe_blocks()
         loads = torch.zeros(len(blocks) + 1, max(self.config.n_experts, 1), device=self.rope_inv_freq.device)
-        held = self.moe_layers()
-        for row, block in enumerate(blocks):
-            if str(block) in held:
-                load, dropped = held[str(block)].pop_load()
-                loads[row] = load
-                loads[-1, 0] += dropped
+        for row, moe in self._held_moe_rows():
+            load, dropped = moe.pop_load()
+            loads[row] = load
+            loads[-1, 0] += dropped
         if reduce is not None:
             loads = reduce(loads)
         return loads[:-1], loads[-1, 0]
@@ -575,10 +573,24 @@ class Llama(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, loads: Tensor) -> None:
         """Aux-loss-free balancing step of every MoE block held, from global ``loads`` (:meth:`expert_loads`)."""
+        for row, moe in self._held_moe_rows():
+            moe.router.update_bias(loads[row])
+
+    @torch.no_grad()
+    def expert_bias_ranges(self) -> Tensor:
+        """``max - min`` of each MoE block's selection bias ``[MoE blocks of the config]``; 0 for blocks not held."""
+        ranges = torch.zeros(len(self.config.moe_blocks()), device=self.rope_inv_freq.device)
+        for row, moe in self._held_moe_rows():
+            bias = moe.router.expert_bias
+            ranges[row] = bias.max() - bias.min()
+        return ranges
+
+    def _held_moe_rows(self) -> Iterator[tuple[int, MoE]]:
+        """``(row, MoE layer)`` for the MoE blocks this rank holds; row indexes ``config.moe_blocks()``."""
         held = self.moe_layers()
         for row, block in enumerate(self.config.moe_blocks()):
             if str(block) in held:
-                held[str(block)].router.update_bias(loads[row])
+                yield row, held[str(block)]
 
     def _rope_angles(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq = self.rope_inv_freq
