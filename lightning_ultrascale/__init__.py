@@ -10,6 +10,7 @@ Example:
 
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.fp8.precision import FP8Precision
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
 from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.context import ContextParallel
@@ -26,6 +27,7 @@ __all__ = [
     "ContextParallel",
     "DataParallel",
     "ExpertParallel",
+    "FP8Precision",
     "LlamaConfig",
     "LlamaModule",
     "OptimConfig",

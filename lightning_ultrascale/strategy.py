@@ -117,6 +117,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
         self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
+        self._precision_rewrite: tuple[Any, ParallelPlugin] | None = None
 
     # ----------------------------------------------------------------------------- sizes, mesh, layout
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -139,6 +140,21 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         dims = ParallelDims.infer(world_size, open_dims[0] if open_dims else None, sources, **sizes)
         dims.validate(world_size)
         return dims
+
+    def applied_plugins(self) -> tuple[ParallelPlugin, ...]:
+        """Every plugin in the order it applies: the strategy's and the precision plugin's model rewrite (FP8).
+
+        A precision plugin takes part by offering ``parallel_plugin()`` (e.g. ``FP8Precision``'s
+        module swap, which applies first); Lightning hands the strategy its precision plugin late,
+        so it joins here rather than in ``__init__``.
+        """
+        plugins = self.plugins
+        offer = getattr(self.precision_plugin, "parallel_plugin", None)
+        if offer is not None:
+            if self._precision_rewrite is None or self._precision_rewrite[0] is not self.precision_plugin:
+                self._precision_rewrite = (self.precision_plugin, offer())
+            plugins = (*plugins, self._precision_rewrite[1])
+        return tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at)))
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -183,7 +199,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
             return
         dims = self.parallel_dims
         dims.validate_model(spec)
-        for plugin in self.plugins:
+        for plugin in self.applied_plugins():
             plugin.validate(dims, spec, data)
         if data is not None:
             data.validate_vocabulary(spec)
@@ -247,7 +263,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         self.validate(model.spec)
         # Fresh facts for this model (the mesh stays).
         self._layout = Layout(self.parallel_dims, self.mesh, self.precision_plugin.precision)
-        for plugin in self.plugins:
+        for plugin in self.applied_plugins():
             new = plugin.apply(model, self.layout)
             if new is not model:
                 if not name:
@@ -361,4 +377,4 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""
         dims = self.parallel_dims
-        return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.plugins))}"
+        return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.applied_plugins()))}"

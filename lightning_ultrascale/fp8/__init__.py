@@ -8,13 +8,14 @@ Example:
     (torch.float8_e4m3fn, torch.Size([4, 2]))
 """
 
-from lightning_ultrascale.fp8.convert import BlockwiseFP8Linear, FP8Conversion, convert_to_fp8, plan_fp8
+from lightning_ultrascale.fp8.convert import RECIPES, BlockwiseFP8Linear, FP8Conversion, convert_to_fp8, plan_fp8
 from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
 from lightning_ultrascale.fp8.quantize import E4M3_MAX, GRANULARITIES, TILE, Quantized, quantize, to_e4m3
 
 __all__ = [
     "E4M3_MAX",
     "GRANULARITIES",
+    "RECIPES",
     "TILE",
     "BlockwiseFP8Linear",
     "FP8Conversion",

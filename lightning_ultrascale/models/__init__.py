@@ -54,6 +54,15 @@ MODEL_CONFIGS: dict[str, LlamaConfig] = {
         ),
         max_seq_len=256, name="llama_tiny",
     ),
+    # llama_tiny widened until every block linear is a multiple of 128 wide (FP8 blockwise tiles,
+    # also under tp=2 for the attention and MLP projections): FP8 runs on CPU.
+    "llama_small": LlamaConfig(
+        dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=768,
+        rope_scaling=RopeScaling(
+            factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+        ),
+        max_seq_len=256, name="llama_small",
+    ),
     "llama3_1b": LlamaConfig(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=_VOCAB, ffn_hidden_dim=8192,
         rope_scaling=_LLAMA32_ROPE, max_seq_len=_CONTEXT, tie_embeddings=True, name="llama3_1b",

@@ -11,6 +11,8 @@ fact                       written by                                  read by
                            modules it does not hold)                   tensor parallelism
 ``forwards_per_step``      pipeline (microbatches)                     data parallelism (reshard)
 ``linear_styles``          FP8 (which linears are Float8)              tensor parallelism
+``all_gather_casts``       FP8 (weights that can be all-gathered in    ZeRO-3 (FSDP2 units)
+                           FP8, and how to make them so)
 ``gradient_groups``        experts (parameters reduced over their     data parallelism (one engine
                            own data ranks); the rest: dp x cp          per group)
 ``grad_syncs``             data parallelism (the engines)              the step runner, the strategy
@@ -100,6 +102,9 @@ class Layout:
         self.forwards_per_step = 1
         self.part_name = "shards"
         self.linear_styles: dict[str, str] = {}
+        #: Module name -> a function that makes its weight all-gather in low precision (FP8);
+        #: applied by ZeRO-3 before sharding, never without it.
+        self.all_gather_casts: dict[str, Callable[[nn.Module], None]] = {}
         self.gradient_groups: list[GradientGroup] = [GradientGroup("dense")]
         self.grad_syncs: list[GradientSync] = []
         self.grad_norm = GradNormPlan()

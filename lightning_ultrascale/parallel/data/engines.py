@@ -28,9 +28,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2's interface for a custom all-gather (not exported by torch.distributed.fsdp).
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import require_spec
@@ -240,7 +244,13 @@ class FSDPEngine(GradientSync):
         policy = _mixed_precision(layout.precision, REDUCE_DTYPES[reduce_dtype])
         self.roots: list[FSDPModule] = []
         if group.params is None:
+            cast = _cast_for_fp8_all_gather(model, layout)
             self._shard_model(model, reshard, policy)
+            if cast:
+                # gloo has no float8 collectives: move the FP8 bytes as uint8 (free on NCCL too).
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_custom_all_gather(_ByteAllGather())
         else:
             for module in _owners(model, layout.group_params(group, model), group.name):
                 fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -273,6 +283,36 @@ class FSDPEngine(GradientSync):
         finally:
             for root in self.roots:
                 root.set_requires_gradient_sync(True)
+
+
+#: torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _cast_for_fp8_all_gather(model: nn.Module, layout: Layout) -> bool:
+    """Apply the Layout's ``all_gather_casts`` (FP8 weights all-gathered in FP8) to the modules held here."""
+    held = [name for name in layout.all_gather_casts if name not in layout.dropped]
+    for name in held:
+        layout.all_gather_casts[name](model.get_submodule(name))
+    return bool(held)
+
+
+class _ByteAllGather(AllGather):
+    """FSDP2's all-gather, with 1-byte float dtypes (FP8) moved as ``uint8`` (gloo refuses float8)."""
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if output_tensor.dtype.is_floating_point and output_tensor.dtype.itemsize == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        return _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _mixed_precision(precision: str, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
