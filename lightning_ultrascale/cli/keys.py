@@ -77,4 +77,9 @@ def error_keys(cfg: DictConfig) -> dict[tuple[str, str], str]:
             owner = str(target).rsplit(".", 1)[-1]
             keys.update({(owner, str(arg)): short_key(str(node), str(arg)) for arg in settings if arg != "_target_"})
     keys.update({("UltraScaleDataModule", str(arg)): f"data.{arg}" for arg in cfg.data})
+    keys.update({("FP8Precision", arg): f"precision.{key}" for arg, key in FP8_KEYS.items()})
     return keys
+
+
+#: FP8Precision's arguments and their keys in the ``precision`` config group.
+FP8_KEYS = {"recipe": "fp8", "precision": "precision", "emulate": "emulate"}

@@ -284,6 +284,16 @@ def _model_config(model: DictConfig) -> Any:
     return config
 
 
+def _precision(node: DictConfig) -> dict[str, Any]:
+    """The Trainer's precision argument, or, with ``precision.fp8``, the FP8Precision plugin carrying it."""
+    fp8 = node.get("fp8")
+    if fp8 is None:
+        return {"precision": node.precision}
+    from lightning_ultrascale.fp8.precision import FP8Precision
+
+    return {"plugins": [FP8Precision(fp8, node.precision, emulate=node.get("emulate"))]}
+
+
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
@@ -313,7 +323,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     trainer = L.Trainer(
         **OmegaConf.to_container(t, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,
-        precision=cfg.precision.precision,
+        **_precision(cfg.precision),
         accumulate_grad_batches=accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
         logger=loggers or False,

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
@@ -67,10 +68,12 @@ def _local_blockwise(x: Tensor, weight: Tensor) -> Tensor:
 
     assert isinstance(weight, DTensor) and isinstance(x, DTensor)
     (placement,) = weight.placements
-    y = blockwise_fp8_linear(x.to_local(), weight.to_local())
     if placement == Shard(0) and x.placements == (Replicate(),):
-        out = Shard(y.ndim - 1)
+        # Every rank uses all of x: its gradient is the sum over the ranks' partial ones.
+        y = blockwise_fp8_linear(x.to_local(grad_placements=(Partial(),)), weight.to_local())
+        out: Shard | Partial = Shard(y.ndim - 1)
     elif placement == Shard(1) and x.placements == (Shard(x.ndim - 1),):
+        y = blockwise_fp8_linear(x.to_local(), weight.to_local())
         out = Partial()
     else:
         raise NotImplementedError(
@@ -135,15 +138,35 @@ def convert_to_fp8(
         for name in plan.converted:
             model.get_submodule(name).__class__ = BlockwiseFP8Linear
     else:
-        from torchao.float8 import Float8Linear
+        from torchao.float8.float8_linear import Float8Linear
 
         config = torchao_config(recipe, emulate=emulate)
         for name in plan.converted:
             linear = model.get_submodule(name)
             if not isinstance(linear, Float8Linear):
-                model.set_submodule(name, Float8Linear.from_float(linear, config))
+                model.set_submodule(name, _autocast_aware(Float8Linear).from_float(linear, config))
     log.info(plan.summary())
     return plan
+
+
+_AUTOCAST_AWARE: dict[type, type] = {}
+
+
+def _autocast_aware(float8_linear: type) -> type:
+    """torchao's ``Float8Linear``, also taking its input in the autocast dtype under CPU autocast.
+
+    torchao casts the input to the autocast dtype as ``F.linear`` would, but asks CUDA's autocast
+    only: under CPU autocast (Lightning's bf16-mixed on CPU) fp32 inputs meet bf16 gradients.
+    """
+    if float8_linear not in _AUTOCAST_AWARE:
+
+        def forward(self: nn.Module, input: Tensor) -> Tensor:
+            if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+                input = input.to(torch.get_autocast_dtype("cpu"))
+            return float8_linear.forward(self, input)
+
+        _AUTOCAST_AWARE[float8_linear] = type(float8_linear.__name__, (float8_linear,), {"forward": forward})
+    return _AUTOCAST_AWARE[float8_linear]
 
 
 def torchao_config(recipe: str, *, emulate: bool) -> Any:

@@ -205,8 +205,17 @@ def _fp8_all_gather_weight(linear: nn.Module) -> None:
 
 
 def _float8_tensorwise_style(style: ParallelStyle) -> ParallelStyle:
-    """torchao's Float8 counterpart of a plan's column/row-wise style (same layouts)."""
+    """torchao's Float8 counterpart of a plan's column/row-wise style (same layouts).
+
+    Those styles move FP8 activations and gradients through DTensor collectives, which gloo
+    cannot carry (float8 goes by send/recv only there): on gloo the plan's own style stays, and
+    the linears still compute in FP8 on their DTensor shards (same quantisation, bf16 traffic).
+    """
+    import torch.distributed as dist
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        return style
 
     for plain, float8 in ((ColwiseParallel, Float8ColwiseParallel), (RowwiseParallel, Float8RowwiseParallel)):
         if type(style) is plain:
