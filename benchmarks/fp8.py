@@ -67,7 +67,8 @@ def train_worker(run: str, steps: int, seq_len: int, batch: int) -> dict[str, An
         accelerator="cpu", devices=1, max_steps=steps, callbacks=[record], **_plugins(run), **QUIET_TRAINER
     )
     optim = OptimConfig(name="adamw", lr=3e-3, warmup_steps=min(20, steps // 4))
-    trainer.fit(LlamaModule(MODEL, optim=optim), datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=batch))
+    data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=batch)
+    trainer.fit(LlamaModule(MODEL, optim=optim), datamodule=data)
     precision = trainer.precision_plugin
     converted = len(precision.swap.conversion.converted) if isinstance(precision, FP8Precision) else 0
     return {"losses": record.losses, "step_s": sorted(record.times)[len(record.times) // 2], "converted": converted}

@@ -50,15 +50,28 @@ def test_build_derives_gradient_accumulation_from_the_global_batch(tmp_path, mon
     assert not dist.is_initialized()
 
 
+def test_precision_fp8_builds_the_fp8_plugin(tmp_path, monkeypatch):
+    from lightning_ultrascale import FP8Precision
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    trainer, _, _ = build(_compose("precision=fp8_tensorwise", "model=llama_small"))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, FP8Precision) and (plugin.recipe, plugin.precision) == ("tensorwise", "bf16-mixed")
+    assert trainer.strategy.precision_plugin is plugin and not dist.is_initialized()
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.name=llama_huge"], r"model=llama_huge is unknown; valid: llama_tiny, llama3_1b"),
+        (["model.name=llama_huge"], r"model=llama_huge is unknown; valid: llama_tiny, llama_small, llama3_1b"),
         (["data=tokens", "data.source=/nonexistent/corpus.bin"], r"data.source=/nonexistent/corpus.bin"),
         (["data.global_batch_size=6", "data.micro_batch_size=2"], r"data.global_batch_size=6 .* = 4; valid: 4, 8"),
         (["parallel.dp=3"], r"dp_replicate=3 .* multiply to 3, but the job has 2 ranks"),
         (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256"),
         (["optim.name=lion"], r"optim.name='lion' is unknown; valid: adamw, sgd"),
+        (["precision=fp8_rowwise", "precision.fp8=fp4"], r"precision.fp8='fp4' is unknown; valid: tensorwise, rowwise"),
+        (["precision=fp8_rowwise", "precision.precision=32-true"], r"precision.precision='32-true' cannot carry FP8"),
+        (["precision=fp8_blockwise", "precision.emulate=false"], r"precision.emulate=False with the blockwise recipe"),
     ],
 )
 def test_bad_input_fails_before_any_process_group(tmp_path, monkeypatch, overrides, message):

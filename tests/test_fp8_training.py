@@ -1,0 +1,164 @@
+"""FP8Precision in training: layouts against one process with the same quantisation, FP8 all-gather, errors.
+
+Which single-process run is "the same quantisation" depends on the recipe. Dynamic scales are
+taken over what one forward sees: tensorwise's activation scale over a rank's micro-batch, so a
+data-parallel or pipelined layout equals the one-process run with the same micro-batches
+(gradient accumulation), not the one that sees the whole batch at once (those two differ by
+2e-4 in loss). Blockwise's groups are 1 x 128 tiles per token and 128-token tiles along the
+tokens, whole sequences' worth here, so any split into micro-batches or tensor-parallel shards
+that keeps 128-aligned groups quantises exactly as one process does.
+
+How tight: FP8 amplifies rounding noise. A 1e-7 relative change of the weights (fp32 summation
+order) moves some values across an E4M3 rounding step (6% apart), which moves the next layer's
+inputs by ~1e-4, which flips more: measured on llama_small, one process against itself with
+weights perturbed by 1e-7, FP8 gradients of the attention projections differ by 3% (fp32: 1e-6).
+So:
+- layouts that do the same arithmetic as the reference (dp, ZeRO-3, pipeline) equal it: measured
+  bit for bit; bound 1e-5 (losses, first-step gradients);
+- layouts that sum in another order (TP's partial sums, CP's ring attention) are checked where
+  FP8 cannot amplify yet, the first forward: loss within 2e-4 (measured 2.5e-7 tp, 1.9e-5 cp); and
+  over three steps losses within 2.5e-3 (measured 2.4e-4 tp, 2.4e-4 cp) and gradients within
+  0.5 (measured 0.09 tp, 0.09 cp). A real fault is larger: a linear quantised on one side only
+  (a plan that differs under tp) measured loss 5.9e-3 and gradients 0.66; a missing reduction of
+  the input gradient under TP measured gradients 0.69.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from llama_runs import SGD, run_tiny_llama
+
+from lightning_ultrascale import (
+    ConfigError,
+    ContextParallel,
+    FP8Precision,
+    LlamaModule,
+    PipelineParallel,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, RunRecord, assert_parity, relative_error
+from lightning_ultrascale.testing.spawn import run_workers
+from lightning_ultrascale.utils.comm import CommTracer
+
+MODEL = "llama_small"
+STEPS = 3
+
+
+def _run(recipe: str, base: str, plugins: Any = None, world_size: int = 1, **kwargs: Any) -> RunRecord:
+    return run_tiny_llama(
+        SGD, plugins, world_size, steps=STEPS, model=MODEL, precision=FP8Precision(recipe, base), **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[str, int], RunRecord]:
+    """One-process FP8 runs: (recipe, micro-batches per step)."""
+    return {
+        ("tensorwise", 2): _run("tensorwise", "32-true", accumulate=2),
+        ("blockwise", 1): _run("blockwise", "32-true"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("recipe", "plugins", "kwargs"),
+    [
+        ("tensorwise", lambda: [ZeRO(stage=3)], {}),
+        ("tensorwise", lambda: [PipelineParallel(2, schedule="1f1b", microbatches=2)], {"dp": 1}),
+    ],
+    ids=["dp2-zero3-fp8-all-gather", "pp2-1f1b"],
+)
+def test_layouts_with_the_same_arithmetic_equal_one_process(references, recipe, plugins, kwargs):
+    run = _run(recipe, "32-true", plugins, 2, **kwargs)
+    # Each rank's (or microbatch's) 4 sequences are the reference's micro-steps: same scales.
+    assert_parity(run, references[(recipe, 2)], rtol=1e-5, later_grad_rtol=1e-5, param_rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "plugins",
+    [lambda: [TensorParallel(2, sequence_parallel=True)], lambda: [ContextParallel(2)]],
+    ids=["tp2-sp", "cp2-zigzag"],
+)
+def test_layouts_that_sum_in_another_order_match_one_process_within_fp8_noise(references, plugins):
+    ref = references[("blockwise", 1)]
+    run = _run("blockwise", "32-true", plugins, 2, dp=1)
+    first = abs(run.losses[0] - ref.losses[0]) / ref.losses[0]
+    assert first < 2e-4, f"first forward's loss differs by {first:.2e}"
+    losses = max(abs(a - b) / b for a, b in zip(run.losses, ref.losses))
+    assert len(run.losses) == STEPS and losses < 2.5e-3, f"losses differ by {losses:.2e}"
+    worst = max((relative_error(g[n], r[n]), n) for g, r in zip(run.grads, ref.grads) for n in r)
+    assert worst[0] < 0.5, f"gradient of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def _all_gather_bytes(fp8: bool) -> tuple[int, int]:
+    class Trace(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.tracer = CommTracer().__enter__()
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            self.tracer.__exit__(None, None, None)
+
+    trace = Trace()
+    precision = {"plugins": [FP8Precision("tensorwise")]} if fp8 else {"precision": "bf16-mixed"}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=1, callbacks=[trace],
+        **precision, **QUIET_TRAINER,
+    )  # fmt: skip
+    module = LlamaModule(MODEL)
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    numel = 0
+    if fp8:
+        converted = trainer.precision_plugin.swap.conversion.converted
+        numel = sum(module.model.get_submodule(n).weight.numel() for n in converted)
+        weight = module.model.get_submodule(converted[0]).weight
+        assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+    return trace.tracer.total("all_gather"), numel
+
+
+def test_zero3_all_gathers_fp8_weights_in_half_of_bf16s_bytes():
+    bf16, _ = run_workers(_all_gather_bytes, 2, False)[0]
+    fp8, numel = run_workers(_all_gather_bytes, 2, True)[0]
+    # Every unit is gathered twice per step (forward; backward after resharding). The 28 FP8
+    # linears move 1 byte per parameter instead of 2; norms and the root unit stay bf16.
+    assert numel == 4 * (4 * 256 * 256 + 3 * 256 * 768)
+    assert fp8 == bf16 - 2 * numel
+    linears_bf16, linears_fp8 = 2 * 2 * numel, 2 * 1 * numel
+    assert linears_fp8 * 2 == linears_bf16 and bf16 - linears_bf16 == fp8 - linears_fp8
+
+
+# ------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("fp4",), r"FP8Precision\(recipe='fp4'\) is unknown; valid: tensorwise, rowwise, rowwise_with_gw_hp, bl"),
+        (("rowwise", "32-true"), r"precision='32-true'\) cannot carry FP8: the rowwise recipe .* valid: bf16-mixed"),
+        (("tensorwise", "bf16-true"), r"keeps fp32 master weights .* valid: bf16-mixed, 32-true"),
+    ],
+)
+def test_bad_recipes_and_precisions_name_the_option_and_the_valid_values(args, message):
+    with pytest.raises(ConfigError, match=message):
+        FP8Precision(*args)
+
+
+def test_kernels_a_device_cannot_run_are_refused_with_the_fallback():
+    with pytest.raises(ConfigError, match=r"emulate=False\) with the blockwise recipe.*emulated path"):
+        FP8Precision("blockwise", emulate=False)
+
+
+def test_a_model_without_suitable_linears_trains_high_precision_and_says_why(caplog):
+    from lightning_ultrascale.models import build_model
+
+    precision = FP8Precision("blockwise")
+    model = build_model("llama_tiny", device="meta")
+    with caplog.at_level("INFO"):
+        precision.convert_module(model)
+    conversion = precision.swap.conversion
+    assert not conversion.converted and len(conversion.skipped) == 29
+    assert "kept layers.0.attention.wq: in_features=64 and out_features=64 not a multiple of 128" in caplog.text
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
