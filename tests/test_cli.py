@@ -90,7 +90,7 @@ def test_strategy_rejects_a_layout_when_the_trainer_is_built():
 
 
 def test_unknown_recipe_names_the_valid_ones():
-    valid = "deepseek_v2_lite, llama3_8b, llama_tiny_cpu, mixtral_8x7b, moe_tiny_cpu"
+    valid = "deepseek_v2_lite, llama3_8b, llama3_8b_fp8, llama_tiny_cpu, mixtral_8x7b, moe_tiny_cpu"
     with pytest.raises(ConfigError, match=rf"recipe='llama9' is unknown; valid: {valid}"):
         hydra_argv(["recipe=llama9"])
 
@@ -460,6 +460,12 @@ def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypat
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     strategy.validate(LlamaModule(config).model_spec, shape, world_size=world)
     assert cfg.data.seq_len <= config.max_seq_len and not dist.is_initialized()
+    if cfg.precision.get("fp8"):  # every block linear suits the recipe; only the head stays bf16
+        from lightning_ultrascale.fp8 import plan_fp8
+        from lightning_ultrascale.models import build_model
+
+        plan = plan_fp8(build_model(config, device="meta"), cfg.precision.fp8, tp=strategy.parallel_dims.tp)
+        assert list(plan.skipped) == ["output"] and len(plan.converted) == 7 * config.n_layers
 
 
 def test_moe_and_mla_options_are_checked_against_the_model(tmp_path):
