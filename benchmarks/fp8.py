@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps, shorter sequences (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    steps, seq_len, batch = (6, 32, 4) if args.quick else (200, 64, 8)
+    steps, seq_len, batch = (4, 32, 4) if args.quick else (200, 64, 8)
     torch.set_num_threads(1)  # fork safety (run_workers); each run gets the same one core
 
     curves = measure_curves(steps, seq_len, batch)

@@ -157,3 +157,15 @@ def test_expert_benchmark_committed_full_run_balances_below_1_3():
         m = methods[name]
         assert m["stays_below_from"] is not None and m["final_trailing_mean"] < 1.3, (name, m["stays_below_from"])
     assert methods["neither"]["first_below"] is None
+
+
+def test_fp8_benchmark_quick_run_trains_every_recipe_and_halves_the_linears_all_gather(tmp_path):
+    result, stdout = _quick_run("fp8", tmp_path)
+    runs = ["bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+    assert [row["run"] for row in result["curves"]] == runs
+    for row in result["curves"]:
+        assert row["converted_linears"] == (0 if row["run"] == "bf16" else 28)
+        assert all(math.isfinite(loss) for loss in row["losses"]) and row["final_loss"] < row["first_loss"]
+    gathers = result["zero3_all_gather"]
+    assert gathers["fp8_bytes"] == gathers["expected_fp8_bytes"] < gathers["bf16_bytes"]
+    assert "not measured" in stdout and result["gpu"] == "not measured"
