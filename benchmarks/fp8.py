@@ -6,7 +6,7 @@ wide, so every recipe converts all 28 of them; embedding and head stay high prec
 bundled corpus:
 
 1. Training curves: the same seed, data order and AdamW schedule (lr 3e-3, 20 warm-up steps,
-   cosine decay), 200 steps of 8 x 64 tokens in one process, for bf16 (Lightning's
+   cosine decay), 200 steps of 4 x 64 tokens in one process, for bf16 (Lightning's
    ``bf16-mixed``: bf16 autocast over fp32 master weights) and each ``FP8Precision`` recipe on top
    of it (tensorwise, rowwise, rowwise_with_gw_hp through torchao, emulated on CPU; blockwise,
    ours). The final loss is the mean of the last 10 steps (one step's loss swings with its batch);
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few steps, shorter sequences (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    steps, seq_len, batch = (4, 32, 4) if args.quick else (200, 64, 8)
+    steps, seq_len, batch = (4, 32, 4) if args.quick else (200, 64, 4)
     torch.set_num_threads(1)  # fork safety (run_workers); each run gets the same one core
 
     curves = measure_curves(steps, seq_len, batch)
