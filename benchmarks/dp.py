@@ -62,7 +62,6 @@ class TraceBackward(L.Callback):
         )
 
 
-
 def _trainer(strategy: Any, world_size: int, steps: int, callbacks: list[L.Callback]) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",

@@ -253,6 +253,7 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
 
 # ----------------------------------------------------------------------------- 4: speed
 
+
 def speed_worker(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) -> float:
     timer = StepTimer()
     trainer = L.Trainer(

@@ -97,7 +97,6 @@ class FSDP2ByHand(LlamaModule):
         fully_shard(self.model, mesh=mesh)
 
 
-
 def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float | str:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 

@@ -125,9 +125,7 @@ def plan_fp8(model: nn.Module, recipe: str = "blockwise", tp: int = 1) -> FP8Con
     return plan
 
 
-def convert_to_fp8(
-    model: nn.Module, recipe: str = "blockwise", tp: int = 1, *, emulate: bool = True
-) -> FP8Conversion:
+def convert_to_fp8(model: nn.Module, recipe: str = "blockwise", tp: int = 1, *, emulate: bool = True) -> FP8Conversion:
     """Swap the linears :func:`plan_fp8` picks for their FP8 class, in place; log and return the plan.
 
     ``emulate`` (torchao recipes): dequantise and multiply in high precision instead of calling
