@@ -57,16 +57,16 @@ def run_tiny_llama(
     steps: int = 5,
     dp: int | None = None,
     model: str | LlamaConfig = "llama_tiny",
-    precision: Any = None,
+    precision_plugin: Any = None,
     **trainer_kwargs: Any,
 ) -> RunRecord:
     """Train a Llama on the bundled corpus; ``plugins=None`` is the plain one-device reference.
 
     ``dp`` (default: ``world_size``) is the number of data-parallel ranks sharing the global batch.
-    ``precision``: a Lightning precision plugin (e.g. ``FP8Precision``), given to the Trainer.
+    ``precision_plugin``: a Lightning precision plugin (e.g. ``FP8Precision``), given to the Trainer.
     """
-    if precision is not None:
-        trainer_kwargs["plugins"] = [precision]
+    if precision_plugin is not None:
+        trainer_kwargs["plugins"] = [precision_plugin]
     micro = GLOBAL_BATCH // ((world_size if dp is None else dp) * accumulate)
     strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
     return record_run(

@@ -53,7 +53,7 @@ STEPS = 3
 
 def _run(recipe: str, base: str, plugins: Any = None, world_size: int = 1, **kwargs: Any) -> RunRecord:
     return run_tiny_llama(
-        SGD, plugins, world_size, steps=STEPS, model=MODEL, precision=FP8Precision(recipe, base), **kwargs
+        SGD, plugins, world_size, steps=STEPS, model=MODEL, precision_plugin=FP8Precision(recipe, base), **kwargs
     )
 
 

@@ -155,7 +155,7 @@ def test_tensor_parallelism_gives_a_marked_linear_the_style_of_its_kind(referenc
 
 def test_an_unknown_linear_kind_is_refused_with_the_known_ones():
     plan = {"wq": ColwiseParallel()}
-    with pytest.raises(ConfigError, match=r"module layers.0.wq is a 'float8' linear, .* known kinds: none"):
+    with pytest.raises(ConfigError, match=r"'float8' linear, .* known kinds: fp8_tensorwise, fp8 \(register"):
         tensor._styled(plan, "layers.0.", {"layers.0.wq": "float8"}, set())
     assert tensor._styled(plan, "layers.0.", {}, {"layers.0.wq"}) == {}  # a module this rank does not hold
 
