@@ -35,7 +35,7 @@ import torch
 from lightning_ultrascale import FP8Precision, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 from lightning_ultrascale.testing.spawn import run_workers
-from lightning_ultrascale.utils.comm import CommTracer
+from lightning_ultrascale.testing.tracing import StepCommTracer
 
 RESULTS = Path(__file__).parent / "results" / "fp8.json"
 RUNS = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -75,14 +75,7 @@ def train_worker(run: str, steps: int, seq_len: int, batch: int) -> dict[str, An
 
 
 def gather_worker(run: str, seq_len: int) -> dict[str, int]:
-    class Trace(L.Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
-            self.tracer = CommTracer().__enter__()
-
-        def on_before_optimizer_step(self, *args: Any) -> None:
-            self.tracer.__exit__(None, None, None)
-
-    trace = Trace()
+    trace = StepCommTracer()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=1, callbacks=[trace],
         **_plugins(run), **QUIET_TRAINER,

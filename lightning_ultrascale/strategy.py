@@ -117,7 +117,6 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
         self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
-        self._precision_rewrite: tuple[Any, ParallelPlugin] | None = None
 
     # ----------------------------------------------------------------------------- sizes, mesh, layout
     def resolve_dims(self, world_size: int) -> ParallelDims:
@@ -151,9 +150,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         plugins = self.plugins
         offer = getattr(self.precision_plugin, "parallel_plugin", None)
         if offer is not None:
-            if self._precision_rewrite is None or self._precision_rewrite[0] is not self.precision_plugin:
-                self._precision_rewrite = (self.precision_plugin, offer())
-            plugins = (*plugins, self._precision_rewrite[1])
+            plugins = (*plugins, offer())  # the same object at every call: it keeps what it applied
         return tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at)))
 
     @property

@@ -45,7 +45,7 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, RunRecord, assert_parity, relative_error
 from lightning_ultrascale.testing.spawn import run_workers
-from lightning_ultrascale.utils.comm import CommTracer
+from lightning_ultrascale.testing.tracing import StepCommTracer
 
 MODEL = "llama_small"
 STEPS = 3
@@ -97,14 +97,7 @@ def test_layouts_that_sum_in_another_order_match_one_process_within_fp8_noise(re
 
 
 def _all_gather_bytes(fp8: bool) -> tuple[int, int]:
-    class Trace(L.Callback):
-        def on_train_batch_start(self, *args: Any) -> None:
-            self.tracer = CommTracer().__enter__()
-
-        def on_before_optimizer_step(self, *args: Any) -> None:
-            self.tracer.__exit__(None, None, None)
-
-    trace = Trace()
+    trace = StepCommTracer()
     precision = {"plugins": [FP8Precision("tensorwise")]} if fp8 else {"precision": "bf16-mixed"}
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=1, callbacks=[trace],

@@ -142,8 +142,7 @@ class FP8Precision(MixedPrecision):
         # converts modules for precision; under UltraScaleStrategy it already happened, on meta.
         model = next((m for m in module.modules() if isinstance(getattr(m, "spec", None), ModelSpec)), module)
         if model not in self.swap.applied_to:
-            self.swap.conversion = convert_to_fp8(model, self.recipe, emulate=self.emulate)
-            self.swap.applied_to.add(model)
+            self.swap.convert(model, tp=1)
         return module
 
     def __repr__(self) -> str:
@@ -179,17 +178,22 @@ class FP8Swap(ParallelPlugin):
         pass  # a linear the recipe cannot take stays high precision, listed with its reason
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        plan = convert_to_fp8(model, self.recipe, tp=layout.dims.tp, emulate=self.emulate)
-        if not plan.converted:
-            log.warning("FP8 %s converted no linear: every linear of the model stays high precision", self.recipe)
+        plan = self.convert(model, tp=layout.dims.tp)
         kind = "fp8_tensorwise" if self.recipe == "tensorwise" else "fp8"
         for name in plan.converted:
             layout.linear_styles[name] = kind
             if self.recipe == "tensorwise" and self.fp8_all_gather:
                 layout.all_gather_casts[name] = _fp8_all_gather_weight
+        return model
+
+    def convert(self, model: nn.Module, tp: int) -> FP8Conversion:
+        """Swap ``model``'s linears (shards of ``tp``), remember it and what was converted."""
+        plan = convert_to_fp8(model, self.recipe, tp=tp, emulate=self.emulate)
+        if not plan.converted:
+            log.warning("FP8 %s converted no linear: every linear of the model stays high precision", self.recipe)
         self.conversion = plan
         self.applied_to.add(model)
-        return model
+        return plan
 
 
 def _fp8_all_gather_weight(linear: nn.Module) -> None:
