@@ -15,11 +15,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.kernels import check_kernels, get_kernels, reference
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.models.spec import ModelSpec
@@ -85,6 +86,10 @@ class LlamaModule(L.LightningModule):
         init_from: ``"hf:DIR"`` starts from the weights of an HF model directory (safetensors and
             ``config.json``, e.g. what ``ultrascale-export`` writes), read through DCP by every
             rank of any layout; the architecture must be ``model``'s.
+        kernels: the kernel set of RMSNorm, SwiGLU, RoPE and the loss: ``"reference"`` (pure torch),
+            ``"compile"``, ``"triton"`` or ``"liger"`` (see :mod:`lightning_ultrascale.kernels`).
+        fused_cross_entropy: chunk the head and the loss so the ``[tokens, vocab]`` logits never
+            exist (default: with every kernel set but ``"reference"``).
 
     Example:
         >>> import lightning as L
@@ -100,9 +105,15 @@ class LlamaModule(L.LightningModule):
         optim: OptimConfig | None = None,
         seed: int = 0,
         init_from: str | None = None,
+        kernels: str = "reference",
+        fused_cross_entropy: bool | None = None,
     ) -> None:
         super().__init__()
         self.config = get_model_config(model) if isinstance(model, str) else model
+        self.kernels = get_kernels(kernels, fused_cross_entropy)
+        # The device is checked again by each fast op; this catches a GPU kernel set on a CPU machine now.
+        check_kernels(kernels, "cuda" if torch.cuda.is_available() else "cpu")
+        self._warned_unfused = False
         self.optim = optim or OptimConfig()
         self.seed = seed
         self.init_from = _hf_directory(init_from)
@@ -111,7 +122,14 @@ class LlamaModule(L.LightningModule):
         self.expert_loads: torch.Tensor | None = None
         self._moe_metrics: dict[str, torch.Tensor] = {}
         self.save_hyperparameters(
-            {"model": self.config.name, "model_config": asdict(self.config), "optim": vars(self.optim), "seed": seed}
+            {
+                "model": self.config.name,
+                "model_config": asdict(self.config),
+                "optim": vars(self.optim),
+                "seed": seed,
+                "kernels": kernels,
+                "fused_cross_entropy": self.kernels.linear_cross_entropy is not None,
+            }
         )
 
     @property
@@ -123,7 +141,7 @@ class LlamaModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = Llama(self.config, pretrained=self.init_from)
+        self.model = Llama(self.config, pretrained=self.init_from, kernels=self.kernels)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights(self.seed)
 
@@ -141,11 +159,18 @@ class LlamaModule(L.LightningModule):
         Pipeline parallelism calls it on the last stage for every microbatch.
         """
         # fp32 loss whatever the compute precision: the softmax over a 128k vocab loses too much in bf16.
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        if self.kernels.linear_cross_entropy is not None and not self._warned_unfused:
+            rank_zero_warn(
+                f"kernels={self.kernels.name}: the fused linear cross-entropy does not run under pipeline "
+                "parallelism (the last stage hands its logits to loss_fn); the other kernels do"
+            )
+            self._warned_unfused = True
+        return reference.cross_entropy(logits, labels)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
-        loss = self.loss_fn(self(batch["input_ids"], batch.get("position_ids")), labels)
+        assert self.model is not None, "configure_model() builds the model"
+        loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels)
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         assert self.model is not None

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.kernels import Kernels, get_kernels, reference
+from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.moe import MoE, MoEConfig
 from lightning_ultrascale.models.spec import ModelSpec
 
@@ -262,17 +264,6 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
     return torch.where(wavelen < old_len / s.high_freq_factor, inv_freq, scaled)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [b, heads, s, head_dim]`` by RoPE angles, HF ``rotate_half`` layout.
-
-    Computed in fp32 and cast back: in bf16 the rotation of far positions loses most of its
-    precision (torchtitan also rotates in fp32).
-    """
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).type_as(x)
-
-
 def param_seed(seed: int, fqn: str) -> int:
     """Generator seed of one parameter: a 32-bit hash of the run seed and the parameter's name.
 
@@ -294,10 +285,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel: Callable[[Tensor, Tensor, float], Tensor] = reference.rms_norm  # Llama.use_kernels sets it
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return self.kernel(x, self.weight, self.eps)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -328,13 +319,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
+        self.rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = reference.rope
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope(q, k, cos, sin)
         out = self.attention_fn(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -347,9 +339,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.swiglu: Callable[[Tensor, Tensor], Tensor] = reference.swiglu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.swiglu(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -484,7 +477,7 @@ class Llama(nn.Module):
         torch.Size([1, 8, 320])
     """
 
-    def __init__(self, config: LlamaConfig, pretrained: str | None = None) -> None:
+    def __init__(self, config: LlamaConfig, pretrained: str | None = None, kernels: Kernels | None = None) -> None:
         super().__init__()
         config.validate()
         self.config = config
@@ -508,15 +501,37 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.kernels = get_kernels("reference")
+        self.use_kernels(kernels or self.kernels)
 
-    def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        return self.forward_stage(
-            tokens,
-            position_ids,
-            list(self.layers.keys()),
-            embed=self.tok_embeddings is not None,
-            head=self.output is not None,
-        )
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run RMSNorm, SwiGLU, RoPE and the loss with ``kernels`` (see :mod:`lightning_ultrascale.kernels`).
+
+        MLA's rotary part and the routed experts' grouped GEMMs keep their own code.
+        """
+        self.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernels.rms_norm
+            elif isinstance(module, FeedForward):
+                module.swiglu = kernels.swiglu
+            elif isinstance(module, Attention):
+                module.rope = kernels.rope
+
+    def forward(self, tokens: Tensor, position_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+        """Logits ``[b, s, vocab]``; with ``labels [b, s]`` the mean cross-entropy over those not -100 instead.
+
+        With a fused linear cross-entropy kernel the loss never materialises the logits.
+        """
+        blocks = list(self.layers.keys())
+        embed = self.tok_embeddings is not None
+        if labels is None:
+            return self.forward_stage(tokens, position_ids, blocks, embed=embed, head=self.output is not None)
+        assert self.norm is not None and self.output is not None, "a loss needs the final norm and the head"
+        h = self.norm(self.forward_stage(tokens, position_ids, blocks, embed=embed, head=False))
+        fused = self.kernels.linear_cross_entropy
+        # The head's weight is read inside this forward, where FSDP has gathered it.
+        return fused(h, self.output.weight, labels) if fused else reference.cross_entropy(self.output(h), labels)
 
     def forward_stage(
         self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
