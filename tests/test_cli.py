@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
@@ -58,6 +59,19 @@ def test_precision_fp8_builds_the_fp8_plugin(tmp_path, monkeypatch):
     plugin = trainer.precision_plugin
     assert isinstance(plugin, FP8Precision) and (plugin.recipe, plugin.precision) == ("tensorwise", "bf16-mixed")
     assert trainer.strategy.precision_plugin is plugin and not dist.is_initialized()
+
+
+def test_kernels_group_builds_the_module_with_that_kernel_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    _, module, _ = build(_compose("kernels=triton"))
+    assert module.kernels.name == "triton" and module.kernels.linear_cross_entropy is not None
+    _, module, _ = build(_compose("kernels.fused_cross_entropy=true"))
+    assert module.kernels.name == "reference" and module.kernels.linear_cross_entropy is not None
+    assert not dist.is_initialized()
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")  # conftest runs Triton in its interpreter; a user's CPU does not
+        with pytest.raises(ConfigError, match=r"kernels=triton runs Triton kernels, which need a CUDA GPU.*=compile"):
+            build(_compose("kernels=triton"))
 
 
 @pytest.mark.parametrize(

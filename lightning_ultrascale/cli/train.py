@@ -238,7 +238,15 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
     init_from = cfg.model.get("init_from")
-    module = LlamaModule(_model_config(cfg.model), optim=OptimConfig(**optim), seed=cfg.seed, init_from=init_from)
+    kernels = cfg.get("kernels") or {}
+    module = LlamaModule(
+        _model_config(cfg.model),
+        optim=OptimConfig(**optim),
+        seed=cfg.seed,
+        init_from=init_from,
+        kernels=kernels.get("name", "reference"),
+        fused_cross_entropy=kernels.get("fused_cross_entropy"),
+    )
     data = cfg.data
     datamodule = UltraScaleDataModule(
         source=data.source,
