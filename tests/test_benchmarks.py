@@ -169,3 +169,14 @@ def test_fp8_benchmark_quick_run_trains_every_recipe_and_halves_the_linears_all_
     gathers = result["zero3_all_gather"]
     assert gathers["fp8_bytes"] == gathers["expected_fp8_bytes"] < gathers["bf16_bytes"]
     assert "not measured" in stdout and result["gpu"] == "not measured"
+
+
+def test_kernels_benchmark_quick_run_matches_the_reference_and_saves_the_logits_memory(tmp_path):
+    result, stdout = _quick_run("kernels", tmp_path)
+    measured = [row for row in result["numerics"] if row["max_error"] is not None]
+    assert {row["kernels"] for row in measured} == {"triton", "liger"}
+    for row in measured:
+        assert row["max_error"] < (1e-5 if row["dtype"] == "float32" else 5e-2), row
+    (memory,) = result["loss_memory"]
+    assert memory["saved_over_logits"] >= 1.0
+    assert "not measured" in stdout and result["gpu"] == "not measured"
