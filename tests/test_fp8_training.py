@@ -30,7 +30,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from llama_runs import SGD, run_tiny_llama
+from llama_runs import SGD, SaveCheckpoint, run_tiny_llama
 
 from lightning_ultrascale import (
     ConfigError,
@@ -38,12 +38,19 @@ from lightning_ultrascale import (
     FP8Precision,
     LlamaModule,
     PipelineParallel,
+    Recompute,
     TensorParallel,
     UltraScaleDataModule,
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing.parity import QUIET_TRAINER, RunRecord, assert_parity, relative_error
+from lightning_ultrascale.testing.parity import (
+    QUIET_TRAINER,
+    ParityRecorder,
+    RunRecord,
+    assert_parity,
+    relative_error,
+)
 from lightning_ultrascale.testing.spawn import run_workers
 from lightning_ultrascale.testing.tracing import StepCommTracer
 
@@ -78,6 +85,47 @@ def test_layouts_with_the_same_arithmetic_equal_one_process(references, recipe, 
     run = _run(recipe, "32-true", plugins, 2, **kwargs)
     # Each rank's (or microbatch's) 4 sequences are the reference's micro-steps: same scales.
     assert_parity(run, references[(recipe, 2)], rtol=1e-5, later_grad_rtol=1e-5, param_rtol=1e-5)
+
+
+def test_full_recomputation_recomputes_the_same_fp8_forward(references):
+    # The recomputed forward sees the same inputs, so it takes the same dynamic scales.
+    run = _run("tensorwise", "32-true", lambda: [Recompute("full")], 1, accumulate=2)
+    assert_parity(run, references[("tensorwise", 2)], rtol=1e-5, later_grad_rtol=1e-5, param_rtol=1e-5)
+
+
+class _ParamsAtStart(L.Callback):
+    """The parameters a run starts from (after Lightning restored a checkpoint into them)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        recorder = ParityRecorder()
+        recorder.on_train_end(trainer, module)  # the full (unsharded) parameters, on every rank
+        self.params = recorder.record.params
+
+
+def _zero3_fit(fp8: bool, max_steps: int, ckpt_path: str | None = None, save_to: str | None = None) -> Any:
+    """ZeRO-3 on 2 ranks, FP8 tensorwise (weights wrapped for the FP8 all-gather) or fp32."""
+    L.seed_everything(0, verbose=False)
+    start, end = _ParamsAtStart(), ParityRecorder()
+    callbacks = [start, end] + ([SaveCheckpoint(save_to, step=max_steps, stop=True)] if save_to else [])
+    precision = {"plugins": [FP8Precision("tensorwise", "32-true")]} if fp8 else {"precision": "32-true"}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=max_steps,
+        callbacks=callbacks, **precision, **QUIET_TRAINER,
+    )  # fmt: skip
+    data = UltraScaleDataModule(seq_len=32, micro_batch_size=2, seed=0)
+    trainer.fit(LlamaModule(MODEL, optim=SGD), datamodule=data, ckpt_path=ckpt_path)
+    return start.params if ckpt_path else end.record.params
+
+
+@pytest.mark.parametrize("fp8_saves", [True, False], ids=["fp8-into-fp32", "fp32-into-fp8"])
+def test_a_checkpoint_loads_across_fp8_and_high_precision_runs(tmp_path, fp8_saves):
+    path = str(tmp_path / "step2.ckpt")
+    saved = run_workers(_zero3_fit, 2, fp8_saves, 2, None, path)[0]
+    loaded = run_workers(_zero3_fit, 2, not fp8_saves, 3, path)[0]
+    # FP8 keeps fp32 master weights with their names and shapes: the checkpoint is the same kind.
+    assert saved.keys() == loaded.keys()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
 
 
 @pytest.mark.parametrize(
