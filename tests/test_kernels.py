@@ -102,6 +102,26 @@ def test_fast_kernels_equal_the_reference_forward_and_backward(op, name, dtype):
             )
 
 
+@pytest.mark.parametrize("tokens", [128, 200, 5], ids=["one-tile", "tail", "fewer-than-a-tile"])
+def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations_bit_for_bit(tokens):
+    from lightning_ultrascale.fp8.quantize import quantize
+    from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 256) * 3
+    x[0, :128] = 0.0  # a zero tile: a tiny scale, all zeros
+    x[-1, 128:] *= 1e-6  # values that land on E4M3 subnormals
+    x[tokens // 2, 7] = float("inf")  # saturates at 448, no NaN
+    ours, ours_t = tile_quantize_with_transpose(x.to(DEVICE))
+    q = quantize(x, "tile")
+    x_t = torch.nn.functional.pad(q.dequantize().t(), (0, -tokens % 128))  # tiles along the tokens
+    q_t = quantize(x_t, "tile")
+    for got, want in ((ours, q), (ours_t, q_t)):
+        assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale.cpu(), want.scale)
+        assert torch.isfinite(got.dequantize()).all()
+
+
 def _loss_inputs(tokens: int, dim: int, vocab: int) -> list[Tensor]:
     labels = torch.randint(0, vocab, (tokens,))
     labels[::5] = -100  # ignored tokens count in neither the sum nor the mean

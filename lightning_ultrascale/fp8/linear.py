@@ -15,6 +15,7 @@ kernel does, not the high-precision ones.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ from torch import Tensor
 
 from lightning_ultrascale.fp8.quantize import TILE, Quantized, quantize
 
-__all__ = ["blockwise_fp8_linear"]
+__all__ = ["blockwise_fp8_linear", "quantize_input"]
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _mm(a: Quantized, b: Quantized) -> Tensor:
@@ -36,27 +39,41 @@ def _pad_tokens(t: Tensor) -> Tensor:
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
+def quantize_input(x: Tensor) -> tuple[Quantized, Quantized]:
+    """``x [tokens, in]`` in 1 x 128 tiles (forward GEMM), and ``x^T`` in tiles along the tokens (``dW``).
+
+    The transposed copy is re-quantised from the E4M3 values of the first, as DeepSeek-V3 caches
+    activations in FP8; a token count that is not a multiple of 128 is padded with zero tokens
+    (they add nothing to ``dW``). On a CUDA GPU one Triton kernel writes both
+    (:mod:`lightning_ultrascale.kernels.triton_fp8`), with the same bits.
+    """
+    if x.is_cuda and _HAS_TRITON:
+        from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
+
+        return tile_quantize_with_transpose(x)
+    qx = quantize(x, "tile")
+    return qx, quantize(_pad_tokens(qx.dequantize().t()), "tile")
+
+
 class _BlockwiseFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        qx, qw = quantize(x2, "tile"), quantize(weight, "block")
-        ctx.save_for_backward(qx.data, qx.scale, qw.data, qw.scale)
+        qx, qx_t = quantize_input(x.reshape(-1, x.shape[-1]))
+        qw = quantize(weight, "block")
+        # Backward needs x only for dW, tiled along the tokens: keep that E4M3 copy (same bytes).
+        ctx.save_for_backward(qx_t.data, qx_t.scale, qw.data, qw.scale)
         ctx.shape, ctx.dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         return _mm(qx, qw).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor]:
-        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-        qx, qw = Quantized(x_data, x_scale, "tile"), Quantized(w_data, w_scale, "block")
+        xt_data, xt_scale, w_data, w_scale = ctx.saved_tensors
+        qx_t, qw = Quantized(xt_data, xt_scale, "tile"), Quantized(w_data, w_scale, "block")
         dy2 = dy.reshape(-1, dy.shape[-1])
         # dx = dy W: dy tiled along the output features, W's blocks read transposed.
         dx = _mm(quantize(dy2, "tile"), Quantized(qw.data.t(), qw.scale.t(), "block"))
-        # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces; x from its
-        # saved E4M3 copy, re-quantised along the other dim (as DeepSeek-V3 caches activations in FP8).
-        # A token count that is not a multiple of 128 is padded with zero rows: they add nothing.
-        dy_t, x_t = _pad_tokens(dy2.t()), _pad_tokens(qx.dequantize().t())
-        dw = _mm(quantize(dy_t, "tile"), quantize(x_t, "tile"))
+        # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces.
+        dw = _mm(quantize(_pad_tokens(dy2.t()), "tile"), qx_t)
         return dx.to(ctx.dtype).reshape(ctx.shape), dw.to(ctx.weight_dtype)
 
 
