@@ -6,7 +6,7 @@ Prints tables and writes ``benchmarks/results/kernels.json``:
    fp32 and bf16, on awkward shapes (largest element error over the reference's largest value).
    Triton kernels (ours, Liger's) run in Triton's interpreter here (``TRITON_INTERPRET=1``, set
    by this script when there is no GPU); Liger's RMSNorm and SwiGLU do not run in it.
-2. Linear cross-entropy peak memory (``MemTracker``, forward + backward) with the logits
+2. Linear cross-entropy peak memory (``peak_bytes``: torch's ``MemTracker``, forward + backward) with the logits
    materialised against our chunked fused loss, at head shapes of a small and a Llama-3-vocabulary
    model. The bar: lower by at least the fp32 logits' bytes.
 3. CPU time of the reference ops eager against ``torch.compile``, side by side in one run (median
@@ -31,9 +31,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
 
 from torch import Tensor
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_ultrascale.kernels import fused_linear_cross_entropy, get_kernels, reference
+from lightning_ultrascale.utils.memory import peak_bytes
 
 RESULTS = Path(__file__).parent / "results" / "kernels.json"
 SETS = ("compile", "triton", "liger")
@@ -98,11 +98,7 @@ def _peak(loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor], tokens: int, dim:
     h = torch.randn(tokens, dim, requires_grad=True)
     weight = (torch.randn(vocab, dim) * 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,))
-    tracker = MemTracker()
-    tracker.track_external(h, weight)
-    with tracker:
-        loss_fn(h, weight, labels).backward()
-    return int(tracker.get_tracker_snapshot("peak")[h.device]["Total"])
+    return peak_bytes(lambda: loss_fn(h, weight, labels).backward(), h, weight)
 
 
 def measure_loss_memory(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:

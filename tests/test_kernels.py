@@ -19,13 +19,13 @@ import pytest
 import torch
 from llama_runs import SGD, run_tiny_llama
 from torch import Tensor
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_ultrascale import ConfigError, LlamaModule, TensorParallel, ZeRO
 from lightning_ultrascale.kernels import check_kernels, fused_linear_cross_entropy, get_kernels, reference
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.testing.parity import assert_parity
 from lightning_ultrascale.testing.spawn import run_workers
+from lightning_ultrascale.utils.memory import peak_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
@@ -160,23 +160,19 @@ def test_fused_linear_cross_entropy_of_only_ignored_tokens_is_zero_not_nan():
     assert loss.item() == 0.0 and torch.all(h.grad == 0)
 
 
-def _peak_bytes(loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor], tokens: int, dim: int, vocab: int) -> int:
+def _loss_peak_bytes(loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor], tokens: int, dim: int, vocab: int) -> int:
     torch.manual_seed(0)
     h = torch.randn(tokens, dim, requires_grad=True)
     weight = torch.randn(vocab, dim, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,))
-    tracker = MemTracker()
-    tracker.track_external(h, weight)
-    with tracker:
-        loss_fn(h, weight, labels).backward()
-    return int(tracker.get_tracker_snapshot("peak")[h.device]["Total"])
+    return peak_bytes(lambda: loss_fn(h, weight, labels).backward(), h, weight)
 
 
 def test_fused_linear_cross_entropy_peak_memory_is_lower_by_more_than_the_logits():
     tokens, dim, vocab = 512, 64, 16000
     logits = tokens * vocab * 4  # fp32
-    materialised = _peak_bytes(reference.linear_cross_entropy, tokens, dim, vocab)
-    fused = _peak_bytes(fused_linear_cross_entropy, tokens, dim, vocab)
+    materialised = _loss_peak_bytes(reference.linear_cross_entropy, tokens, dim, vocab)
+    fused = _loss_peak_bytes(fused_linear_cross_entropy, tokens, dim, vocab)
     # Materialised: the logits, their fp32 softmax and gradient live together (~3 x logits).
     assert materialised - fused >= logits, f"peak {materialised:,} B materialised vs {fused:,} B fused"
 

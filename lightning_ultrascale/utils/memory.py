@@ -20,14 +20,14 @@ check that, e.g., ZeRO-2 gradient bytes really are one N-th.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelStateBytes", "format_bytes", "model_state_bytes", "playbook_model_state_bytes"]
+__all__ = ["ModelStateBytes", "format_bytes", "model_state_bytes", "peak_bytes", "playbook_model_state_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -176,3 +176,23 @@ def playbook_model_state_bytes(
         grads=grads // dp if stage >= 2 else grads,
         optimizer_states=opt // dp if stage >= 1 else opt,
     )
+
+
+def peak_bytes(fn: Callable[[], object], *inputs: torch.Tensor) -> int:
+    """Peak bytes of the tensors alive on ``inputs[0]``'s device while ``fn()`` runs, ``inputs`` included.
+
+    Counted by torch's ``MemTracker`` (every storage created or tracked, freed ones subtracted), so
+    it works on CPU, where no allocator keeps statistics.
+
+    Example:
+        >>> x = torch.zeros(1024)
+        >>> peak_bytes(lambda: x * 2, x)  # x and its double
+        8192
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*inputs)
+    with tracker:
+        fn()
+    return int(tracker.get_tracker_snapshot("peak")[inputs[0].device]["Total"])
