@@ -92,7 +92,11 @@ def check_kernels(name: str, device_type: str | None = None) -> None:
             f"kernels={name} needs the {package} package, which is not installed ({_INSTALL[package]}); "
             "fallback: kernels=compile (any device) or kernels=reference"
         )
-    if device_type != "cuda" and not _interpreting():
+    _check_device(name, device_type)
+
+
+def _check_device(name: str, device_type: str | None) -> None:
+    if KERNEL_SETS[name] is not None and device_type != "cuda" and not _interpreting():
         where = f"the device is {device_type}" if device_type else "no CUDA GPU is visible"
         raise ConfigError(
             f"kernels={name} runs Triton kernels, which need a CUDA GPU; {where}. "
@@ -111,7 +115,7 @@ def _plain_tensors_or(
         tensors = [a for a in args if isinstance(a, Tensor)]
         if any(isinstance(t, DTensor) for t in tensors):
             return reference_op(*args)
-        check_kernels(name, tensors[0].device.type)
+        _check_device(name, tensors[0].device.type)
         return fast_op(*args)
 
     return op
@@ -128,7 +132,7 @@ def get_kernels(name: str = "reference", fused_cross_entropy: bool | None = None
         >>> get_kernels("compile").name, get_kernels("reference").linear_cross_entropy is None
         ('compile', True)
     """
-    check_kernels(name, "cuda")  # name and package only: the device is checked where it is known
+    check_kernels(name, "cuda")  # name and package: the device is checked where it is known
     fused = name != "reference" if fused_cross_entropy is None else fused_cross_entropy
     loss = fused_linear_cross_entropy if fused else None
     if name == "reference":

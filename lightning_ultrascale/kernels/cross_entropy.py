@@ -112,7 +112,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             # d loss / d logits = (softmax - onehot) / labelled tokens, zero for ignored tokens.
             probs.div_(sum_exp[:, None])
-            probs[mine.nonzero()[:, 0], yc[mine]] -= 1.0
+            probs.scatter_add_(1, yc[:, None], -mine.to(probs.dtype)[:, None])  # no host sync, unlike nonzero
             g = probs.mul_((vc * scale)[:, None]).to(weight.dtype)
             if grad_h is not None:
                 grad_h[rows] = g @ weight
