@@ -171,6 +171,15 @@ def test_fp8_benchmark_quick_run_trains_every_recipe_and_halves_the_linears_all_
     assert "not measured" in stdout and result["gpu"] == "not measured"
 
 
+def test_fp8_benchmark_committed_full_run_ends_every_recipe_within_2_percent_of_bf16():
+    result = json.loads((ROOT / "benchmarks" / "results" / "fp8.json").read_text())
+    assert result["steps"] == 200 and (ROOT / "benchmarks" / "results" / result["plot"]).exists()
+    curves = {row["run"]: row for row in result["curves"]}
+    assert set(curves) == {"bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"}
+    for run, row in curves.items():
+        assert len(row["losses"]) == 200 and abs(row["final_vs_bf16"]) < 0.02, run
+
+
 def test_kernels_benchmark_quick_run_matches_the_reference_and_saves_the_logits_memory(tmp_path):
     result, stdout = _quick_run("kernels", tmp_path)
     measured = [row for row in result["numerics"] if row["max_error"] is not None]
