@@ -472,7 +472,8 @@ def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypat
     strategy = UltraScaleStrategy(*plugins(cfg.parallel))
     shape = DataShape(cfg.data.seq_len, cfg.data.micro_batch_size, cfg.data.global_batch_size)
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    strategy.validate(LlamaModule(config).model_spec, shape, world_size=world)
+    module = LlamaModule(config, kernels=cfg.kernels.name, fused_cross_entropy=cfg.kernels.fused_cross_entropy)
+    strategy.validate(module.model_spec, shape, world_size=world)
     assert cfg.data.seq_len <= config.max_seq_len and not dist.is_initialized()
     if cfg.precision.get("fp8"):  # every block linear suits the recipe; only the head stays bf16
         from lightning_ultrascale.fp8 import plan_fp8
