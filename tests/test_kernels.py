@@ -160,6 +160,15 @@ def test_fused_linear_cross_entropy_of_only_ignored_tokens_is_zero_not_nan():
     assert loss.item() == 0.0 and torch.all(h.grad == 0)
 
 
+def test_fused_linear_cross_entropy_refuses_a_second_backward_instead_of_scaling_twice():
+    # Its gradients are computed in the forward and scaled in place by the backward.
+    h, weight = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, weight, torch.tensor([1, 2, 3, 4]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def _loss_peak_bytes(loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor], tokens: int, dim: int, vocab: int) -> int:
     torch.manual_seed(0)
     h = torch.randn(tokens, dim, requires_grad=True)

@@ -116,7 +116,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = probs.mul_((vc * scale)[:, None]).to(weight.dtype)
             if grad_h is not None:
                 grad_h[rows] = g @ weight
-            if grad_w is not None:
+            if grad_w is None:
+                continue
+            if g.dtype == hc.dtype == torch.float32 and not torch.is_autocast_enabled(hc.device.type):
+                grad_w.addmm_(g.T, hc)  # in place: no weight-sized temporary per chunk
+            else:
                 grad_w += (g.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
         return total * scale
@@ -124,6 +128,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad_h, grad_w = ctx.saved_tensors  # type: ignore[attr-defined]
-        dh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
-        dw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None  # type: ignore[attr-defined]
+        # Scaled in place (a weight-sized buffer less at the peak). A second backward through the
+        # same graph (retain_graph) fails autograd's saved-tensor version check instead of
+        # scaling twice.
+        dh = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
+        dw = grad_w.mul_(grad_loss).to(ctx.weight_dtype) if grad_w is not None else None  # type: ignore[attr-defined]
         return dh, dw, None, None, None, None
