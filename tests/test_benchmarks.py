@@ -189,3 +189,10 @@ def test_kernels_benchmark_quick_run_matches_the_reference_and_saves_the_logits_
     (memory,) = result["loss_memory"]
     assert memory["saved_over_logits"] >= 1.0
     assert "not measured" in stdout and result["gpu"] == "not measured"
+
+
+def test_kernels_benchmark_committed_full_run_saves_more_than_the_logits_at_llama3s_vocabulary():
+    result = json.loads((ROOT / "benchmarks" / "results" / "kernels.json").read_text())
+    assert max(row["vocab"] for row in result["loss_memory"]) == 128256
+    assert all(row["saved_over_logits"] >= 1.0 for row in result["loss_memory"])
+    assert {row["kernels"] for row in result["numerics"]} == {"compile", "triton", "liger"}
