@@ -30,6 +30,7 @@ names survive materialisation, which replaces every ``Parameter`` object.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,58 @@ class GradientGroup:
 
     def claims(self, name: str) -> bool:
         return self.params is not None and name in self.params
+
+
+def chunk_length(length: int, parts: int, index: int) -> int:
+    """Length of chunk ``index`` when ``length`` is cut into ``parts``: ``torch.chunk``'s rule.
+
+    DTensor's ``Shard`` and FSDP2 both cut this way: chunks of ``ceil(length / parts)``, the last
+    ones shorter or empty.
+
+    Example:
+        >>> [chunk_length(5, 4, i) for i in range(4)]
+        [2, 2, 1, 0]
+    """
+    size = -(-length // parts)
+    return max(0, min(size, length - index * size))
+
+
+@dataclass
+class ShardPlan:
+    """The pure twin of :class:`Layout`: what one rank would hold, predicted without processes.
+
+    ``shapes`` maps each parameter this rank holds to its local shape (the global shape before
+    any plugin). A plugin's :meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_shards`
+    drops the parameters its ``apply`` takes off this rank and shrinks the ones it shards.
+    ``coordinate`` and ``sizes`` hold this rank's place in every mesh dim, including the ones a
+    plugin adds (``ep``, ``edp``); ``groups`` the parameters whose gradient group spans other dims
+    than the data dims (experts: ``("edp",)``).
+
+    Example:
+        >>> plan = ShardPlan({"tp": 1}, {"tp": 2}, {"w": (6, 4)})
+        >>> plan.shard("w", dim=0, over="tp"); plan.shapes
+        {'w': (3, 4)}
+    """
+
+    coordinate: dict[str, int]
+    sizes: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def shard(self, name: str, dim: int, over: str | tuple[str, ...]) -> None:
+        """Cut parameter ``name`` along ``dim`` over mesh dim(s) ``over`` (flattened, row-major)."""
+        dims = (over,) if isinstance(over, str) else over
+        parts, index = 1, 0
+        for d in dims:
+            parts, index = parts * self.sizes[d], index * self.sizes[d] + self.coordinate[d]
+        shape = list(self.shapes[name])
+        shape[dim] = chunk_length(shape[dim], parts, index)
+        self.shapes[name] = tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        """Parameter elements this rank holds."""
+        return sum(math.prod(shape) for shape in self.shapes.values())
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.parallel.layout import Layout
+from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.step import StepRunner
 
 #: The fixed order in which plugins are applied to the (meta-device) model.
@@ -68,6 +68,14 @@ class ParallelPlugin(abc.ABC):
     @abc.abstractmethod
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         """Rewrite ``model`` (still on the meta device) for this technique and return it."""
+
+    def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        """Predict, without processes, what :meth:`apply` leaves on ``plan``'s rank (default: everything, whole).
+
+        ``model`` is the whole meta-device model, untouched. The planner composes every plugin's
+        prediction in :data:`APPLY_ORDER`; ``ultrascale-plan --check`` holds it against a real
+        ``apply`` under torch's fake process group.
+        """
 
     def settings(self) -> dict[str, Any]:
         """Settings that tell this plugin apart in logs, shown before its mesh sizes."""

@@ -22,12 +22,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from lightning_ultrascale.errors import ConfigError, nearby_multiples, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.parallel.layout import Layout
+from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 #: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
@@ -100,6 +106,34 @@ class TensorParallel(ParallelPlugin):
             # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
             layout.step_contexts.append(loss_parallel)
         return model
+
+    def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        if self.size == 1:
+            return
+        spec = require_spec(model)
+        assert spec.tp_plan is not None
+        top, block_plans = spec.tp_plan(self.sequence_parallel)
+        plans = [("", top)] + [(f"{spec.layers}.{name}.", p) for name, p in block_plans.items()]
+        for prefix, module_plan in plans:
+            for name, style in module_plan.items():
+                for param, dim in _sharded_dims(model.get_submodule(prefix + name), style).items():
+                    full = f"{prefix}{name}.{param}"
+                    if full in plan.shapes:
+                        plan.shard(full, dim, "tp")
+
+
+def _sharded_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]:
+    """The dim of each parameter of ``module`` that ``style`` shards (DTensor ``Shard(dim)``); others replicate.
+
+    Column-parallel splits a linear's outputs (weight rows, bias) and an embedding's features;
+    row-parallel a linear's inputs and an embedding's vocabulary (torch's parallel styles).
+    """
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": 0} if embedding else {"weight": 1}
+    return {}
 
 
 def _styled(

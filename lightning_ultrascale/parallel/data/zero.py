@@ -37,8 +37,8 @@ from lightning_ultrascale.parallel.data.engines import (
     GradientSync,
     ShardedOptimizerEngine,
 )
-from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.parallel.layout import GradientGroup, Layout
+from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
+from lightning_ultrascale.parallel.layout import GradientGroup, Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 STAGES = (0, 1, 2, 3)
@@ -127,6 +127,15 @@ class ZeRO(ParallelPlugin):
         for group in layout.gradient_groups:
             layout.grad_syncs.append(self._engine(group, layout, model))
         return model
+
+    def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        if self.stage != 3:  # stages 0-2 keep every parameter whole (they shard optimizer states, gradients)
+            return
+        for name in plan.shapes:
+            # FSDP2 cuts dim 0 of each (already tensor- or expert-sharded) parameter over its group's
+            # ranks but dp_replicate (HSDP replicates across it): see FSDPEngine.
+            dims = tuple(d for d in plan.groups.get(name, DATA_DIMS) if d != "dp_replicate")
+            plan.shard(name, 0, dims)
 
     def _engine(self, group: GradientGroup, layout: Layout, model: nn.Module) -> GradientSync:
         bucket_bytes = int(self.bucket_mb * 2**20)

@@ -24,7 +24,7 @@ from lightning_ultrascale.errors import ConfigError, option, require_positive_in
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher
-from lightning_ultrascale.parallel.layout import Layout
+from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 
@@ -80,3 +80,20 @@ class ExpertParallel(ParallelPlugin):
             moe.dispatcher = dispatcher
         layout.declare_gradient_group("experts", ("edp",), names)
         return model
+
+    def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        if self.size == 1:
+            return
+        # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
+        data = 0
+        for d in ("dp_replicate", "dp_shard", "cp"):
+            data = data * plan.sizes[d] + plan.coordinate[d]
+        n_data = plan.sizes["dp_replicate"] * plan.sizes["dp_shard"] * plan.sizes["cp"]
+        plan.sizes |= {"ep": self.size, "edp": n_data // self.size}
+        plan.coordinate |= {"ep": data % self.size, "edp": data // self.size}
+        spec = require_spec(model)
+        for block in spec.moe_blocks:
+            prefix = f"{spec.layers}.{block}.{spec.moe}.experts."
+            for name in [n for n in plan.shapes if n.startswith(prefix) and "." not in n[len(prefix) :]]:
+                plan.shard(name, 0, "ep")
+                plan.groups[name] = ("edp",)

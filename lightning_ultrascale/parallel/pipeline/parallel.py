@@ -36,7 +36,7 @@ from torch import nn
 from lightning_ultrascale.errors import ConfigError, divisors, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.parallel.layout import Layout
+from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.pipeline.schedules import (
     resolve_virtual_stages,
@@ -163,6 +163,23 @@ class PipelineParallel(ParallelPlugin):
         layout.part_name = f"pp{pp_rank}"
         layout.grad_norm.across.append(self.group)
         return model
+
+    def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        if self.size == 1:
+            return
+        spec = require_spec(model)
+        ranges = plan_stages(model, spec, self.n_stages, self.split_points)
+        local = [s for s, r in enumerate(self.stage_ranks) if r == plan.coordinate["pp"]]
+        kept = {f"{spec.layers}.{b}." for s in local for b in ranges[s]}
+        first, last = 0 in local, self.n_stages - 1 in local
+        pieces = {spec.embedding: first, spec.final_norm: last, spec.head: last}
+        if _tied_weights(model, spec) and last and not first:  # the head's own copy of the tied weight
+            plan.shapes[f"{spec.head}.weight"] = plan.shapes[f"{spec.embedding}.weight"]
+        for name in list(plan.shapes):
+            piece = name.split(".", 1)[0]
+            held = pieces[piece] if piece in pieces else any(name.startswith(k) for k in kept)
+            if not held:
+                del plan.shapes[name]
 
     def _tie_across_ranks(self, mesh: ParallelMesh, spec: ModelSpec, first_rank: bool) -> None:
         # Tied embedding and head on different ranks (Megatron's "embedding group"): the two

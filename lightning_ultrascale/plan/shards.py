@@ -1,0 +1,69 @@
+"""Per-rank parameter shards: predicted by the plugins' pure rules, and measured by a dry run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_ultrascale.parallel.dims import MESH_DIMS
+from lightning_ultrascale.parallel.layout import Layout, ShardPlan
+from lightning_ultrascale.parallel.mesh import build_mesh
+from lightning_ultrascale.strategy import UltraScaleStrategy
+
+__all__ = ["dry_run", "predict_shards"]
+
+# Path components that wrappers (activation checkpointing, torch.compile) insert into names.
+_WRAPPERS = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def predict_shards(strategy: UltraScaleStrategy, model: nn.Module, world_size: int, rank: int) -> ShardPlan:
+    """Each parameter ``rank`` would hold and its local shape, from the plugins' rules (no processes).
+
+    ``model``: the whole model on the meta device (it is not modified).
+    """
+    dims = strategy.resolve_dims(world_size)
+    dims.validate(world_size)
+    plan = ShardPlan(
+        coordinate=dims.coordinate(rank),
+        sizes={d: getattr(dims, d) for d in MESH_DIMS},
+        shapes={name: tuple(p.shape) for name, p in model.named_parameters()},
+    )
+    for plugin in strategy.applied_plugins():
+        plugin.plan_shards(model, plan)
+    return plan
+
+
+def dry_run(
+    make_strategy: Callable[[], UltraScaleStrategy], make_model: Callable[[], nn.Module], world_size: int, rank: int
+) -> dict[str, tuple[int, ...]]:
+    """What ``rank`` of a ``world_size`` job really holds: the real plugins applied to a meta model.
+
+    One process plays ``rank`` under torch's ``fake`` process-group backend (collectives do
+    nothing, so no values are computed: shapes only). The strategy validates first, as a run would.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        strategy, model = make_strategy(), make_model()
+        strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
+        dims = strategy.parallel_dims
+        layout = Layout(dims, build_mesh(dims, "cpu"))
+        for plugin in strategy.applied_plugins():
+            model = plugin.apply(model, layout)
+        return {_plain_name(name): tuple(_local(p).shape) for name, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(p: nn.Parameter) -> object:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(c for c in name.split(".") if c not in _WRAPPERS)
