@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from lightning_ultrascale import LlamaModule
+from lightning_ultrascale.cli.plan import check
 from lightning_ultrascale.cli.train import (
     CONFIG_DIR,
     RECIPES_DIR,
@@ -459,6 +460,8 @@ def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypat
     module = LlamaModule(config, kernels=cfg.kernels.name, fused_cross_entropy=cfg.kernels.fused_cross_entropy)
     strategy.validate(module.model_spec, shape, world_size=world)
     assert cfg.data.seq_len <= config.max_seq_len and not dist.is_initialized()
+    # The layout at the recipe's world size: the first and last rank of every stage, as the planner predicts.
+    assert check([f"recipe={recipe}"], world_size=world)
     if cfg.precision.get("fp8"):  # every block linear suits the recipe; only the head stays bf16
         from lightning_ultrascale.fp8 import plan_fp8
         from lightning_ultrascale.models import build_model

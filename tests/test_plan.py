@@ -97,3 +97,21 @@ def test_chunks_follow_torch_chunk():
         sizes = [c.shape[0] for c in torch.empty(length).chunk(parts)]
         sizes += [0] * (parts - len(sizes))
         assert [chunk_length(length, parts, i) for i in range(parts)] == sizes
+
+
+def test_plan_check_proves_a_recipe_at_512_ranks_and_prints_each_rank(capsys):
+    from lightning_ultrascale.cli.plan import check
+
+    assert check(["recipe=llama3_8b", "parallel.tp=8"], world_size=512, ranks="0,511")
+    out = capsys.readouterr().out
+    assert "llama3_8b on 512 ranks: pp=1 x dp_replicate=1 x dp_shard=64 x cp=1 x tp=8" in out
+    assert out.count("= planner") == 2
+
+
+def test_plan_check_refuses_bad_layouts_and_ranks_with_the_runs_message():
+    from lightning_ultrascale.cli.plan import main
+
+    with pytest.raises(SystemExit, match=r"ultrascale-plan: parallel.tp=3 must divide n_heads=4 .*valid: 1, 2, 4"):
+        main(["--check", "parallel.tp=3", "--world-size", "6"])
+    with pytest.raises(SystemExit, match=r"--ranks 0,9: ranks \[9\] are outside the job's 0..7"):
+        main(["--check", "--world-size", "8", "--ranks", "0,9"])
