@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 from torch import nn
@@ -41,24 +44,63 @@ def dry_run(
 ) -> dict[str, tuple[int, ...]]:
     """What ``rank`` of a ``world_size`` job really holds: the real plugins applied to a meta model.
 
-    One process plays ``rank`` under torch's ``fake`` process-group backend (collectives do
+    A forked process plays ``rank`` under torch's ``fake`` process-group backend (collectives do
     nothing, so no values are computed: shapes only). The strategy validates first, as a run would.
+    Forked because process groups and device meshes leave registries behind in their process,
+    which a later real run there would trip over; the caller's process stays as it was.
     """
+    context = mp.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_dry_run_child, args=(send, make_strategy, make_model, world_size, rank))
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(_DRY_RUN_TIMEOUT_S):
+            raise RuntimeError(f"the dry run of rank {rank} of {world_size} took over {_DRY_RUN_TIMEOUT_S} s")
+        ok, result = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the dry run of rank {rank} of {world_size} died (exit code {child.exitcode})") from None
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+    if not ok:
+        raise result
+    return dict(result)
+
+
+_DRY_RUN_TIMEOUT_S = 600
+
+
+def _dry_run_child(
+    send: Connection,
+    make_strategy: Callable[[], UltraScaleStrategy],
+    make_model: Callable[[], nn.Module],
+    world_size: int,
+    rank: int,
+) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("dry_run needs a process without a process group (it creates a fake one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        strategy, model = make_strategy(), make_model()
-        strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
-        dims = strategy.parallel_dims
-        layout = Layout(dims, build_mesh(dims, "cpu"))
-        for plugin in strategy.applied_plugins():
-            model = plugin.apply(model, layout)
-        return {_plain_name(name): tuple(_local(p).shape) for name, p in model.named_parameters()}
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            strategy, model = make_strategy(), make_model()
+            strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
+            dims = strategy.parallel_dims
+            layout = Layout(dims, build_mesh(dims, "cpu"))
+            for plugin in strategy.applied_plugins():
+                model = plugin.apply(model, layout)
+            shapes = {_plain_name(name): tuple(_local(p).shape) for name, p in model.named_parameters()}
+        finally:
+            dist.destroy_process_group()
+        send.send((True, shapes))
+    except Exception as err:  # the error travels to the caller, whatever rank it names
+        try:
+            send.send((False, err))
+        except Exception:
+            send.send((False, RuntimeError(traceback.format_exc())))
     finally:
-        dist.destroy_process_group()
+        send.close()
 
 
 def _local(p: nn.Parameter) -> object:
