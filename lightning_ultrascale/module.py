@@ -173,7 +173,6 @@ class LlamaModule(L.LightningModule):
         loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels)
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        assert self.model is not None
         aux = self.model.pop_aux_loss()
         if aux is not None:
             # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.

@@ -86,7 +86,8 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
         config = _model_config(cfg.model)
         world = _world_size(cfg, world_size)
         strategy = UltraScaleStrategy(*plugins(cfg.parallel))
-        strategy.validate(build_model(config, device="meta").spec, world_size=world)
+        meta = build_model(config, device="meta")  # predictions read it and leave it as it is
+        strategy.validate(meta.spec, world_size=world)
         dims = strategy.parallel_dims
         chosen = _ranks(ranks, world, dims.pp)
     param_bytes = 4  # fp32 parameters (bf16-mixed keeps fp32 masters; FSDP gathers bf16 copies)
@@ -94,9 +95,7 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
     print(f"{'rank':>6}  {'coordinate (pp, dp_r, dp_s, cp, tp)':<36}{'parameters':>16}{'fp32':>12}  dry run")
     agree = True
     for rank in chosen:
-        plan = predict_shards(
-            UltraScaleStrategy(*plugins(cfg.parallel)), build_model(config, device="meta"), world, rank
-        )
+        plan = predict_shards(strategy, meta, world, rank)
         measured = dry_run(
             lambda: UltraScaleStrategy(*plugins(cfg.parallel)), lambda: build_model(config, device="meta"), world, rank
         )

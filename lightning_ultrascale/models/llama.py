@@ -501,8 +501,8 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
-        self.kernels = get_kernels("reference")
-        self.use_kernels(kernels or self.kernels)
+        self.kernels: Kernels
+        self.use_kernels(kernels or get_kernels("reference"))
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run RMSNorm, SwiGLU, RoPE and the loss with ``kernels`` (see :mod:`lightning_ultrascale.kernels`).

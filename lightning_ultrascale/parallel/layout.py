@@ -102,12 +102,16 @@ class ShardPlan:
     shapes: dict[str, tuple[int, ...]]
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
+    def flat(self, dims: tuple[str, ...]) -> tuple[int, int]:
+        """``(size, this rank's index)`` of mesh ``dims`` flattened row-major (as DeviceMesh flattens)."""
+        size, index = 1, 0
+        for d in dims:
+            size, index = size * self.sizes[d], index * self.sizes[d] + self.coordinate[d]
+        return size, index
+
     def shard(self, name: str, dim: int, over: str | tuple[str, ...]) -> None:
         """Cut parameter ``name`` along ``dim`` over mesh dim(s) ``over`` (flattened, row-major)."""
-        dims = (over,) if isinstance(over, str) else over
-        parts, index = 1, 0
-        for d in dims:
-            parts, index = parts * self.sizes[d], index * self.sizes[d] + self.coordinate[d]
+        parts, index = self.flat((over,) if isinstance(over, str) else over)
         shape = list(self.shapes[name])
         shape[dim] = chunk_length(shape[dim], parts, index)
         self.shapes[name] = tuple(shape)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_ultrascale.errors import ConfigError, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
+from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
@@ -85,10 +85,7 @@ class ExpertParallel(ParallelPlugin):
         if self.size == 1:
             return
         # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
-        data = 0
-        for d in ("dp_replicate", "dp_shard", "cp"):
-            data = data * plan.sizes[d] + plan.coordinate[d]
-        n_data = plan.sizes["dp_replicate"] * plan.sizes["dp_shard"] * plan.sizes["cp"]
+        n_data, data = plan.flat(DATA_DIMS)
         plan.sizes |= {"ep": self.size, "edp": n_data // self.size}
         plan.coordinate |= {"ep": data % self.size, "edp": data // self.size}
         spec = require_spec(model)
