@@ -1,0 +1,96 @@
+"""Hardware profiles the planner times a layout on: peak FLOP/s, memory and the two link speeds.
+
+Figures are the vendors' datasheet numbers (dense bf16 Tensor Core FLOP/s, HBM capacity, NVLink
+bandwidth per direction, one 400 Gb/s InfiniBand NIC per GPU); ``*_efficiency`` scales them to
+what training really reaches (busbw measured by nccl-tests on H100 clusters is ~75-80% of the
+NVLink figure; large bf16 GEMMs reach ~75% of peak). Other GPUs: build a :class:`Hardware`, or a
+YAML/dict with the same keys (``ultrascale-plan gpu=...`` reads ``conf/cluster``-style mappings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_ultrascale.errors import ConfigError
+
+__all__ = ["GPUS", "Hardware", "get_hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU model and its cluster links.
+
+    Example:
+        >>> h100 = get_hardware("h100")
+        >>> f"{h100.peak_flops / 1e12:.0f} TFLOP/s, {h100.memory_bytes / 2**30:.0f} GiB"
+        '989 TFLOP/s, 80 GiB'
+    """
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s of one GPU
+    memory_bytes: int  # HBM per GPU
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 450e9  # bytes/s per GPU per direction (NVLink)
+    inter_node_bandwidth: float = 50e9  # bytes/s per GPU per direction (one 400 Gb/s NIC)
+    intra_node_latency: float = 5e-6  # seconds per collective step
+    inter_node_latency: float = 15e-6
+    link_efficiency: float = 0.8  # achieved / nominal bandwidth of large collectives
+    matmul_efficiency: float = 0.75  # achieved / peak FLOP/s of the model's matmuls
+    #: HBM the planner leaves free: CUDA context, NCCL buffers, allocator fragmentation.
+    reserved_bytes: int = 6 * 2**30
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
+                if not (f.name == "reserved_bytes" and value == 0):
+                    raise ConfigError(f"gpu.{f.name}={value!r} must be a positive number")
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.memory_bytes - self.reserved_bytes
+
+
+GPUS: dict[str, Hardware] = {
+    # H100 SXM5 80GB: 989 TFLOP/s dense bf16, NVLink 4 (900 GB/s both directions), NDR IB per GPU.
+    "h100": Hardware("h100", peak_flops=989e12, memory_bytes=80 * 2**30),
+    # H200 SXM 141GB: the H100's compute and links with more and faster HBM.
+    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=141 * 2**30),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both directions), 200 Gb/s HDR IB.
+    "a100": Hardware(
+        "a100", peak_flops=312e12, memory_bytes=80 * 2**30, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9
+    ),
+}
+
+
+def get_hardware(gpu: str | Mapping[str, Any] | Hardware) -> Hardware:
+    """A built-in profile by name, or one described by a mapping of :class:`Hardware`'s fields.
+
+    Example:
+        >>> get_hardware({"name": "mi300x", "peak_flops": 1307e12, "memory_bytes": 192 * 2**30}).gpus_per_node
+        8
+        >>> get_hardware("b300")
+        Traceback (most recent call last):
+        ...
+        lightning_ultrascale.errors.ConfigError: gpu=b300 is not a built-in profile; valid: h100, h200, a100, ...
+    """
+    if isinstance(gpu, Hardware):
+        return gpu
+    if isinstance(gpu, Mapping):
+        known = {f.name for f in fields(Hardware)}
+        unknown = sorted(set(gpu) - known)
+        if unknown:
+            raise ConfigError(f"gpu keys {', '.join(unknown)} are unknown; valid: {', '.join(sorted(known))}")
+        try:
+            return Hardware(**dict(gpu))
+        except TypeError as err:
+            raise ConfigError(f"gpu={dict(gpu)} needs name, peak_flops and memory_bytes ({err})") from None
+    if gpu.lower() in GPUS:
+        return GPUS[gpu.lower()]
+    optional = ", ".join(f.name for f in fields(Hardware) if f.name not in ("name", "peak_flops", "memory_bytes"))
+    raise ConfigError(
+        f"gpu={gpu} is not a built-in profile; valid: {', '.join(GPUS)}, or a mapping with the keys "
+        f"name, peak_flops, memory_bytes (optional: {optional})"
+    )
