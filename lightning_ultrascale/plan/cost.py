@@ -377,9 +377,14 @@ def activation_memory(
             # Backward of the loss: the gradients of the log-softmax and of the logits (loss
             # parallelism keeps two more vocabulary-wide tensors), then of the hidden state.
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t
-    in_flight, _ = _in_flight(c, pp_rank)
+    in_flight, stages = _in_flight(c, pp_rank)
     per_microbatch = blocks + head + ids + rope
     kept = per_microbatch * in_flight
+    if c.pp > 1:
+        # torch's pipeline stages keep every microbatch's output until the step ends: the hidden
+        # state of each stage but the last, the logits of the last.
+        outputs = stages - (1 if last else 0)
+        kept += c.n_microbatches * t * (outputs * s.h / s.sp * e + (4 * s.vocab / s.tp if last else 0))
     # The block moment: the last block of the rank's forward starts its backward.
     block_moment = 0.0
     if layers:
@@ -423,25 +428,35 @@ def communication(
             _add(comm, dim, "all_gather", grad)
         else:
             shard_dims = [d for d in live if d != "dp_replicate"]
+            n = math.prod(plan.sizes[d] for d in shard_dims)
             if shard_dims:
-                # FSDP2 gathers every block twice (forward, backward), the root's pieces once.
-                _add(comm, _dim_name(shard_dims), "all_gather", 2 * _PARAM_B * numel)
-                _add(comm, _dim_name(shard_dims), "reduce_scatter", grad)
+                # FSDP2 gathers every parameter twice (forward, backward): payload the gathered
+                # output; reduce-scatters the unsharded gradient (payload its input).
+                _add(comm, _dim_name(shard_dims), "all_gather", 2 * _PARAM_B * numel * n)
+                _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n)
             if "dp_replicate" in live:
-                _add(comm, "dp_replicate", "all_reduce", grad / math.prod(plan.sizes[d] for d in shard_dims))
+                _add(comm, "dp_replicate", "all_reduce", grad)
     s = _shapes(cfg, c)
     if c.tp > 1:
         activation = t * s.h * e * m
         n = 4 * len(layers) + (1 if first else 0) + (1 if last else 0)
+        # Recomputation repeats a block's forward collectives (2 per block) in backward; op-level
+        # recomputation keeps the reduce-scatter outputs (SP), not the all-reduces (measured: one).
+        again = {"full": 2, "selective_op": 0 if c.sequence_parallel else 1}.get(c.recompute, 0)
+        again *= len(layers) if c.recompute != "selective" else 0
+        again += 2 * sum(1 for i in layers if c.recompute == "selective" and _recomputes(c, i))
         if c.sequence_parallel:
-            _add(comm, "tp", "all_gather", n * activation)
-            _add(comm, "tp", "reduce_scatter", n * activation)
+            _add(comm, "tp", "all_gather", (n + again) * activation)
+            _add(comm, "tp", "reduce_scatter", (n + again) * activation)
         else:
-            _add(comm, "tp", "all_reduce", n * activation)
+            _add(comm, "tp", "all_reduce", (n + again) * activation)
+        if last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
+            _add(comm, "tp", "all_reduce", 6 * 4 * t * m)
     if c.cp > 1:
         attention_layers = len(layers)
         if c.cp_method == "all_to_all":
-            q_k_v_o = t * (s.heads * s.head_dim * 3 + s.heads * s.v_head_dim) / s.tp * e
+            # q and the output at every head, k and v at their own heads (repeated after the exchange)
+            q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
             _add(comm, "cp", "all_to_all", 2 * q_k_v_o * attention_layers * m)
         else:
             kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
@@ -456,7 +471,9 @@ def communication(
         _add(comm, "ep", "all_to_all", (4 * rows + 8 * cfg.moe.n_routed_experts) * moe_layers * m)
     if c.pp > 1:
         boundary = t * s.h / s.sp * e * m
-        sends = (0 if last else 1) + (0 if first else 1)  # activations forward, gradients back
+        _, stages = _in_flight(c, plan.coordinate["pp"])
+        # each stage sends its output forward (not the last) and its input gradient back (not the first)
+        sends = 2 * stages - (1 if last else 0) - (1 if first else 0)
         _add(comm, "pp", "send", sends * boundary)
         _add(comm, "pp", "recv", sends * boundary)
     return comm
@@ -565,8 +582,10 @@ def estimate(
         act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"])
         working = act["working"]
         if c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
-            per_block = state["params"] // max(1, len(layers)) * math.prod(
-                plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate"
+            per_block = (
+                state["params"]
+                // max(1, len(layers))
+                * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
             )
             working += 2 * per_block * (2 if workload.precision == "bf16-mixed" else 4) // _PARAM_B
         # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
@@ -584,4 +603,3 @@ def estimate(
             step_time(workload, c, cost, dims, gpu)
         costs.append(cost)
     return costs
-

@@ -1,0 +1,102 @@
+"""The planner's cost model: formulas against the measured runs of ``benchmarks/plan.py`` and against the library."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import build_model, get_model_config
+from lightning_ultrascale.plan.cost import Candidate, Workload, estimate
+from lightning_ultrascale.plan.hardware import get_hardware
+from lightning_ultrascale.utils.memory import playbook_model_state_bytes
+
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results" / "plan.json"
+
+
+def _results() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def test_committed_measurements_cover_every_dim():
+    layouts = _results()["layouts"]
+    labels = " ".join(row["layout"] for row in layouts)
+    assert len(layouts) >= 12 and not _results()["quick"]
+    for part in ("zero0", "zero1", "zero2", "zero3", "tp2", "(no sp)", "1f1b", "afab", "interleaved_1f1b",
+                 "zigzag_ring", "all_to_all", "ep2", "ac:full", "ac:selective/2", "ac:selective_op"):  # fmt: skip
+        assert part in labels, part
+    assert {row["model"] for row in layouts} == {"llama_tiny", "moe_tiny"}
+
+
+def test_communication_prediction_equals_traced_bytes_within_1_percent():
+    for row in _results()["layouts"]:
+        for rank in row["ranks"]:
+            for dim, error in rank["comm_errors"].items():
+                assert abs(error) <= 0.01, (row["layout"], rank["rank"], dim, error)
+
+
+def test_memory_prediction_within_5_percent_of_measured_peak_on_12_layouts():
+    # Known gaps (README): the first stage of 1F1B and interleaved pipelines (-5.6%, -8.9%: torch's
+    # schedule buffers are not all modelled yet) and ZeRO-3 x TP (+5.6%). Everything else is held to
+    # the issue's 5% on every rank, and no rank of any layout is off by more than 10%.
+    within = 0
+    for row in _results()["layouts"]:
+        errors = [abs(rank["memory_error"]) for rank in row["ranks"]]
+        assert max(errors) <= 0.10, (row["layout"], errors)
+        within += max(errors) <= 0.05
+    assert within >= 12
+
+
+def test_model_state_is_the_measured_one():
+    # model_state_bytes after the step (ZeRO 0-3, PP, EP shards): the planner's count is exact up to
+    # AdamW's step counters (4 bytes per tensor; ZeRO-1/2 keep one per bucket). Under TP the
+    # measured gradients hold 40 KB more than the parameters (the vocabulary-parallel head's, not
+    # yet explained): the total is held to 3% there.
+    for row in _results()["layouts"]:
+        for rank in row["ranks"]:
+            measured, predicted = rank["measured_model_state"], rank["predicted_model_state"]
+            if "tp" in row["layout"]:
+                total = sum(predicted.values()) / sum(measured.values()) - 1
+                assert abs(total) <= 0.03, (row["layout"], rank["rank"], total)
+                continue
+            for part, value in measured.items():
+                assert abs(predicted[part] - value) <= 256, (row["layout"], rank["rank"], part, predicted, measured)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_follows_the_playbook_zero_formulas(stage):
+    cfg = get_model_config("llama_tiny")
+    workload = Workload(cfg, seq_len=64, global_batch_size=8, precision="32-true")
+    [cost] = estimate(workload, Candidate(dp=4, zero=stage, micro_batch_size=2), build_model(cfg, device="meta"))
+    formula = playbook_model_state_bytes(cfg.num_params(), stage, dp=4, k_optimizer=8, mixed_precision=False)
+    assert abs(cost.model_state["params"] - formula.params) <= 64 * 4  # torch.chunk rounding per tensor
+    assert abs(cost.model_state["grads"] - formula.grads) <= 64 * 4
+    assert abs(cost.model_state["optimizer"] - formula.optimizer_states) <= 64 * 8
+
+
+def test_time_model_prefers_tp_inside_a_node():
+    cfg = get_model_config("llama3_8b")
+    workload = Workload(cfg, seq_len=4096, global_batch_size=64)
+    meta, h100 = build_model(cfg, device="meta"), get_hardware("h100")
+    layout = Candidate(dp=2, zero=1, tp=8, micro_batch_size=1)
+    inside = estimate(workload, layout, meta, h100)[0]
+    across = estimate(workload, layout, meta, replace(h100, gpus_per_node=4))[0]  # tp spans two nodes
+    assert 0 < across.mfu < inside.mfu < 1
+    assert inside.time_parts["tp"] * 5 < across.time_parts["tp"]
+
+
+def test_invalid_layout_is_refused_by_the_plugins_own_validation():
+    cfg = get_model_config("llama_tiny")
+    workload = Workload(cfg, seq_len=64, global_batch_size=8, precision="32-true")
+    with pytest.raises(ConfigError, match="n_heads=4"):
+        estimate(workload, Candidate(tp=8, micro_batch_size=8), build_model(cfg, device="meta"))
+
+
+def test_bad_planner_input_names_the_option():
+    with pytest.raises(ConfigError, match="gpu=b300 is not a built-in profile; valid: h100, h200, a100"):
+        get_hardware("b300")
+    with pytest.raises(ConfigError, match="gpu keys bandwidth are unknown"):
+        get_hardware({"name": "x", "peak_flops": 1e15, "memory_bytes": 2**36, "bandwidth": 1})
+    with pytest.raises(ConfigError, match="precision='fp16-mixed' is not planned; valid: 32-true, bf16-mixed"):
+        Workload(get_model_config("llama_tiny"), seq_len=64, global_batch_size=8, precision="fp16-mixed")
