@@ -171,23 +171,22 @@ class MeasureSecondStep(L.Callback):
         }
 
 
-def measure_worker(model: str, candidate: Candidate, global_batch: int) -> dict[str, Any]:
+def measure_worker(model: str, candidate: Candidate) -> dict[str, Any]:
     measure = MeasureSecondStep()
     trainer = L.Trainer(
         accelerator="cpu", devices=candidate.world_size, strategy=UltraScaleStrategy(*candidate.plugins()),
         max_steps=2, callbacks=[measure], **QUIET_TRAINER,
     )  # fmt: skip
-    shape = candidate.data_shape(Workload(get_model_config(model), SEQ_LEN, global_batch, precision="32-true"))
-    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=shape.micro_batch_size)
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank)
     trainer.fit(LlamaModule(model, optim=ADAMW), datamodule=data)
     assert measure.result is not None
     return measure.result
 
 
 def compare(model: str, candidate: Candidate) -> dict[str, Any]:
-    global_batch = candidate.data_shape(Workload(get_model_config(model), SEQ_LEN, 1)).micro_batch_size * candidate.dp
+    global_batch = candidate.batch_per_rank * candidate.dp
     workload = Workload(get_model_config(model), SEQ_LEN, global_batch, precision="32-true")
-    measured = run_workers(measure_worker, candidate.world_size, model, candidate, global_batch, timeout_s=600)
+    measured = run_workers(measure_worker, candidate.world_size, model, candidate, timeout_s=600)
     meta = build_model(model, device="meta")
     predicted = estimate(workload, candidate, meta, ranks=list(range(candidate.world_size)))
     ranks = []

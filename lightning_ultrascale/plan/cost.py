@@ -47,6 +47,7 @@ overlapped with backward (exposed when longer), times ``1 + bubble`` of the pipe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import LlamaConfig
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import ShardPlan
+from lightning_ultrascale.parallel.pipeline.simulator import Timeline
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
 
@@ -190,10 +192,14 @@ class Candidate:
 
         return UltraScaleStrategy(*self.plugins())
 
+    @property
+    def batch_per_rank(self) -> int:
+        """Samples each data-parallel rank runs per step (a pipeline splits them into microbatches)."""
+        return self.micro_batch_size * (self.n_microbatches if self.pp > 1 else 1)
+
     def data_shape(self, workload: Workload) -> DataShape:
-        """The batch each data-parallel rank runs per step (a pipeline splits it into microbatches)."""
-        per_rank = self.micro_batch_size * (self.n_microbatches if self.pp > 1 else 1)
-        return DataShape(workload.seq_len, per_rank, workload.global_batch_size, owner="Workload")
+        """The batch shape the run's validation checks: :attr:`batch_per_rank` samples of ``seq_len``."""
+        return DataShape(workload.seq_len, self.batch_per_rank, workload.global_batch_size, owner="Workload")
 
 
 @dataclass
@@ -222,19 +228,24 @@ class Cost:
 
 
 # ----------------------------------------------------------------------------- model state
-def model_state(plan: ShardPlan, zero: int, precision: str = "32-true") -> dict[str, int]:
+def _group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
+    """Elements of each parameter this rank holds, by the mesh dims its gradient is reduced over."""
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for name, shape in plan.shapes.items():
+        groups[plan.groups.get(name, DATA_DIMS)].append(math.prod(shape))
+    return groups
+
+
+def model_state(plan: ShardPlan, zero: int) -> dict[str, int]:
     """Parameters, gradients and AdamW states one rank holds after a step (``model_state_bytes``'s view).
 
     ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
     tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
-    optimizer states (and gradients) of each gradient group over its ranks (rounded up).
+    optimizer states (and gradients) of each gradient group over its ranks (rounded up). fp32 under
+    both precisions: Lightning's autocast keeps fp32 weights (as ``engines.expected_bytes`` says).
     """
-    del precision  # fp32 in both precisions: autocast keeps fp32 weights (engines.expected_bytes)
-    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
-    for name, shape in plan.shapes.items():
-        groups[plan.groups.get(name, DATA_DIMS)].append(math.prod(shape))
     params = grads = optimizer = 0
-    for dims, numels in groups.items():
+    for dims, numels in _group_numels(plan).items():
         numel = sum(numels)
         n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1
         shard = -(-numel // n)
@@ -342,16 +353,22 @@ def _kept(cfg: LlamaConfig, s: _Shapes, e: int, layer: int, c: Candidate, cp_met
     return _block_kept(cfg, s, e, layer, cp_method)
 
 
-def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
-    """(microbatches' worth of this rank's activations held at once, pipeline stages on the rank)."""
-    if c.pp == 1:
-        return 1.0, 1
+@functools.lru_cache(maxsize=256)
+def _schedule(c: Candidate) -> tuple[Timeline, int]:
+    """The pipeline schedule's simulated timeline (unit costs) and the stages each rank holds."""
     from lightning_ultrascale.parallel.pipeline.schedules import resolve_virtual_stages, schedule_info
     from lightning_ultrascale.parallel.pipeline.simulator import simulate
 
     v = resolve_virtual_stages(c.schedule, c.virtual_stages)
     stages_per_rank = v if schedule_info(c.schedule).multi else 1
-    timeline = simulate(c.schedule, c.pp, c.n_microbatches, v if schedule_info(c.schedule).multi else None)
+    return simulate(c.schedule, c.pp, c.n_microbatches, v if stages_per_rank > 1 else None), stages_per_rank
+
+
+def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
+    """(microbatches' worth of this rank's activations held at once, pipeline stages on the rank)."""
+    if c.pp == 1:
+        return 1.0, 1
+    timeline, stages_per_rank = _schedule(c)
     return timeline.peak_activations(pp_rank) / stages_per_rank, stages_per_rank
 
 
@@ -412,10 +429,8 @@ def communication(
     m = c.n_microbatches if c.pp > 1 else 1
     t = c.micro_batch_size * workload.seq_len / c.cp
     # Gradients / parameters over the data dims (each group its own dims, e.g. experts over edp).
-    groups: dict[tuple[str, ...], int] = defaultdict(int)
-    for name, shape in plan.shapes.items():
-        groups[plan.groups.get(name, DATA_DIMS)] += math.prod(shape)
-    for dims, numel in groups.items():
+    for dims, numels in _group_numels(plan).items():
+        numel = sum(numels)
         live = [d for d in dims if plan.sizes[d] > 1]
         if not live:
             continue
@@ -523,14 +538,7 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     critical = seconds.get("tp", 0.0) + seconds.get("ep", 0.0) + seconds.get("pp", 0.0)
     # Ring attention overlaps its K/V exchange with the attention of the block it holds.
     critical += max(0.0, seconds.get("cp", 0.0) - 0.5 * compute)
-    bubble = 0.0
-    if c.pp > 1:
-        from lightning_ultrascale.parallel.pipeline.schedules import resolve_virtual_stages, schedule_info
-        from lightning_ultrascale.parallel.pipeline.simulator import simulate
-
-        v = resolve_virtual_stages(c.schedule, c.virtual_stages)
-        timeline = simulate(c.schedule, c.pp, c.n_microbatches, v if schedule_info(c.schedule).multi else None)
-        bubble = timeline.bubble_ratio()
+    bubble = _schedule(c)[0].bubble_ratio() if c.pp > 1 else 0.0
     busy = (compute + critical) * (1 + bubble)
     # Data-parallel traffic overlaps backward (2/3 of compute); what is longer is exposed.
     exposed = max(0.0, data - (2 / 3) * compute)
@@ -578,7 +586,7 @@ def estimate(
         layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{model.spec.layers}.")})
         first = f"{model.spec.embedding}.weight" in plan.shapes
         last = f"{model.spec.head}.weight" in plan.shapes or (model.spec.head is None and first)
-        state = model_state(plan, c.zero, workload.precision)
+        state = model_state(plan, c.zero)
         act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"])
         working = act["working"]
         if c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
