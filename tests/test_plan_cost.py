@@ -100,3 +100,15 @@ def test_bad_planner_input_names_the_option():
         get_hardware({"name": "x", "peak_flops": 1e15, "memory_bytes": 2**36, "bandwidth": 1})
     with pytest.raises(ConfigError, match="precision='fp16-mixed' is not planned; valid: 32-true, bf16-mixed"):
         Workload(get_model_config("llama_tiny"), seq_len=64, global_batch_size=8, precision="fp16-mixed")
+
+
+def test_data_parallel_traffic_is_timed_on_its_group():
+    # Group names join mesh dims that hold "_" themselves (dp_shard, dp_replicate_dp_shard): each
+    # must resolve to its dims, or its traffic is timed on a group of one (0 s).
+    cfg = get_model_config("llama3_8b")
+    workload = Workload(cfg, seq_len=4096, global_batch_size=64)
+    meta, h100 = build_model(cfg, device="meta"), get_hardware("h100")
+    zero3 = estimate(workload, Candidate(dp=8, zero=3, micro_batch_size=1), meta, h100)[0]
+    hsdp = estimate(workload, Candidate(dp=16, zero=3, replicate=2, micro_batch_size=1), meta, h100)[0]
+    assert zero3.time_parts["dp_shard"] > 0
+    assert hsdp.time_parts["dp_shard"] > 0 and hsdp.time_parts["dp_replicate"] > 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -495,7 +496,13 @@ def communication(
 
 
 def _dim_name(dims: list[str]) -> str:
-    return dims[0] if len(dims) == 1 else "_".join(dims)
+    """A group over ``dims`` named as the tracer names a flattened mesh dim (``dp_shard_cp``)."""
+    return "_".join(dims)
+
+
+def _mesh_dims(name: str) -> list[str]:
+    """The mesh dims a :func:`_dim_name` name joins (names hold ``_`` themselves: match whole ones)."""
+    return [d for d in MESH_DIMS if re.search(rf"(?:^|_){d}(?:_|$)", name)]
 
 
 # ----------------------------------------------------------------------------- time
@@ -521,14 +528,11 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     seconds: dict[str, float] = {}
     for key, payload in cost.comm.items():
         dim, op = key.split(":")
-        names = [d for d in MESH_DIMS if d in dim.split("_") or (dim == "ep" and d in DATA_DIMS)]
-        if dim == "ep":
-            names = [d for d in DATA_DIMS if getattr(dims, d) > 1]
-        if dim in ("dp", "dp_replicate_dp_shard"):
-            names = ["dp_replicate", "dp_shard"]
-        size = math.prod(getattr(dims, d) for d in names) if names else 1
-        if dim == "ep":
-            size = c.ep
+        if dim == "ep":  # experts borrow data ranks: the group spans them, ep of them take part
+            names, size = [d for d in DATA_DIMS if getattr(dims, d) > 1], c.ep
+        else:
+            names = _mesh_dims(dim)
+            size = math.prod(getattr(dims, d) for d in names)
         intra = _group_span(dims, names) <= gpu.gpus_per_node
         bandwidth = (gpu.intra_node_bandwidth if intra else gpu.inter_node_bandwidth) * gpu.link_efficiency
         latency = gpu.intra_node_latency if intra else gpu.inter_node_latency
