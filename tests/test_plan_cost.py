@@ -10,6 +10,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan.cost import Candidate, Workload, estimate
 from lightning_ultrascale.plan.hardware import get_hardware
+from lightning_ultrascale.utils.comm import wire_bytes
 from lightning_ultrascale.utils.memory import playbook_model_state_bytes
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results" / "plan.json"
@@ -110,5 +111,9 @@ def test_data_parallel_traffic_is_timed_on_its_group():
     meta, h100 = build_model(cfg, device="meta"), get_hardware("h100")
     zero3 = estimate(workload, Candidate(dp=8, zero=3, micro_batch_size=1), meta, h100)[0]
     hsdp = estimate(workload, Candidate(dp=16, zero=3, replicate=2, micro_batch_size=1), meta, h100)[0]
-    assert zero3.time_parts["dp_shard"] > 0
-    assert hsdp.time_parts["dp_shard"] > 0 and hsdp.time_parts["dp_replicate"] > 0
+    link = h100.intra_node_bandwidth * h100.link_efficiency
+    gather = wire_bytes("all_gather", zero3.comm["dp_shard:all_gather"], 8) / link
+    assert zero3.time_parts["dp_shard"] > gather > 0.01
+    # HSDP: 8-way shards inside a node, 2 replicas across nodes (the slower link)
+    across = wire_bytes("all_reduce", hsdp.comm["dp_replicate:all_reduce"], 2)
+    assert hsdp.time_parts["dp_replicate"] > across / (h100.inter_node_bandwidth * h100.link_efficiency) > 0.01
