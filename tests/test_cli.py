@@ -339,7 +339,8 @@ def _losses(run_dir: Path) -> dict[int, str]:
 def test_the_readme_resume_path_continues_exactly(tmp_path):
     """Train to 3 steps, then ``ckpt_path=.../last.ckpt trainer.max_steps=6``: the end-of-training checkpoint.
 
-    ZeRO-3, so the checkpoint is sharded: one file per rank, read back by the same layout and by another.
+    ZeRO-3, so the checkpoint is sharded: one file per rank. (Resuming it in another layout is
+    test_checkpoint_layouts.py's job, without the CLI's subprocesses.)
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [*TRAIN, *_train_overrides(steps=6), "data.global_batch_size=16", "trainer.val_check_interval=100"]
@@ -361,10 +362,6 @@ def test_the_readme_resume_path_continues_exactly(tmp_path):
     # Same layout: the very same losses (CSV text), step for step, numbered after the first run's.
     assert list(resumed.values()) == list(uninterrupted.values())[3:], (resumed, uninterrupted)
     assert min(resumed) > max(_losses(first)), (resumed, _losses(first))
-    # Another layout (ZeRO-1 over tp2, one data-parallel rank) continues within the AdamW bounds.
-    other = _losses(train("other", "parallel=zero1", "parallel.tp=2", "data.micro_batch_size=4", f"ckpt_path={last}"))
-    for got, want in zip(other.values(), list(uninterrupted.values())[3:]):
-        assert abs(float(got) - float(want)) / float(want) < 1e-5, (other, uninterrupted)
 
 
 @pytest.mark.parametrize(

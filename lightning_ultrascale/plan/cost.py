@@ -51,7 +51,7 @@ import functools
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -258,6 +258,15 @@ def model_state(plan: ShardPlan, zero: int) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
+def _unsharded_numel(plan: ShardPlan, zero: int) -> int:
+    """Elements this rank's parameters hold before ZeRO-3 splits them over the data dims."""
+    total = 0
+    for dims, numels in _group_numels(plan).items():
+        n = math.prod(plan.sizes[d] for d in dims if d != "dp_replicate") if zero == 3 else 1
+        total += sum(numels) * n
+    return total
+
+
 # ----------------------------------------------------------------------------- activations
 @dataclass(frozen=True)
 class _Shapes:
@@ -354,23 +363,38 @@ def _kept(cfg: LlamaConfig, s: _Shapes, e: int, layer: int, c: Candidate, cp_met
     return _block_kept(cfg, s, e, layer, cp_method)
 
 
-@functools.lru_cache(maxsize=256)
-def _schedule(c: Candidate) -> tuple[Timeline, int]:
-    """The pipeline schedule's simulated timeline (unit costs) and the stages each rank holds."""
+@dataclass(frozen=True)
+class _Pipeline:
+    """What the cost model reads from a schedule's simulated timeline (unit costs)."""
+
+    bubble: float  # the playbook's r_bubble: idle over compute time
+    peak_activations: tuple[int, ...]  # per pp rank: (stage, microbatch) activations held at once
+    stages_per_rank: int
+
+
+def _schedule(c: Candidate) -> _Pipeline:
+    """The pipeline schedule's facts, simulated once per (schedule, pp, microbatches, v)."""
+    return _simulate(c.schedule, c.pp, c.n_microbatches, c.virtual_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _simulate(schedule: str, pp: int, microbatches: int, virtual_stages: int | None) -> _Pipeline:
     from lightning_ultrascale.parallel.pipeline.schedules import resolve_virtual_stages, schedule_info
     from lightning_ultrascale.parallel.pipeline.simulator import simulate
 
-    v = resolve_virtual_stages(c.schedule, c.virtual_stages)
-    stages_per_rank = v if schedule_info(c.schedule).multi else 1
-    return simulate(c.schedule, c.pp, c.n_microbatches, v if stages_per_rank > 1 else None), stages_per_rank
+    v = resolve_virtual_stages(schedule, virtual_stages)
+    stages_per_rank = v if schedule_info(schedule).multi else 1
+    timeline: Timeline = simulate(schedule, pp, microbatches, v if stages_per_rank > 1 else None)
+    peaks = tuple(timeline.peak_activations(r) for r in range(pp))
+    return _Pipeline(timeline.bubble_ratio, peaks, stages_per_rank)
 
 
 def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
     """(microbatches' worth of this rank's activations held at once, pipeline stages on the rank)."""
     if c.pp == 1:
         return 1.0, 1
-    timeline, stages_per_rank = _schedule(c)
-    return timeline.peak_activations(pp_rank) / stages_per_rank, stages_per_rank
+    pipeline = _schedule(c)
+    return pipeline.peak_activations[pp_rank] / pipeline.stages_per_rank, pipeline.stages_per_rank
 
 
 def activation_memory(
@@ -422,12 +446,22 @@ def _add(comm: dict[str, int], dim: str, op: str, payload: float) -> None:
 
 
 def communication(
-    workload: Workload, c: Candidate, plan: ShardPlan, layers: list[int], first: bool, last: bool
+    workload: Workload,
+    c: Candidate,
+    plan: ShardPlan,
+    layers: list[int],
+    first: bool,
+    last: bool,
+    accumulation: int = 1,
 ) -> dict[str, int]:
-    """Payload bytes per optimizer step this rank hands to collectives, by ``"dim:op"``."""
+    """Payload bytes per optimizer step this rank hands to collectives, by ``"dim:op"``.
+
+    ``accumulation``: micro-steps per optimizer step. Activation traffic (TP, CP, EP, PP) and
+    FSDP's parameter all-gathers repeat every micro-step; gradients are reduced once per step.
+    """
     cfg, e = workload.model, workload.activation_bytes
     comm: dict[str, int] = {}
-    m = c.n_microbatches if c.pp > 1 else 1
+    m = (c.n_microbatches if c.pp > 1 else 1) * accumulation
     t = c.micro_batch_size * workload.seq_len / c.cp
     # Gradients / parameters over the data dims (each group its own dims, e.g. experts over edp).
     for dims, numels in _group_numels(plan).items():
@@ -448,7 +482,9 @@ def communication(
             if shard_dims:
                 # FSDP2 gathers every parameter twice (forward, backward): payload the gathered
                 # output; reduce-scatters the unsharded gradient (payload its input).
-                _add(comm, _dim_name(shard_dims), "all_gather", 2 * _PARAM_B * numel * n)
+                # (bf16-mixed gathers bf16 copies: FSDP2's MixedPrecisionPolicy param_dtype.)
+                gathered = 2 * workload.activation_bytes * numel * n * accumulation
+                _add(comm, _dim_name(shard_dims), "all_gather", gathered)
                 _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n)
             if "dp_replicate" in live:
                 _add(comm, "dp_replicate", "all_reduce", grad)
@@ -542,7 +578,7 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     critical = seconds.get("tp", 0.0) + seconds.get("ep", 0.0) + seconds.get("pp", 0.0)
     # Ring attention overlaps its K/V exchange with the attention of the block it holds.
     critical += max(0.0, seconds.get("cp", 0.0) - 0.5 * compute)
-    bubble = _schedule(c)[0].bubble_ratio() if c.pp > 1 else 0.0
+    bubble = _schedule(c).bubble if c.pp > 1 else 0.0
     busy = (compute + critical) * (1 + bubble)
     # Data-parallel traffic overlaps backward (2/3 of compute); what is longer is exposed.
     exposed = max(0.0, data - (2 / 3) * compute)
@@ -561,12 +597,15 @@ def estimate(
     model: nn.Module,
     gpu: Hardware | None = None,
     ranks: list[int] | None = None,
+    shard_cache: dict[Any, ShardPlan] | None = None,
 ) -> list[Cost]:
     """The cost of ``candidate`` on each of ``ranks`` (default: the first rank of every pipeline stage).
 
     ``model``: the whole model on the meta device (``build_model(cfg, device="meta")``). The
     layout is validated first by the real plugins (``UltraScaleStrategy.validate``): an invalid
-    one raises their :class:`~lightning_ultrascale.errors.ConfigError`.
+    one raises their :class:`~lightning_ultrascale.errors.ConfigError`. ``shard_cache``: a dict the
+    caller keeps across calls for the same model (the search does): shard plans depend on the sizes
+    and the pipeline placement only, not on batch sizes or recomputation.
 
     Example:
         >>> from lightning_ultrascale.models import build_model, get_model_config
@@ -582,26 +621,46 @@ def estimate(
     world = c.world_size
     strategy.validate(model.spec, c.data_shape(workload), world_size=world)  # type: ignore[arg-type]
     dims = strategy.parallel_dims
+    accumulation = dims.grad_accumulation(workload.global_batch_size, c.batch_per_rank)
     if ranks is None:
         ranks = sorted({p * (world // c.pp) for p in range(c.pp)})
     costs = []
+    # (ZeRO 0-2 leave parameters whole: one plan for the three.)
+    shape_key = replace(
+        c, zero=max(c.zero, 1), recompute="none", recompute_every=1, micro_batch_size=1, microbatches=None
+    )
     for rank in ranks:
-        plan = predict_shards(strategy, model, world, rank)
+        if shard_cache is None:
+            plan = predict_shards(strategy, model, world, rank)
+        else:
+            if (shape_key, rank) not in shard_cache:
+                shard_cache[shape_key, rank] = predict_shards(strategy, model, world, rank)
+            plan = shard_cache[shape_key, rank]
         layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{model.spec.layers}.")})
         first = f"{model.spec.embedding}.weight" in plan.shapes
         last = f"{model.spec.head}.weight" in plan.shapes or (model.spec.head is None and first)
         state = model_state(plan, c.zero)
         act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"])
         working = act["working"]
-        if c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
+        compute_b = 2 if workload.precision == "bf16-mixed" else 4
+        unsharded = _unsharded_numel(plan, c.zero)
+        if c.zero == 3 and c.pp > 1:
+            # torch's pipeline stages keep an FSDP module's gathered parameters from its first
+            # backward to the step's end (reshard_after_backward=False)
+            working += compute_b * unsharded
+        elif c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
             per_block = (
                 state["params"]
                 // max(1, len(layers))
                 * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
             )
-            working += 2 * per_block * (2 if workload.precision == "bf16-mixed" else 4) // _PARAM_B
+            working += 2 * per_block * compute_b // _PARAM_B
         # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
         held_grads = state["grads"] if c.zero < 3 and c.dp * c.cp > 1 else 0
+        if c.zero >= 2 and (accumulation > 1 or c.pp > 1) and c.dp * c.cp > 1:
+            # Gradients reduced once per step accumulate unsharded until then: ZeRO-2's full
+            # buckets, FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
+            held_grads = _GRAD_B * unsharded
         memory = {
             "params": state["params"],
             "optimizer": state["optimizer"],
@@ -609,7 +668,7 @@ def estimate(
             "activations": act["activations"],
             "working": working,
         }
-        comm = communication(workload, c, plan, layers, first, last)
+        comm = communication(workload, c, plan, layers, first, last, accumulation)
         cost = Cost(c, rank, memory, comm, state)
         if gpu is not None:
             step_time(workload, c, cost, dims, gpu)

@@ -13,6 +13,7 @@ Pure Python: planned identically on every rank, before anything is materialised.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +78,13 @@ def balance_stages(costs: PieceCosts, n_stages: int) -> list[range]:
     n = len(costs.blocks)
     if not 1 <= n_stages <= n:
         raise ConfigError(f"{n_stages} pipeline stages need 1 to {n} blocks each; the model has {n} blocks")
+    return list(_balance(costs, n_stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balance(costs: PieceCosts, n_stages: int) -> tuple[range, ...]:
+    """:func:`balance_stages`, once per model and stage count (the planner asks for it thousands of times)."""
+    n = len(costs.blocks)
     inf = (float("inf"), float("inf"))
     # best[s][j]: the best (costliest stage, sum of squared stage costs) putting blocks [0, j) on
     # s stages: the lowest maximum first (the pipeline's pace), then the most even spread.
@@ -96,7 +104,7 @@ def balance_stages(costs: PieceCosts, n_stages: int) -> list[range]:
     for s in range(n_stages, 0, -1):
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
-    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+    return tuple(range(a, b) for a, b in itertools.pairwise(bounds))
 
 
 def stages_from_split_points(spec: ModelSpec, split_points: Sequence[str], n_stages: int) -> list[range]:
