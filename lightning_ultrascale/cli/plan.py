@@ -1,14 +1,24 @@
-"""``ultrascale-plan --check``: prove a run's layout at its full world size, in one process, in seconds.
+"""``ultrascale-plan``: the fastest layout that fits, before any GPU is booked; ``--check`` proves it at scale.
 
 Examples::
 
-    ultrascale-plan --check recipe=llama3_8b                   # the recipe's 8 ranks
-    ultrascale-plan --check recipe=llama3_8b --world-size 512 parallel.tp=8 parallel.pp=4
+    ultrascale-plan recipe=llama3_8b --world-size 64                  # search: the best layouts on 64 H100s
+    ultrascale-plan model=llama3_70b data.seq_len=8192 --world-size 512 --gpu h200 --top 5 --plot mfu.png
+    ultrascale-plan recipe=llama3_70b --world-size 512 --space tp=8 --space recompute=none,full
+    ultrascale-plan --check recipe=llama3_8b                           # the recipe's 8 ranks
     ultrascale-plan --check model=llama3_405b parallel=zero3 parallel.tp=8 --world-size 2048 --ranks all
 
-For the chosen ranks (default: the first and the last rank of every pipeline stage) it builds the
-real model on the meta device, applies the real plugins under torch's fake process group at the
-job's world size, and holds every parameter's local shape against the planner's prediction
+**Search** (the default) takes the model, ``data.seq_len``, ``data.global_batch_size`` and the
+precision from the composed config (the run's own), enumerates every layout the plugins accept
+(:func:`lightning_ultrascale.plan.search`), drops those over the GPU's usable memory, and prints
+the best ``--top`` with their memory parts, MFU and tokens/s, then why each popular layout family
+loses (out of memory by X GiB, the bubble, tensor parallelism across nodes, ...). ``--plot`` draws
+the best MFU for each (tp, pp) as a heatmap PNG (needs matplotlib). The config's own ``parallel``
+settings are not read: pin dimensions with ``--space KEY=V1,V2``. Exit 1 if no layout fits.
+
+**--check**: for the chosen ranks (default: the first and the last rank of every pipeline stage) it
+builds the real model on the meta device, applies the real plugins under torch's fake process group
+at the job's world size, and holds every parameter's local shape against the planner's prediction
 (:func:`lightning_ultrascale.plan.predict_shards`). It prints each rank's coordinates, parameters
 and their bytes, and exits 1 if a rank holds anything else than predicted. The same validation as
 a run comes first: a layout that does not fit the model fails with the run's message.
@@ -19,13 +29,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from lightning_ultrascale.errors import ConfigError, config_keys
 
-__all__ = ["check", "main"]
+__all__ = ["check", "main", "plan"]
 
 
 def compose_run(overrides: Sequence[str]) -> DictConfig:
@@ -109,20 +120,148 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
     return agree
 
 
+def workload(cfg: DictConfig) -> Any:
+    """The :class:`~lightning_ultrascale.plan.Workload` a composed run config trains."""
+    from lightning_ultrascale.cli.train import _model_config
+    from lightning_ultrascale.plan import Workload
+
+    precision = str(cfg.precision.precision)
+    if precision not in ("32-true", "bf16-mixed"):  # FP8 recipes: their bf16-mixed base (matmuls faster still)
+        precision = "bf16-mixed"
+    kernels = cfg.get("kernels") or {}
+    fused = bool(kernels.get("fused_cross_entropy")) or kernels.get("name", "reference") != "reference"
+    return Workload(
+        _model_config(cfg.model),
+        seq_len=int(cfg.data.seq_len),
+        global_batch_size=int(cfg.data.global_batch_size),
+        precision=precision,
+        fused_cross_entropy=fused,
+    )
+
+
+def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:
+    space: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ConfigError(f"--space {item}: expected KEY=V1,V2 (e.g. --space tp=4,8)")
+        parsed: list[Any] = []
+        for v in values.split(","):
+            parsed.append(int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v))
+        space[key] = parsed
+    return space
+
+
+def plan(
+    overrides: Sequence[str],
+    world_size: int | None,
+    gpu: str = "h100",
+    top: int = 10,
+    space: Sequence[str] = (),
+    plot: str | None = None,
+) -> Any:
+    """Search the composed run's workload on ``world_size`` GPUs; print the table; return the result."""
+    from lightning_ultrascale.cli.keys import error_keys
+    from lightning_ultrascale.plan import get_hardware, search
+
+    cfg = compose_run(overrides)
+    with config_keys(error_keys(cfg)):
+        work = workload(cfg)
+        world = _world_size(cfg, world_size)
+    hardware = get_hardware(gpu)
+    result = search(work, world, hardware, space=_parse_space(space))
+    print(render(result, top))
+    if plot:
+        heatmap(result, plot)
+        print(f"\nheatmap of the best MFU per (tp, pp): {plot}")
+    return result
+
+
+def render(result: Any, top: int = 10) -> str:
+    """The search's table: the best ``top`` layouts, then each popular family's best and why it loses."""
+    w, gpu = result.workload, result.gpu
+    gib = 2**30
+    lines = [
+        f"{w.model.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
+        f"{w.precision}, on {result.world_size} x {gpu.name} ({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
+        f"{len(result.fitting)} layouts fit, {len(result.too_big)} do not, {result.refused} refused by the plugins, "
+        f"{result.dominated} not priced (a layout of the same sizes with less sharding/recomputation fits)",
+        "",
+        f"{'#':>3}  {'layout':<58}{'peak':>7}{'params':>8}{'optim':>7}{'grads':>7}{'activ':>7}{'work':>6}"
+        f"{'MFU':>7}{'tokens/s':>12}{'bubble':>8}",
+    ]
+    for i, p in enumerate(result.fitting[:top], 1):
+        m = p.memory_gib()
+        lines.append(
+            f"{i:>3}  {p.candidate.label():<58}{p.peak / gib:>7.1f}{m['params']:>8.1f}{m['optimizer']:>7.1f}"
+            f"{m['grads']:>7.1f}{m['activations']:>7.1f}{m['working']:>6.1f}{p.mfu:>7.1%}{p.tokens_per_s:>12,.0f}"
+            f"{p.slowest.bubble:>8.2f}"
+        )
+    lines += ["", "(GiB on the busiest rank; MFU from the time model, not measured)", "", "Popular alternatives:"]
+    for family, priced, why in result.alternatives():
+        label = priced.candidate.label() if priced is not None else "-"
+        lines.append(f"  {family:<32}{label:<58}{why}")
+    return "\n".join(lines)
+
+
+def heatmap(result: Any, path: str) -> None:
+    """The playbook's picture: the best MFU of each (tp, pp) that fits; "OOM" where only layouts over memory exist."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'lightning-ultrascale[plot]'") from None
+    import numpy as np
+
+    tps = sorted({p.candidate.tp for p in result.fitting + result.too_big})
+    pps = sorted({p.candidate.pp for p in result.fitting + result.too_big})
+    grid = np.full((len(pps), len(tps)), np.nan)
+    for p in result.fitting:
+        i, j = pps.index(p.candidate.pp), tps.index(p.candidate.tp)
+        grid[i, j] = max(p.mfu, 0.0 if np.isnan(grid[i, j]) else grid[i, j])
+    fig, ax = plt.subplots(figsize=(1.2 * len(tps) + 2, 0.8 * len(pps) + 1.5))
+    ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(0.01, float(np.nanmax(grid))), origin="lower")
+    for i, pp in enumerate(pps):
+        for j, tp in enumerate(tps):
+            if not np.isnan(grid[i, j]):
+                text = f"{grid[i, j]:.1%}"
+            elif any(p.candidate.tp == tp and p.candidate.pp == pp for p in result.too_big):
+                text = "OOM"
+            else:
+                text = "-"
+            ax.text(j, i, text, ha="center", va="center", color="k")
+    ax.set_xticks(range(len(tps)), [str(t) for t in tps])
+    ax.set_yticks(range(len(pps)), [str(p) for p in pps])
+    ax.set_xlabel("tensor parallel size (tp)")
+    ax.set_ylabel("pipeline parallel size (pp)")
+    w = result.workload
+    ax.set_title(f"{w.model.name}, seq {w.seq_len}, {result.world_size} x {result.gpu.name}: best MFU")
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``ultrascale-plan``."""
     parser = argparse.ArgumentParser(
         prog="ultrascale-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="dry-run ranks at full scale against the planner")
-    parser.add_argument("--world-size", type=int, default=None, help="ranks of the job (default: the config's)")
-    parser.add_argument("--ranks", default="stages", help="'stages' (default), 'all', or a comma list: 0,7,511")
+    parser.add_argument("--world-size", type=int, default=None, help="GPUs of the job (default: the config's)")
+    parser.add_argument("--gpu", default="h100", help="search: GPU profile (h100, h200, a100; default h100)")
+    parser.add_argument("--top", type=int, default=10, help="search: layouts to print (default 10)")
+    parser.add_argument("--space", action="append", default=[], help="search: pin a dimension, KEY=V1,V2")
+    parser.add_argument("--plot", default=None, help="search: write the (tp, pp) MFU heatmap to this PNG")
+    parser.add_argument("--ranks", default="stages", help="--check: 'stages' (default), 'all', or a list: 0,7,511")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for ultrascale-train (recipe=NAME ...)")
     args = parser.parse_args(argv)
-    if not args.check:
-        parser.error("only --check is built so far (the layout search comes next)")
     try:
-        ok = check(args.overrides, args.world_size, args.ranks)
+        if args.check:
+            ok = check(args.overrides, args.world_size, args.ranks)
+        else:
+            plan(args.overrides, args.world_size, args.gpu, args.top, args.space, args.plot)
+            ok = True
     except ConfigError as err:
         raise SystemExit(f"ultrascale-plan: {err}") from None
     sys.exit(0 if ok else 1)

@@ -1,4 +1,8 @@
-"""The planner: what a layout puts on each rank, predicted without processes and checked at full scale.
+"""The planner: which layout to run, and what it puts on each rank, predicted without processes.
+
+``search`` prices every valid layout of a workload on N GPUs with the cost model (``estimate``:
+per-rank memory, communication per mesh dim, step time and MFU on a ``Hardware`` profile) and
+ranks those that fit.
 
 ``predict_shards`` composes each plugin's pure :meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_shards`
 in the strategy's fixed order; ``dry_run`` builds the real model on the meta device and applies
@@ -14,6 +18,23 @@ Example:
     '1.10 B parameters on rank 0'
 """
 
+from lightning_ultrascale.plan.cost import Candidate, Cost, Workload, estimate
+from lightning_ultrascale.plan.hardware import GPUS, Hardware, get_hardware
+from lightning_ultrascale.plan.search import NoLayoutFits, Priced, SearchResult, search
 from lightning_ultrascale.plan.shards import dry_run, predict_shards
 
-__all__ = ["dry_run", "predict_shards"]
+__all__ = [
+    "GPUS",
+    "Candidate",
+    "Cost",
+    "Hardware",
+    "NoLayoutFits",
+    "Priced",
+    "SearchResult",
+    "Workload",
+    "dry_run",
+    "estimate",
+    "get_hardware",
+    "predict_shards",
+    "search",
+]

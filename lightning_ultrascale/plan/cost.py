@@ -193,6 +193,44 @@ class Candidate:
 
         return UltraScaleStrategy(*self.plugins())
 
+    @classmethod
+    def from_plugins(cls, plugins: list[Any], world_size: int, micro_batch_size: int) -> Candidate:
+        """The layout a run's plugins make on ``world_size`` ranks; ``micro_batch_size``: ``data.micro_batch_size``.
+
+        Example:
+            >>> from lightning_ultrascale import TensorParallel, ZeRO
+            >>> Candidate.from_plugins([ZeRO(3), TensorParallel(8)], world_size=64, micro_batch_size=1).label()
+            'dp8 zero3 tp8 mb1'
+        """
+        from lightning_ultrascale.parallel.context import ContextParallel
+        from lightning_ultrascale.parallel.data import ZeRO
+        from lightning_ultrascale.parallel.expert import ExpertParallel
+        from lightning_ultrascale.parallel.pipeline import PipelineParallel
+        from lightning_ultrascale.parallel.recompute import Recompute
+        from lightning_ultrascale.parallel.tensor import TensorParallel
+        from lightning_ultrascale.strategy import UltraScaleStrategy
+
+        dims = UltraScaleStrategy(*plugins).resolve_dims(world_size)
+        fields: dict[str, Any] = {"dp": dims.dp_replicate * dims.dp_shard, "replicate": 1, "zero": 1}
+        for plugin in plugins:
+            if isinstance(plugin, ZeRO):
+                fields["zero"] = plugin.stage
+                fields["replicate"] = dims.dp_replicate if plugin.stage == 3 else 1
+            elif isinstance(plugin, TensorParallel):
+                fields.update(tp=plugin.size, sequence_parallel=plugin.sequence_parallel)
+            elif isinstance(plugin, PipelineParallel) and plugin.size > 1:
+                # the run's data.micro_batch_size is what a pipeline splits into its microbatches
+                fields.update(pp=plugin.size, schedule=plugin.schedule, microbatches=plugin.microbatches)
+                fields["virtual_stages"] = plugin.virtual_stages if plugin.virtual_stages > 1 else None
+                micro_batch_size //= plugin.microbatches
+            elif isinstance(plugin, ContextParallel):
+                fields.update(cp=plugin.size, cp_method=plugin.method)
+            elif isinstance(plugin, ExpertParallel):
+                fields["ep"] = plugin.size
+            elif isinstance(plugin, Recompute):
+                fields.update(recompute=plugin.mode, recompute_every=plugin.every)
+        return cls(micro_batch_size=max(1, micro_batch_size), **fields)
+
     @property
     def batch_per_rank(self) -> int:
         """Samples each data-parallel rank runs per step (a pipeline splits them into microbatches)."""

@@ -1,0 +1,118 @@
+"""The layout search and ``ultrascale-plan``'s table: what fits, what wins, why the others lose, and bad input.
+
+Searches here pin part of the space (``space=``) so that each takes about a second.
+"""
+
+import math
+
+import pytest
+
+from lightning_ultrascale.cli.plan import main as plan_main
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import build_model, get_model_config
+from lightning_ultrascale.plan import Candidate, NoLayoutFits, Workload, estimate, get_hardware, search
+
+LLAMA_8B = get_model_config("llama3_8b")
+SMALL_SPACE = {"cp": [1], "micro_batch_size": [1], "schedule": ["1f1b"], "hsdp": [False]}
+
+
+def test_search_ranks_the_layouts_that_fit_fastest_first_and_each_is_priced_as_estimate_prices_it():
+    workload = Workload(LLAMA_8B, seq_len=4096, global_batch_size=64)
+    result = search(workload, world_size=8, gpu="h100", space=SMALL_SPACE)
+    usable = get_hardware("h100").usable_bytes
+    assert result.fitting and result.too_big
+    assert all(p.peak <= usable for p in result.fitting) and all(p.peak > usable for p in result.too_big)
+    speeds = [p.tokens_per_s for p in result.fitting]
+    assert speeds == sorted(speeds, reverse=True)
+    # The winner, priced again on its own, on every rank: the same numbers, and it fits on all of them.
+    best = result.best.candidate
+    assert best.world_size == 8
+    costs = estimate(workload, best, build_model(LLAMA_8B, device="meta"), get_hardware("h100"), ranks=list(range(8)))
+    assert max(c.peak for c in costs) == result.best.peak <= usable
+    assert math.isclose(min(c.tokens_per_s for c in costs), result.best.tokens_per_s)
+    # Layouts the plugins refuse never appear (tp must divide the 8 KV heads: tp=16 is not tried on 8 GPUs).
+    assert all(8 % p.candidate.tp == 0 for p in result.fitting + result.too_big)
+
+
+def test_tensor_parallelism_across_nodes_loses_and_the_search_says_why():
+    # Nodes of 4 GPUs: tp=8 spans two of them (the playbook's collapse beyond a node).
+    gpu = {"name": "h100x4", "peak_flops": 989e12, "memory_bytes": 80 * 2**30, "gpus_per_node": 4}
+    workload = Workload(LLAMA_8B, seq_len=4096, global_batch_size=64)
+    space = {**SMALL_SPACE, "tp": [4, 8], "pp": [1], "recompute": ["full"], "zero": [1]}
+    result = search(workload, world_size=16, gpu=gpu, space=space)
+    by_tp = {p.candidate.tp: p for p in result.fitting}
+    assert by_tp[8].mfu < 0.8 * by_tp[4].mfu
+    assert result.best.candidate.tp == 4
+    rows = {family: why for family, _, why in result.alternatives()}
+    assert "tensor parallelism across nodes (tp=8 > 4 GPUs per node)" in rows["tensor parallel across nodes"]
+
+
+def test_an_out_of_memory_family_is_reported_with_how_much_it_misses_by():
+    workload = Workload(LLAMA_8B, seq_len=8192, global_batch_size=64)
+    result = search(workload, world_size=8, gpu="h100", space={**SMALL_SPACE, "recompute": ["none"]})
+    rows = {family: (priced, why) for family, priced, why in result.alternatives()}
+    priced, why = rows["data parallel only (ZeRO-1)"]
+    over = (priced.peak - get_hardware("h100").usable_bytes) / 2**30
+    assert why == f"out of memory by {over:.1f} GiB at its smallest" and over > 0
+
+
+def test_a_model_that_fits_no_layout_gets_the_memory_it_needs_and_the_closest_layouts():
+    workload = Workload(get_model_config("llama3_70b"), seq_len=8192, global_batch_size=64)
+    with pytest.raises(NoLayoutFits) as err:
+        search(workload, world_size=8, gpu="h100", space=SMALL_SPACE)
+    message = str(err.value)
+    assert "llama3_70b (seq_len=8192, global_batch_size=64) on 8 x h100: no layout fits in 74.0 GiB" in message
+    assert "the smallest needs" in message and "Closest layouts:" in message
+    assert message.count(" GiB (params ") == 3  # three layouts, each with its memory parts
+    assert "more GPUs, a GPU with more memory (gpu=h200)" in message
+
+
+@pytest.mark.parametrize(
+    ("world", "gpu", "space", "message"),
+    [
+        (12, "h100", None, r"world_size=12 is not a whole number of h100 nodes \(8 GPUs each\); valid: 1..8 GPUs on "
+                           r"one node, or a multiple of 8 \(e.g. 8 or 16\)"),
+        (0, "h100", None, r"world_size=0 must be a positive number of GPUs"),
+        (8, "b300", None, r"gpu=b300 is not a built-in profile; valid: h100, h200, a100"),
+        (8, "h100", {"tpp": [2]}, r"search space key 'tpp' is unknown; valid: tp, cp, pp"),
+        (8, "h100", {"tp": []}, r"search space tp=\[\] leaves nothing to search"),
+        (8, "h100", {"tp": [3], "pp": [1], "cp": [1]}, r"no valid layout of llama3_8b .* refused all"),
+    ],
+)  # fmt: skip
+def test_bad_search_input_is_refused_with_the_valid_choices(world, gpu, space, message):
+    workload = Workload(LLAMA_8B, seq_len=4096, global_batch_size=64)
+    with pytest.raises(ConfigError, match=message):
+        search(workload, world_size=world, gpu=gpu, space=space)
+
+
+def test_a_run_config_becomes_the_candidate_its_plugins_make():
+    from lightning_ultrascale import ContextParallel, PipelineParallel, Recompute, TensorParallel, ZeRO
+
+    plugins = [ZeRO(3, replicate=2), TensorParallel(4), PipelineParallel(2, "1f1b", 8), ContextParallel(2),
+               Recompute("selective", every=2)]  # fmt: skip
+    c = Candidate.from_plugins(plugins, world_size=64, micro_batch_size=16)
+    assert (c.dp, c.replicate, c.zero, c.tp, c.pp, c.n_microbatches, c.cp) == (4, 2, 3, 4, 2, 8, 2)
+    assert (c.micro_batch_size, c.recompute, c.recompute_every) == (2, "selective", 2)
+    assert c.plugins()[0].replicate == 2 and c.world_size == 64
+
+
+def test_ultrascale_plan_prints_the_table_and_the_heatmap(tmp_path, capsys):
+    png = tmp_path / "mfu.png"
+    argv = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64", "precision=bf16_mixed",
+            "--world-size", "8", "--top", "3", "--space", "cp=1", "--space", "micro_batch_size=1",
+            "--space", "schedule=1f1b", "--plot", str(png)]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "llama3_8b: seq_len 4096, global batch 64 (262,144 tokens), bf16-mixed, on 8 x h100" in out
+    assert "  1  dp" in out and "  3  " in out and "  4  " not in out.split("Popular")[0]
+    assert "Popular alternatives:" in out and "ZeRO-3 / FSDP only" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
+    argv = ["model=llama3_70b", "data.seq_len=8192", "data.global_batch_size=64", "--world-size", "8",
+            "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "schedule=1f1b"]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"^ultrascale-plan: llama3_70b .* no layout fits in 74.0 GiB"):
+        plan_main(argv)
