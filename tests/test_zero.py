@@ -223,3 +223,34 @@ def test_gradients_are_reduced_in_the_chosen_dtype(stage, precision, master_dtyp
     # One reduction of every gradient per backward, in the chosen dtype (FSDP2 pads each
     # parameter's shard to a multiple of the group size: at most a few elements).
     assert n_params * bytes_per_grad <= reduced_bytes <= n_params * bytes_per_grad * 1.01
+
+
+class _GradsAfterFirstMicroStep(L.Callback):
+    """Each parameter's gradient after the first of two accumulation micro-steps: (local numel, full numel)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, tuple[int, int] | None] = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            for name, p in module.model.named_parameters():
+                self.grads[name] = None if p.grad is None else (p.grad.to_local().numel(), p.numel())
+
+
+def _accumulated_grads() -> dict[str, tuple[int, int] | None]:
+    probe = _GradsAfterFirstMicroStep()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=1,
+        accumulate_grad_batches=2, callbacks=[probe], **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.fit(LlamaModule("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    return probe.grads
+
+
+def test_zero3_accumulates_sharded_gradients_between_micro_steps():
+    # Reduce-scattered on every micro-step: between micro-steps each rank holds its half of every
+    # gradient (FSDP2's no-sync mode would hold the whole unsharded gradient instead, where
+    # param.grad is still None). The planner counts ZeRO-3's gradients sharded for this reason.
+    for grads in run_workers(_accumulated_grads, 2):
+        assert grads and all(g is not None for g in grads.values()), grads
+        assert all(local <= -(-full // 2) for local, full in grads.values()), grads

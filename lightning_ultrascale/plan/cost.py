@@ -495,7 +495,7 @@ def communication(
     """Payload bytes per optimizer step this rank hands to collectives, by ``"dim:op"``.
 
     ``accumulation``: micro-steps per optimizer step. Activation traffic (TP, CP, EP, PP) and
-    FSDP's parameter all-gathers repeat every micro-step; gradients are reduced once per step.
+    FSDP's all-gathers and reduce-scatters repeat every micro-step; ZeRO 0-2 reduce once per step.
     """
     cfg, e = workload.model, workload.activation_bytes
     comm: dict[str, int] = {}
@@ -523,7 +523,8 @@ def communication(
                 # (bf16-mixed gathers bf16 copies: FSDP2's MixedPrecisionPolicy param_dtype.)
                 gathered = 2 * workload.activation_bytes * numel * n * accumulation
                 _add(comm, _dim_name(shard_dims), "all_gather", gathered)
-                _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n)
+                # every micro-step (FSDPEngine.no_sync holds nothing back)
+                _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n * accumulation)
             if "dp_replicate" in live:
                 _add(comm, "dp_replicate", "all_reduce", grad)
     s = _shapes(cfg, c)
@@ -695,9 +696,12 @@ def estimate(
             working += 2 * per_block * compute_b // _PARAM_B
         # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
         held_grads = state["grads"] if c.zero < 3 and c.dp * c.cp > 1 else 0
-        if c.zero >= 2 and (accumulation > 1 or c.pp > 1) and c.dp * c.cp > 1:
-            # Gradients reduced once per step accumulate unsharded until then: ZeRO-2's full
-            # buckets, FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
+        if c.zero == 3 and accumulation > 1:
+            held_grads = state["grads"]  # reduce-scattered every micro-step, summed in the shards
+        if c.dp * c.cp > 1 and ((c.zero == 2 and (accumulation > 1 or c.pp > 1)) or (c.zero == 3 and c.pp > 1)):
+            # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
+            # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
+            # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
             held_grads = _GRAD_B * unsharded
         memory = {
             "params": state["params"],
