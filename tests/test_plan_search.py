@@ -4,10 +4,14 @@ Searches here pin part of the space (``space=``) so that each takes about a seco
 """
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
+from lightning_ultrascale.cli.plan import compose_run, workload
 from lightning_ultrascale.cli.plan import main as plan_main
+from lightning_ultrascale.cli.train import plugins
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan import Candidate, NoLayoutFits, Workload, estimate, get_hardware, search
@@ -116,3 +120,27 @@ def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
             "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "schedule=1f1b"]  # fmt: skip
     with pytest.raises(SystemExit, match=r"^ultrascale-plan: llama3_70b .* no layout fits in 74.0 GiB"):
         plan_main(argv)
+
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+HEADER = re.compile(r"# Planner \(ultrascale-plan, (\w+)\): peak ([\d.]+) GiB per GPU, MFU ([\d.]+)%")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_fits_its_gpu_as_its_header_says(recipe, monkeypatch):
+    # GPU recipes state the planner's prediction for their layout in their header; it must be what
+    # the planner predicts today, and fit. CPU recipes are priced on an H100 (they fit anywhere).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's variables, as on nodes of 8 GPUs
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = compose_run([f"recipe={recipe.stem}"])
+    world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    work = workload(cfg)
+    candidate = Candidate.from_plugins(plugins(cfg.parallel), world, int(cfg.data.micro_batch_size))
+    header = HEADER.search(recipe.read_text())
+    gpu = get_hardware(header.group(1) if header else "h100")
+    costs = estimate(work, candidate, build_model(work.model, device="meta"), gpu)
+    peak, mfu = max(c.peak for c in costs), min(c.mfu for c in costs)
+    assert peak <= gpu.usable_bytes, (candidate.label(), peak / 2**30)
+    if cfg.trainer.accelerator != "cpu":
+        assert header, f"{recipe.name} has no '# Planner (ultrascale-plan, GPU): peak X GiB per GPU, MFU Y%' line"
+        assert (float(header.group(2)), float(header.group(3))) == (round(peak / 2**30, 1), round(100 * mfu, 1))

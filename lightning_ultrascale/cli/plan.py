@@ -185,7 +185,7 @@ def render(result: Any, top: int = 10) -> str:
         f"{w.model.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
         f"{w.precision}, on {result.world_size} x {gpu.name} ({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
         f"{len(result.fitting)} layouts fit, {len(result.too_big)} do not, {result.refused} refused by the plugins, "
-        f"{result.dominated} not priced (a layout of the same sizes with less sharding/recomputation fits)",
+        f"{len(result.dominated)} not priced (a layout of the same sizes with less sharding/recomputation fits)",
         "",
         f"{'#':>3}  {'layout':<58}{'peak':>7}{'params':>8}{'optim':>7}{'grads':>7}{'activ':>7}{'work':>6}"
         f"{'MFU':>7}{'tokens/s':>12}{'bubble':>8}",

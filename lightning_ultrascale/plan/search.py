@@ -56,7 +56,7 @@ class NoLayoutFits(ConfigError):
 
 @dataclass
 class Priced:
-    """One layout with its cost on the first rank of its first and last pipeline stage, where the peaks are."""
+    """One layout with its cost on the first rank of its first, second and last pipeline stage (where the peaks are)."""
 
     candidate: Candidate
     costs: list[Cost]
@@ -105,7 +105,8 @@ class SearchResult:
     too_big: list[Priced]
     refused: int = 0  # layouts the plugins' validation refused
     refusals: dict[str, int] = field(default_factory=dict)  # first words of each refusal -> count
-    dominated: int = 0  # layouts not priced: the same sizes fit with less sharding, recomputation, micro batch
+    #: layouts not priced: the same sizes fit with less sharding, recomputation or micro batch
+    dominated: list[Candidate] = field(default_factory=list)
 
     @property
     def best(self) -> Priced:
@@ -134,6 +135,9 @@ class SearchResult:
             if big:
                 over = (big[0].peak - self.gpu.usable_bytes) / GiB
                 rows.append((name, big[0], f"out of memory by {over:.1f} GiB at its smallest"))
+            elif any(member(c) for c in self.dominated):
+                why = "not priced: the same sizes fit with less sharding or recomputation, no slower"
+                rows.append((name, None, why))
             else:
                 rows.append((name, None, "no valid layout of this family for this model and cluster"))
         return rows
@@ -290,15 +294,16 @@ def search(
     # recomputation each only add time in the model: a layout is not priced when another of the
     # same sizes that is no larger in all three already fits (the candidates come smallest first).
     fit_corners: dict[Candidate, list[tuple[int, int, int]]] = {}
-    dominated = 0
+    dominated: list[Candidate] = []
     for candidate in _candidates(workload, world_size, hardware, grid):
         key = replace(candidate, zero=0, recompute="none", micro_batch_size=1, microbatches=None)
         corner = (candidate.micro_batch_size, candidate.zero, _RECOMPUTE.index(candidate.recompute))
         if any(all(a <= b for a, b in zip(fit, corner)) for fit in fit_corners.get(key, [])):
-            dominated += 1
+            dominated.append(candidate)
             continue
         pp_ranks = world_size // candidate.pp
-        ranks = sorted({0, (candidate.pp - 1) * pp_ranks})  # the first and last stages hold the most
+        # the first and last stages hold the most memory, a middle one sends the most
+        ranks = sorted({0, min(1, candidate.pp - 1) * pp_ranks, (candidate.pp - 1) * pp_ranks})
         try:
             costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
         except ConfigError as err:
