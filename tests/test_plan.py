@@ -102,7 +102,7 @@ def test_chunks_follow_torch_chunk():
 def test_plan_check_proves_a_recipe_at_512_ranks_and_prints_each_rank(capsys):
     from lightning_ultrascale.cli.plan import check
 
-    assert check(["recipe=llama3_8b", "parallel.tp=8"], world_size=512, ranks="0,511")
+    assert check(["recipe=llama3_8b", "parallel.tp=8", "parallel.cp=1"], world_size=512, ranks="0,511")
     out = capsys.readouterr().out
     assert "llama3_8b on 512 ranks: pp=1 x dp_replicate=1 x dp_shard=64 x cp=1 x tp=8" in out
     assert out.count("= planner") == 2
