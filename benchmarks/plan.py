@@ -70,6 +70,14 @@ LAYOUTS: list[tuple[str, Candidate]] = [
     ("moe_tiny", Candidate(dp=2, zero=0, ep=2, micro_batch_size=2)),
     ("moe_tiny", Candidate(dp=2, zero=3, ep=2, micro_batch_size=2)),
     ("llama_tiny", Candidate(dp=2, zero=3, tp=2, micro_batch_size=2)),
+]
+#: (model, candidate, micro-steps per optimizer step): what gradient accumulation and a pipeline
+#: keep between micro-steps (ZeRO-3: sharded gradients; ZeRO-2: full buckets; ZeRO-3 under a
+#: pipeline: unsharded gradients and gathered parameters until the schedule ends).
+ACCUMULATED: list[tuple[str, Candidate, int]] = [
+    ("llama_tiny", Candidate(dp=2, zero=3, micro_batch_size=2), 2),
+    ("llama_tiny", Candidate(dp=2, zero=2, micro_batch_size=2), 2),
+    ("llama_tiny", Candidate(dp=2, zero=3, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1), 1),
 ]  # fmt: skip
 
 
@@ -141,7 +149,7 @@ class MeasureSecondStep(L.Callback):
         self.result: dict[str, Any] | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step != 1:
+        if trainer.global_step != 1 or hasattr(self, "memory"):  # (accumulation: once per step)
             return
         self.kept = KeptForBackward()
         self.kept.hooks.__enter__()
@@ -171,11 +179,11 @@ class MeasureSecondStep(L.Callback):
         }
 
 
-def measure_worker(model: str, candidate: Candidate) -> dict[str, Any]:
+def measure_worker(model: str, candidate: Candidate, accumulation: int = 1) -> dict[str, Any]:
     measure = MeasureSecondStep()
     trainer = L.Trainer(
         accelerator="cpu", devices=candidate.world_size, strategy=UltraScaleStrategy(*candidate.plugins()),
-        max_steps=2, callbacks=[measure], **QUIET_TRAINER,
+        max_steps=2, accumulate_grad_batches=accumulation, callbacks=[measure], **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank)
     trainer.fit(LlamaModule(model, optim=ADAMW), datamodule=data)
@@ -183,10 +191,10 @@ def measure_worker(model: str, candidate: Candidate) -> dict[str, Any]:
     return measure.result
 
 
-def compare(model: str, candidate: Candidate) -> dict[str, Any]:
-    global_batch = candidate.batch_per_rank * candidate.dp
+def compare(model: str, candidate: Candidate, accumulation: int = 1) -> dict[str, Any]:
+    global_batch = candidate.batch_per_rank * candidate.dp * accumulation
     workload = Workload(get_model_config(model), SEQ_LEN, global_batch, precision="32-true")
-    measured = run_workers(measure_worker, candidate.world_size, model, candidate, timeout_s=600)
+    measured = run_workers(measure_worker, candidate.world_size, model, candidate, accumulation, timeout_s=600)
     meta = build_model(model, device="meta")
     predicted = estimate(workload, candidate, meta, ranks=list(range(candidate.world_size)))
     ranks = []
@@ -207,7 +215,8 @@ def compare(model: str, candidate: Candidate) -> dict[str, Any]:
             }
         )
     _comm_errors(ranks)
-    return {"model": model, "layout": candidate.label(), "world_size": candidate.world_size, "ranks": ranks}
+    label = candidate.label() + (f" acc{accumulation}" if accumulation > 1 else "")
+    return {"model": model, "layout": label, "world_size": candidate.world_size, "ranks": ranks}
 
 
 def _by_dim(comm: dict[str, int]) -> dict[str, int]:
@@ -245,8 +254,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three layouts only (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    layouts = LAYOUTS[:1] + LAYOUTS[4:5] + LAYOUTS[7:8] if args.quick else LAYOUTS
-    rows = [compare(model, candidate) for model, candidate in layouts]
+    layouts = [(model, candidate, 1) for model, candidate in LAYOUTS] + ACCUMULATED
+    if args.quick:
+        layouts = layouts[:1] + layouts[4:5] + layouts[7:8]
+    rows = [compare(*layout) for layout in layouts]
     print(f"\nPlanner vs measured, per rank (seq {SEQ_LEN}, fp32, AdamW, second step)")
     print(f"{'model':<11}{'layout':<46}{'rank':>5}{'measured':>11}{'predicted':>11}{'error':>8}{'comm err':>10}")
     worst_memory = worst_comm = 0.0

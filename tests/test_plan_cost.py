@@ -1,5 +1,6 @@
 """The planner's cost model: formulas against the measured runs of ``benchmarks/plan.py`` and against the library."""
 
+import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -25,9 +26,26 @@ def test_committed_measurements_cover_every_dim():
     labels = " ".join(row["layout"] for row in layouts)
     assert len(layouts) >= 12 and not _results()["quick"]
     for part in ("zero0", "zero1", "zero2", "zero3", "tp2", "(no sp)", "1f1b", "afab", "interleaved_1f1b",
-                 "zigzag_ring", "all_to_all", "ep2", "ac:full", "ac:selective/2", "ac:selective_op"):  # fmt: skip
+                 "zigzag_ring", "all_to_all", "ep2", "ac:full", "ac:selective/2", "ac:selective_op",
+                 "acc2"):  # fmt: skip
         assert part in labels, part
     assert {row["model"] for row in layouts} == {"llama_tiny", "moe_tiny"}
+
+
+def test_committed_predictions_are_what_the_cost_model_predicts_today():
+    # The measurements are committed; the predictions beside them must be this code's (a change of
+    # a formula without re-running benchmarks/plan.py fails here).
+    spec = importlib.util.spec_from_file_location("plan_benchmark", RESULTS.parent.parent / "plan.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layouts = [(model, c, 1) for model, c in bench.LAYOUTS] + bench.ACCUMULATED
+    assert [row["layout"] for row in _results()["layouts"]] == [
+        c.label() + (f" acc{acc}" if acc > 1 else "") for _, c, acc in layouts
+    ]
+    for (model, c, acc), row in zip(layouts, _results()["layouts"]):
+        workload = Workload(get_model_config(model), bench.SEQ_LEN, c.batch_per_rank * c.dp * acc, precision="32-true")
+        costs = estimate(workload, c, build_model(model, device="meta"), ranks=list(range(c.world_size)))
+        assert [cost.peak for cost in costs] == [rank["predicted_peak"] for rank in row["ranks"]], row["layout"]
 
 
 def test_communication_prediction_equals_traced_bytes_within_1_percent():
@@ -38,14 +56,15 @@ def test_communication_prediction_equals_traced_bytes_within_1_percent():
 
 
 def test_memory_prediction_within_5_percent_of_measured_peak_on_12_layouts():
-    # Known gaps (README): the first stage of 1F1B and interleaved pipelines (-5.6%, -8.9%: torch's
-    # schedule buffers are not all modelled yet) and ZeRO-3 x TP (+5.6%). Everything else is held to
-    # the issue's 5% on every rank, and no rank of any layout is off by more than 10%.
+    # At least 12 layouts within the issue's 5% on every rank. The others over-predict (README's
+    # known gaps: the last pipeline stage counts every microbatch's gradients and outputs at once,
+    # ZeRO-3 x TP the gathered-block term): the safe side, held to 15%. No rank of any layout may be
+    # under-predicted by more than 5%: a planner that says "fits" must not be the one that OOMs.
     within = 0
     for row in _results()["layouts"]:
-        errors = [abs(rank["memory_error"]) for rank in row["ranks"]]
-        assert max(errors) <= 0.10, (row["layout"], errors)
-        within += max(errors) <= 0.05
+        errors = [rank["memory_error"] for rank in row["ranks"]]
+        assert min(errors) >= -0.05 and max(errors) <= 0.15, (row["layout"], errors)
+        within += max(abs(e) for e in errors) <= 0.05
     assert within >= 12
 
 

@@ -11,7 +11,12 @@
   backward, times the microbatches in flight, plus the loss's gradient working set;
 - the block moment (the first block's backward): the kept activations without the head's, plus that
   block's recomputed activations when it recomputes, plus its backward working set (and a ZeRO-3
-  block's gathered parameters).
+  block's gathered parameters), plus the gradients backward has made by then.
+
+Gradients held between micro-steps count in the static part: under gradient accumulation or a
+pipeline's microbatches every rank keeps its gradients (ZeRO-3 its reduce-scattered shards; ZeRO-2
+its full buckets, reduced once per step; ZeRO-3 under torch's pipeline stages the unsharded
+gradients and the gathered parameters, kept until the schedule ends).
 
 Activations kept per token of a block are the tensors our Llama saves for backward, counted op by
 op (``h`` width, ``f`` FFN width, ``n`` heads, ``n_kv`` KV heads, ``d`` head width; tensor
@@ -436,9 +441,19 @@ def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
 
 
 def activation_memory(
-    workload: Workload, c: Candidate, layers: list[int], first: bool, last: bool, pp_rank: int
+    workload: Workload,
+    c: Candidate,
+    layers: list[int],
+    first: bool,
+    last: bool,
+    pp_rank: int,
+    backward_grads: int = 0,
 ) -> dict[str, int]:
-    """``{"activations", "working"}`` at this rank's peak moment (bytes)."""
+    """``{"activations", "working"}`` at this rank's peak moment (bytes).
+
+    ``backward_grads``: gradient bytes that appear during backward and are not counted as held (a
+    single rank's, ZeRO-3's shards without accumulation): present at the block moment, not the loss moment.
+    """
     cfg, e = workload.model, workload.activation_bytes
     s = _shapes(cfg, c)
     t = c.micro_batch_size * workload.seq_len / c.cp  # tokens per microbatch on this rank
@@ -473,7 +488,7 @@ def activation_memory(
         if _recomputes(c, i) or c.recompute == "selective_op":
             block_moment += (_block_kept(cfg, s, e, i, cp_method) - _kept(cfg, s, e, i, c, cp_method)) * t
         block_moment -= head  # the loss's tensors are gone by then
-    working = max(head_working, block_moment)
+    working = max(head_working, block_moment + backward_grads)
     return {"activations": round(kept), "working": round(working)}
 
 
@@ -518,10 +533,12 @@ def communication(
             shard_dims = [d for d in live if d != "dp_replicate"]
             n = math.prod(plan.sizes[d] for d in shard_dims)
             if shard_dims:
-                # FSDP2 gathers every parameter twice (forward, backward): payload the gathered
-                # output; reduce-scatters the unsharded gradient (payload its input).
-                # (bf16-mixed gathers bf16 copies: FSDP2's MixedPrecisionPolicy param_dtype.)
-                gathered = 2 * workload.activation_bytes * numel * n * accumulation
+                # FSDP2 gathers every parameter twice (forward, backward; once under a pipeline,
+                # which keeps them gathered for its microbatches): payload the gathered output;
+                # reduce-scatters the unsharded gradient (payload its input). (bf16-mixed gathers
+                # bf16 copies: FSDP2's MixedPrecisionPolicy param_dtype.)
+                gathers = 1 if c.pp > 1 else 2
+                gathered = gathers * workload.activation_bytes * numel * n * accumulation
                 _add(comm, _dim_name(shard_dims), "all_gather", gathered)
                 # every micro-step (FSDPEngine.no_sync holds nothing back)
                 _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n * accumulation)
@@ -679,10 +696,23 @@ def estimate(
         first = f"{model.spec.embedding}.weight" in plan.shapes
         last = f"{model.spec.head}.weight" in plan.shapes or (model.spec.head is None and first)
         state = model_state(plan, c.zero)
-        act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"])
-        working = act["working"]
         compute_b = 2 if workload.precision == "bf16-mixed" else 4
         unsharded = _unsharded_numel(plan, c.zero)
+        # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
+        held_grads = state["grads"] if c.zero < 3 and c.dp * c.cp > 1 else 0
+        if held_grads == 0 and (accumulation > 1 or c.pp > 1):
+            # kept between micro-steps (ZeRO-3: reduce-scattered every micro-step, summed in the shards)
+            held_grads = state["grads"]
+        if c.dp * c.cp > 1 and ((c.zero == 2 and (accumulation > 1 or c.pp > 1)) or (c.zero == 3 and c.pp > 1)):
+            # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
+            # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
+            # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
+            held_grads = _GRAD_B * unsharded
+        # Gradients not held between steps still exist by the first block's backward.
+        act = activation_memory(
+            workload, c, layers, first, last, plan.coordinate["pp"], 0 if held_grads else state["grads"]
+        )
+        working = act["working"]
         if c.zero == 3 and c.pp > 1:
             # torch's pipeline stages keep an FSDP module's gathered parameters from its first
             # backward to the step's end (reshard_after_backward=False)
@@ -694,15 +724,6 @@ def estimate(
                 * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
             )
             working += 2 * per_block * compute_b // _PARAM_B
-        # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
-        held_grads = state["grads"] if c.zero < 3 and c.dp * c.cp > 1 else 0
-        if c.zero == 3 and accumulation > 1:
-            held_grads = state["grads"]  # reduce-scattered every micro-step, summed in the shards
-        if c.dp * c.cp > 1 and ((c.zero == 2 and (accumulation > 1 or c.pp > 1)) or (c.zero == 3 and c.pp > 1)):
-            # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
-            # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
-            # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
-            held_grads = _GRAD_B * unsharded
         memory = {
             "params": state["params"],
             "optimizer": state["optimizer"],
