@@ -2,10 +2,12 @@
 
 import importlib.util
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
@@ -37,7 +39,13 @@ def test_committed_predictions_are_what_the_cost_model_predicts_today():
     # a formula without re-running benchmarks/plan.py fails here).
     spec = importlib.util.spec_from_file_location("plan_benchmark", RESULTS.parent.parent / "plan.py")
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        spec.loader.exec_module(bench)  # (the script pins one thread for its workers)
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
     layouts = [(model, c, 1) for model, c in bench.LAYOUTS] + bench.ACCUMULATED
     assert [row["layout"] for row in _results()["layouts"]] == [
         c.label() + (f" acc{acc}" if acc > 1 else "") for _, c, acc in layouts

@@ -158,6 +158,11 @@ def test_zero12_with_one_data_parallel_rank_warns(stage):
         warnings.simplefilter("always")
         ZeRO(stage=stage).validate(ParallelDims(dp_shard=1), spec, None)
     assert any(f"ZeRO stage {stage} with one data-parallel rank shards nothing" in str(w.message) for w in caught)
+    # Context-parallel ranks hold the same parameters and share the shards: nothing to warn about.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ZeRO(stage=stage).validate(ParallelDims(dp_shard=1, cp=2), spec, None)
+    assert not [w for w in caught if "shards nothing" in str(w.message)]
 
 
 # --------------------------------------------------------------------------- bf16

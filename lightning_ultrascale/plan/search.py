@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -305,7 +306,9 @@ def search(
         # the first and last stages hold the most memory, a middle one sends the most
         ranks = sorted({0, min(1, candidate.pp - 1) * pp_ranks, (candidate.pp - 1) * pp_ranks})
         try:
-            costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
+            with warnings.catch_warnings():  # the plugins' advice is for a run, not for each candidate
+                warnings.simplefilter("ignore")
+                costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
         except ConfigError as err:
             refused += 1
             reason = str(err).split(";")[0][:90]

@@ -116,7 +116,7 @@ class ZeRO(ParallelPlugin):
         return {"stage": self.stage}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
-        if self.stage in (1, 2) and dims.dp_shard == 1:
+        if self.stage in (1, 2) and dims.dp_shard * dims.cp == 1:  # (context-parallel ranks share the shards)
             warnings.warn(
                 f"ZeRO stage {self.stage} with one data-parallel rank shards nothing; it runs as plain training",
                 stacklevel=2,
