@@ -253,6 +253,27 @@ def test_mixtral_routing_with_ep2_and_zero3_matches_one_process():
     assert_parity(run, ref, rtol=1e-5)
 
 
+# Two experts over ep=2 on 4 ranks: one expert per rank, two ZeRO-3 ranks (edp) per expert. Dim 0
+# (the expert dim, size 1) cannot be split over them; ZeRO-3 splits dim 1 instead.
+FEW_EXPERTS = replace(MIXTRAL_TINY, name="mixtral_tiny_2e", moe=replace(MIXTRAL_TINY.moe, n_routed_experts=2))
+
+
+def test_zero3_splits_each_expert_over_its_ranks_when_they_outnumber_the_experts():
+    from lightning_ultrascale.plan import dry_run, predict_shards
+
+    plugins = lambda: [ExpertParallel(2), ZeRO(stage=3)]  # noqa: E731
+    model = build_model(FEW_EXPERTS, device="meta")
+    w1 = "layers.0.feed_forward.experts.w1"
+    full = tuple(model.get_parameter(w1).shape)  # (2, 64, dim)
+    for rank in range(4):
+        plan = predict_shards(UltraScaleStrategy(*plugins()), model, 4, rank)
+        assert plan.shapes[w1] == (1, full[1] // 2, full[2]), plan.shapes[w1]  # half of one expert each
+        meta = lambda: build_model(FEW_EXPERTS, device="meta")  # noqa: E731
+        assert dry_run(lambda: UltraScaleStrategy(*plugins()), meta, 4, rank) == plan.shapes
+    run = run_tiny_llama(SGD, plugins, world_size=4, model=FEW_EXPERTS, steps=3)
+    assert_parity(run, _moe_reference(FEW_EXPERTS), rtol=1e-5)
+
+
 def test_ep2_with_adamw_and_gradient_accumulation_matches_one_process():
     ref = run_tiny_llama(ADAMW, model=MOE_TINY, steps=3)
     run = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=MOE_TINY, steps=3, accumulate=2)

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 # FSDP2's interface for a custom all-gather (not exported by torch.distributed.fsdp).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import require_spec
@@ -252,8 +253,19 @@ class FSDPEngine(GradientSync):
                     if isinstance(module, FSDPModule):
                         module.set_custom_all_gather(_ByteAllGather())
         else:
+            # A group's own parameters (experts over edp): when expert parallelism leaves fewer
+            # experts per rank than the group has ranks, dim 0 (the expert dim) cannot be split
+            # evenly and torch.chunk would put whole experts on the first ranks: split dim 1.
+            ranks = self.mesh.size(-1)
+
+            def placement(param: nn.Parameter) -> Shard | None:
+                return Shard(fsdp_shard_dim(_local_shape(param), ranks))
+
             for module in _owners(model, layout.group_params(group, model), group.name):
-                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+                fully_shard(
+                    module, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy,
+                    shard_placement_fn=placement,
+                )  # fmt: skip
                 self.roots.append(module)  # type: ignore[arg-type]
 
     def _shard_model(self, model: nn.Module, reshard: bool, policy: MixedPrecisionPolicy) -> None:
@@ -322,6 +334,25 @@ def _mixed_precision(precision: str, reduce_dtype: torch.dtype) -> MixedPrecisio
         # bf16 parameters everywhere (no master copy); the gradient sum may still run in fp32.
         return MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     return MixedPrecisionPolicy()
+
+
+def fsdp_shard_dim(shape: Sequence[int], ranks: int) -> int:
+    """The dim ZeRO-3 splits a group parameter of local ``shape`` along over ``ranks`` ranks.
+
+    Dim 0, unless it holds fewer rows than there are ranks and dim 1 splits evenly (FSDP2 allows
+    only even splits off dim 0): then dim 1, so that every rank holds its share.
+
+    Example:
+        >>> fsdp_shard_dim((1, 14336, 4096), ranks=8), fsdp_shard_dim((8, 14336, 4096), ranks=8)
+        (1, 0)
+    """
+    if len(shape) > 1 and shape[0] < ranks and shape[1] % ranks == 0:
+        return 1
+    return 0
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param.to_local().shape if isinstance(param, DTensor) else param.shape)
 
 
 def _owners(model: nn.Module, params: list[tuple[str, nn.Parameter]], group: str) -> list[nn.Module]:

@@ -23,6 +23,7 @@ the memory saved); ZeRO-3 for models whose parameters do not fit.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -36,6 +37,7 @@ from lightning_ultrascale.parallel.data.engines import (
     FSDPEngine,
     GradientSync,
     ShardedOptimizerEngine,
+    fsdp_shard_dim,
 )
 from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout, ShardPlan
@@ -133,9 +135,12 @@ class ZeRO(ParallelPlugin):
             return
         for name in plan.shapes:
             # FSDP2 cuts dim 0 of each (already tensor- or expert-sharded) parameter over its group's
-            # ranks but dp_replicate (HSDP replicates across it): see FSDPEngine.
+            # ranks but dp_replicate (HSDP replicates across it); a group's own parameters (experts)
+            # dim 1 where dim 0 is too short: see FSDPEngine.
             dims = tuple(d for d in plan.groups.get(name, DATA_DIMS) if d != "dp_replicate")
-            plan.shard(name, 0, dims)
+            ranks = math.prod(plan.sizes[d] for d in dims)
+            dim = fsdp_shard_dim(plan.shapes[name], ranks) if name in plan.groups else 0
+            plan.shard(name, dim, dims)
 
     def _engine(self, group: GradientGroup, layout: Layout, model: nn.Module) -> GradientSync:
         bucket_bytes = int(self.bucket_mb * 2**20)
