@@ -66,7 +66,7 @@ def test_communication_prediction_equals_traced_bytes_within_1_percent():
 def test_memory_prediction_within_5_percent_of_measured_peak_on_12_layouts():
     # At least 12 layouts within the 5% on every rank. The others over-predict (README's
     # known gaps: the last pipeline stage counts every microbatch's gradients and outputs at once,
-    # ZeRO-3 x TP the gathered-block term): the safe side, held to 15%. No rank of any layout may be
+    # ZeRO-3 x TP, not yet explained): the safe side, held to 15%. No rank of any layout may be
     # under-predicted by more than 5%: a planner that says "fits" must not be the one that OOMs.
     within = 0
     for row in _results()["layouts"]:
