@@ -116,7 +116,9 @@ def test_zero3_on_meta_never_materialises_the_full_model_on_a_rank():
         message = f"rank grew {growth / 2**20:.0f} MiB for a {full_bytes / 2**20:.0f} MiB model"
         assert growth < 0.75 * full_bytes, message
     # The same measurement sees plain DP materialise the whole model: it can tell the difference.
-    assert all(growth > full_bytes for growth, _ in dp), [g / 2**20 for g, _ in dp]
+    # (RSS growth, so memory the process had already mapped and freed is not counted again: a CI
+    # run measured 314.7 MiB of the 318; 0.9x stays far above ZeRO-3's 0.75x bound.)
+    assert all(growth > 0.9 * full_bytes for growth, _ in dp), [g / 2**20 for g, _ in dp]
 
 
 def _zero3_initial_weights() -> dict[str, torch.Tensor]:
