@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ultrascale.utils.comm import collective_device
+
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
 
@@ -65,7 +67,7 @@ class NonFiniteGuard:
         status = _LOSS if not self._loss_finite else _GRADIENT if bad is not None else _FINE
         self._loss_finite = True
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        statuses = torch.zeros(world)
+        statuses = torch.zeros(world, device=collective_device())
         statuses[rank] = status
         if world > 1:
             dist.all_reduce(statuses)  # the one collective of a healthy step

@@ -30,7 +30,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale.utils.memory import format_bytes
 
-__all__ = ["CommRecord", "CommTracer", "wire_bytes"]
+__all__ = ["CommRecord", "CommTracer", "collective_device", "wire_bytes"]
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a tensor handed to a collective on ``group`` must live on: CUDA under NCCL, else the CPU.
+
+    NCCL serves CUDA tensors only ("No backend type associated with device type cpu"), gloo both;
+    so a tensor built without a device works on every CPU test and fails on the first GPU run.
+    Build every tensor that enters a collective here (or from a tensor already on that device).
+
+    Example:
+        >>> collective_device()  # no process group: the CPU
+        device(type='cpu')
+    """
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_ultrascale.utils.comm import collective_device
+
 
 def _no_groups(p: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:
     return ()
@@ -54,7 +56,8 @@ def grad_norm(
         groups[key].append(local)
         extra[key] = more
         device = local.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    # A rank may hold no gradient (a pipeline stage's frozen part): its zero still joins the sums.
+    total = torch.zeros((), dtype=torch.float32, device=device or collective_device())
     for key, grads in groups.items():
         squares = torch.stack([t.detach().float().pow(2).sum() for t in grads]).sum()
         mesh, sharded, _ = key  # type: ignore[misc]
