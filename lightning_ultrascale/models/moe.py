@@ -279,7 +279,10 @@ class _AttachAux(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, aux: Tensor, scale: Tensor) -> Tensor:
         ctx.save_for_backward(scale)
-        return x.view_as(x)
+        # Not a view (``view_as``): the split-backward pipeline schedules (zero bubble, ZBV,
+        # DualPipeV) ``detach_()`` a stage's output, which autograd refuses for a custom
+        # Function's view. ``detach`` shares the storage without making one.
+        return x.detach()
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
