@@ -181,6 +181,41 @@ def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:
             progress["processed"] = progress["completed"] = progress["started"] - 1
 
 
+#: The saving run's ``accumulate_grad_batches``, kept beside Lightning's loops in a checkpoint.
+ACCUMULATION_KEY = "ultrascale_accumulate_grad_batches"
+
+
+def rebase_accumulation(checkpoint: dict[str, Any], accumulate: int) -> None:
+    """Count a mid-epoch checkpoint's micro-batches in this run's gradient accumulation.
+
+    Lightning steps the optimizer when the epoch's micro-batch count reaches a multiple of
+    ``accumulate_grad_batches``, and restores the SAVING run's count: a ZeRO-1 dp2 checkpoint
+    (accumulation 1) after 3 steps says 3 micro-batches, so a resume under pp2 (accumulation 2)
+    stepped after one micro-batch and every later step straddled two global batches. The saved
+    micro-batches are whole optimizer steps; they become as many steps of ``accumulate`` each.
+    A checkpoint written inside an accumulation (its partial gradients are not in it) is refused.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    saved = checkpoint.get(ACCUMULATION_KEY)
+    if not loop or saved is None:
+        return
+    progress = loop["epoch_loop.batch_progress"]
+    if progress.get("is_last_batch", False):
+        return  # the epoch is over: the next one starts from zero
+    trained = progress["current"]["processed"]
+    if trained % saved:
+        raise ConfigError(
+            f"the checkpoint was written after micro-batch {trained} of its epoch, inside a gradient accumulation of "
+            f"{saved} micro-batches (step {checkpoint.get('global_step')}): the gradients of its unfinished step are "
+            "not in it, so resuming would train that step on part of its batch; resume from a checkpoint written "
+            "after an optimizer step (ModelCheckpoint and checkpoint.every_n_steps write only those)"
+        )
+    shift = trained // saved * accumulate - trained
+    for counters in (progress["current"], progress["total"]):
+        for key in ("ready", "started", "processed", "completed"):
+            counters[key] += shift
+
+
 class LayoutCheckpoints(ModelParallelStrategy):
     """Lightning's checkpoint hooks for the strategy's layout (its ``layout`` and ``step``).
 
@@ -199,6 +234,8 @@ class LayoutCheckpoints(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         resume_where_the_data_stopped(checkpoint)
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            checkpoint[ACCUMULATION_KEY] = self.lightning_module.trainer.accumulate_grad_batches
         if not self._save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         from torch.distributed.checkpoint import async_save, save
@@ -264,8 +301,15 @@ class LayoutCheckpoints(ModelParallelStrategy):
         """Load a checkpoint of any layout's model: sharded (DCP) or full, DTensor parameters or not.
 
         Lightning's own loader insists on DTensor parameters, which replicated layouts do not have,
-        and on optimizer states in torch's nested format, which pipeline stages cannot share.
+        and on optimizer states in torch's nested format, which pipeline stages cannot share. The
+        saved loop position is counted in this run's gradient accumulation (:func:`rebase_accumulation`).
         """
+        checkpoint = self._load_layout_checkpoint(checkpoint_path, weights_only)
+        assert self.lightning_module is not None
+        rebase_accumulation(checkpoint, self.lightning_module.trainer.accumulate_grad_batches)
+        return checkpoint
+
+    def _load_layout_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

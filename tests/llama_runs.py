@@ -94,6 +94,8 @@ class SaveCheckpoint(L.Callback):
         self.path, self.step, self.stop = path, step, stop
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return  # between the micro-batches of a step: global_step still names the last one
         if self.step is None or trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
             if self.stop:

@@ -1,5 +1,8 @@
 """Any layout loads any other's checkpoint: save after 3 AdamW steps, resume elsewhere, train 3 more.
 
+Also under another gradient accumulation, micro batch or dp size: the resumed run trains on the
+global batches and steps of an uninterrupted run in its own layout.
+
 Ten layouts cover every way a rank can hold a parameter and its optimizer state: a replica (one
 process), a sharded optimizer's flat range (ZeRO-1 with small buckets, ZeRO-2 with one bucket: a
 different bucket plan), an FSDP2 shard (ZeRO-3, HSDP), a tensor-parallel shard, a pipeline stage
@@ -17,6 +20,7 @@ from llama_runs import ADAMW, ADAMW_RTOL, GLOBAL_BATCH, SEQ_LEN, SaveCheckpoint,
 
 from lightning_ultrascale import (
     ContextParallel,
+    DataParallel,
     LlamaModule,
     PipelineParallel,
     TensorParallel,
@@ -24,6 +28,9 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
+from lightning_ultrascale.checkpoint import ACCUMULATION_KEY, rebase_accumulation
+from lightning_ultrascale.data.sampler import DataParallelSampler
+from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 
@@ -99,3 +106,71 @@ def test_a_checkpoint_of_any_layout_resumes_in_another(checkpoints, uninterrupte
             assert_parity(run, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
         except AssertionError as err:
             raise AssertionError(f"{source} -> {target}: {err}") from None
+
+
+# ------------------------------------------------------------------------------------ accumulation
+#: name -> (world size, plugins, micro batch size, gradient accumulation); global batch = micro x dp x accumulation
+ACCUMULATION_LAYOUTS = {
+    "zero1-dp2": (2, lambda: [ZeRO(1)], 4, 1),
+    "pp2-acc2": (2, lambda: [PipelineParallel(2, "1f1b", microbatches=2)], 4, 2),
+    "tp2-acc2": (2, lambda: [TensorParallel(2)], 4, 2),
+    "dp2": (2, lambda: [DataParallel()], 4, 1),
+    "dp2-mb8": (2, lambda: [DataParallel()], 8, 1),  # a global batch of 16
+    "dp1-mb4-acc4": (1, lambda: [], 4, 4),
+}
+#: (saved in, resumed in)
+ACCUMULATION_PAIRS = [
+    ("zero1-dp2", "pp2-acc2"),
+    ("pp2-acc2", "zero1-dp2"),
+    ("dp2-mb8", "dp1-mb4-acc4"),
+    ("tp2-acc2", "dp2"),
+]
+
+
+def _fit_accumulating(layout: str, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
+    world_size, plugins, micro_batch_size, accumulate = ACCUMULATION_LAYOUTS[layout]
+    L.seed_everything(0, verbose=False)
+    recorder = ParityRecorder()
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3)] if save_to else [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=6,
+        accumulate_grad_batches=accumulate, callbacks=callbacks, **QUIET_TRAINER,
+    )  # fmt: skip
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=0)
+    trainer.fit(LlamaModule("llama_tiny", optim=ADAMW), datamodule=data, ckpt_path=ckpt_path)
+    return recorder.record
+
+
+@pytest.mark.parametrize(("source", "target"), ACCUMULATION_PAIRS, ids=[f"{a}->{b}" for a, b in ACCUMULATION_PAIRS])
+def test_a_resume_under_another_accumulation_trains_the_uninterrupted_steps(tmp_path, source, target):
+    # Before: the restored micro-batch count was the saving layout's, so zero1-dp2 -> pp2-acc2 stepped
+    # after one micro-batch and then on halves of two global batches (losses 1e-2 off).
+    run_workers(_fit_accumulating, ACCUMULATION_LAYOUTS[source][0], source, None, str(tmp_path / "ckpt"))
+    world_size = ACCUMULATION_LAYOUTS[target][0]
+    uninterrupted = run_workers(_fit_accumulating, world_size, target)[0]
+    resumed = run_workers(_fit_accumulating, world_size, target, str(tmp_path / "ckpt"))[0]
+    reference = RunRecord(uninterrupted.losses[3:], uninterrupted.grads[3:], uninterrupted.params)
+    assert_parity(resumed, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
+
+
+def _mid_epoch_checkpoint(micro_batches: int, accumulate: int) -> dict:
+    counters = {"ready": micro_batches, "started": micro_batches, "processed": micro_batches, "completed": 0}
+    progress = {"current": dict(counters), "total": {**counters, "ready": micro_batches + 10}, "is_last_batch": False}
+    return {"loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}, ACCUMULATION_KEY: accumulate}
+
+
+def test_the_saved_micro_batch_count_becomes_this_runs_and_a_partial_step_is_refused():
+    checkpoint = _mid_epoch_checkpoint(6, accumulate=2)  # 3 steps of 2 micro-batches
+    rebase_accumulation(checkpoint, 1)
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    # 3 steps of 1: the epoch's end is 3 micro-batches later, not 6 (which would skip 3 batches)
+    assert progress["current"] == {"ready": 3, "started": 3, "processed": 3, "completed": -3}
+    assert progress["total"]["ready"] == 13
+    with pytest.raises(ConfigError, match=r"after micro-batch 5 of its epoch, inside a gradient accumulation of 2"):
+        rebase_accumulation(_mid_epoch_checkpoint(5, accumulate=2), 2)
+
+
+def test_a_data_position_between_micro_steps_is_refused():
+    sampler = DataParallelSampler(range(64), micro_batch_size=8, num_replicas=2)
+    with pytest.raises(ConfigError, match=r"12 samples into epoch 0, is not a whole number .* = 16 samples"):
+        sampler.load_state_dict({"epoch": 0, "consumed_samples": 12})

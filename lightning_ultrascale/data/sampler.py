@@ -119,6 +119,14 @@ class DataParallelSampler(DistributedSampler):
         consumed = int(state_dict["consumed_samples"])
         if not 0 <= consumed <= self.dataset_size:
             raise ValueError(f"consumed_samples={consumed} is outside the dataset's [0, {self.dataset_size}]")
+        if consumed % self.global_batch_size:
+            # Starting mid-way through a micro-step would shift every later global batch.
+            raise ConfigError(
+                f"the checkpoint's data position, {consumed} samples into epoch {state_dict['epoch']}, is not a whole "
+                f"number of this run's micro-steps of micro_batch_size={self.micro_batch_size} x dp="
+                f"{self.num_replicas} = {self.global_batch_size} samples; resume with a micro-step that divides "
+                f"{consumed} (the global batch the checkpoint trained with)"
+            )
         self.epoch = int(state_dict["epoch"])
         self._resume_at = self._consumed = consumed
 
