@@ -60,7 +60,7 @@ of 2 experts, 2 groups per token, 1 shared expert; fp32) on the bundled corpus
    a 1e-4 sequence aux loss and a 1e-3 bias rate together. The coefficient and rate are printed;
    the full run's were tuned so that the stated number of steps suffices (the bias at moe_tiny's
    1e-3 needs several hundred steps to undo this skew: the full run shows it with the defaults).
-   Recorded each step: every MoE block's global tokens per expert (``LlamaModule.expert_loads``)
+   Recorded each step: every MoE block's global tokens per expert (``LlamaModule.expert_stats.loads``)
    and max/mean of the worst block; step ``s`` is the routing of the (s+1)-th forward, after
    ``s`` updates. A batch is a few dozen contiguous chunks of text, and which experts a chunk needs
    depends on what it is (code, prose, indentation), and every optimizer step moves the router
@@ -495,8 +495,8 @@ class RecordLoads(L.Callback):
         skew_router(pl_module.model)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
-        assert isinstance(pl_module, LlamaModule) and pl_module.expert_loads is not None
-        self.loads.append(pl_module.expert_loads.tolist())
+        assert isinstance(pl_module, LlamaModule) and pl_module.expert_stats is not None
+        self.loads.append(pl_module.expert_stats.loads.tolist())
         aux = trainer.callback_metrics.get("train/aux_loss")
         self.ce.append(float(outputs["loss"]) - (float(aux) if aux is not None else 0.0))
 

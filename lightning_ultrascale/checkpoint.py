@@ -162,6 +162,38 @@ def check_checkpoint_path(path: _PATH, option: str = "ckpt_path") -> None:
             f"{option}={path} is a directory but not a checkpoint (it has no .metadata, DCP's index); it holds: "
             f"{', '.join(found) or 'nothing'}; {hint}"
         )
+    if where.is_dir() and not (where / _METADATA_FILENAME).is_file():
+        raise ConfigError(
+            f"{option}={path} has DCP's .metadata but no {_METADATA_FILENAME} (the loops, LR schedulers and "
+            "hyperparameters every checkpoint of ours has): an incomplete copy, or a save that did not finish; "
+            f"copy the whole directory, or resume from another checkpoint; {hint}"
+        )
+
+
+def check_checkpoint_model(path: _PATH, hparams: Mapping[str, Any], option: str = "ckpt_path") -> None:
+    """Refuse a checkpoint saved by another architecture, naming every setting that differs.
+
+    Compares the ``model_config`` hyperparameter the checkpoint was saved with (``LlamaModule``
+    saves one) with this run's, before any process group: otherwise DCP fails deep inside the
+    load with ``Size mismatch`` on some optimizer state.
+    """
+    from lightning_ultrascale.models.llama import LlamaConfig
+
+    mine = hparams.get("model_config")
+    where = checkpoint_location(path)
+    meta = where / _METADATA_FILENAME if where.is_dir() else where
+    saved = (torch.load(meta, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters") or {}).get(
+        "model_config"
+    )
+    if not isinstance(mine, Mapping) or not isinstance(saved, Mapping):
+        return
+    theirs, ours = LlamaConfig(**saved), LlamaConfig(**mine)
+    wrong = theirs.architecture_differences(ours)
+    if wrong:
+        raise ConfigError(
+            f"{option}={path} was saved by model {theirs.name}, and this run builds {ours.name}: {', '.join(wrong)}; "
+            f"resume with the model the checkpoint was saved with ({theirs.name}), or start a new run"
+        )
 
 
 def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:
@@ -314,8 +346,10 @@ class LayoutCheckpoints(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         path = checkpoint_location(self.broadcast(checkpoint_path))
-        check_checkpoint_path(path)
         assert self.model is not None and self.lightning_module is not None
+        # The CLI checks both before any process group; Lightning hands us the path only now.
+        check_checkpoint_path(path)
+        check_checkpoint_model(path, self.lightning_module.hparams)
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):
             if any(isinstance(p, DTensor) for p in self.model.parameters()):

@@ -23,6 +23,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.kernels import check_kernels, get_kernels, reference
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.llama import Llama
+from lightning_ultrascale.models.moe import ExpertStats
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
@@ -118,9 +119,12 @@ class LlamaModule(L.LightningModule):
         self.seed = seed
         self.init_from = _hf_directory(init_from)
         self.model: Llama | None = None
-        #: Global tokens per expert ``[MoE blocks, experts]`` of the last optimizer step (MoE models).
-        self.expert_loads: torch.Tensor | None = None
-        self._moe_metrics: dict[str, torch.Tensor] = {}
+        #: What the MoE blocks counted over the last optimizer step's global batch (MoE models):
+        #: tokens per expert ``[MoE blocks, experts]``, tokens dropped, auxiliary losses' sum.
+        self.expert_stats: ExpertStats | None = None
+        #: ``[cross-entropy sum, labelled tokens]`` of the micro-batches since the last look, by split.
+        self._loss_sums: dict[str, torch.Tensor] = {}
+        self._step_metrics: dict[str, torch.Tensor] = {}
         self.save_hyperparameters(
             {
                 "model": self.config.name,
@@ -165,7 +169,9 @@ class LlamaModule(L.LightningModule):
                 "parallelism (the last stage hands its logits to loss_fn); the other kernels do"
             )
             self._warned_unfused = True
-        return reference.cross_entropy(logits, labels)
+        loss = reference.cross_entropy(logits, labels)
+        self._count_loss(loss, labels)
+        return loss
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
@@ -173,65 +179,98 @@ class LlamaModule(L.LightningModule):
         loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels)
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        self._count_loss(loss, labels)
         aux = self.model.pop_aux_loss()
         if aux is not None:
             # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.
-            aux = aux / (labels != IGNORE_INDEX).sum().clamp(min=1)
-            self.pipeline_aux_loss(aux.detach())
-            loss = loss + aux
+            loss = loss + aux / (labels != IGNORE_INDEX).sum().clamp(min=1)
         return loss
-
-    def pipeline_aux_loss(self, aux: torch.Tensor) -> None:
-        """Log the MoE balancing losses included in a step's loss (pipeline parallelism calls it too)."""
-        self.log("train/aux_loss", aux, sync_dist=True)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.pipeline_step_end(loss, batch, batch_idx, "train")
-        return loss
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        super().optimizer_step(*args, **kwargs)
-        if self.config.moe is not None:
-            self._balance_experts()
 
     @torch.no_grad()
-    def _balance_experts(self) -> None:
-        """After an optimizer step: global tokens per expert, the aux-loss-free bias update, the metrics."""
-        assert self.model is not None and self.config.moe is not None
+    def _count_loss(self, loss: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a micro-batch's cross-entropy (a mean over its labelled tokens) to its split's sums."""
+        n = (labels != IGNORE_INDEX).sum()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        # A rank whose part holds no labelled token has a NaN mean: it adds nothing.
+        sums = torch.stack((torch.where(n > 0, value.float() * n, 0.0), n.float()))
+        split = "train" if self.training else "val"
+        self._loss_sums[split] = self._loss_sums[split] + sums if split in self._loss_sums else sums
+
+    def _global_sums(self, split: str, more: torch.Tensor | None = None) -> torch.Tensor:
+        """``[cross-entropy sum, labelled tokens, *more]`` over the global batch (every rank calls it).
+
+        ``UltraScaleStrategy`` sums over the ranks that hold different tokens (pipeline stages
+        included: those without the head add zeros); tensor-parallel peers repeat them.
+        """
+        local = self._loss_sums.pop(split, None)
+        local = torch.zeros(2, device=self.device) if local is None else local
+        if more is not None:
+            local = torch.cat((local, more.to(local.device)))
         strategy = self.trainer.strategy
-        # UltraScaleStrategy sums over the ranks that hold different tokens only (tp ranks repeat them).
         reduce = getattr(strategy, "sum_over_batch", None) or (lambda t: strategy.reduce(t, reduce_op="sum"))
-        loads, dropped = self.model.expert_loads(reduce)
+        return reduce(local)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)  # every micro-batch of the step has run by now
+        self._step_metrics = self._step_end()
+
+    @torch.no_grad()
+    def _step_end(self) -> dict[str, torch.Tensor]:
+        """After an optimizer step: the step's loss over its global batch; MoE balancing and its metrics.
+
+        ``train/loss`` is the cross-entropy of every labelled token of the global batch (all
+        micro-batches, microbatches and data-parallel ranks), whatever the layout; the MoE balancing
+        losses it trains with are ``train/aux_loss``, per token too.
+        """
+        assert self.model is not None
+        stats = self.model.expert_stats() if self.config.moe is not None else None
+        more = None if stats is None else torch.cat((stats.loads.flatten(), stats.dropped[None], stats.aux[None]))
+        sums = self._global_sums("train", more)
+        tokens = sums[1].clamp(min=1)
+        metrics = {"train/loss": sums[0] / tokens}
+        if stats is not None:
+            loads = sums[2 : 2 + stats.loads.numel()].view_as(stats.loads)
+            self.expert_stats = ExpertStats(loads, sums[-2], sums[-1])
+            metrics |= self._balance_experts(loads, sums[-2])
+            metrics["train/aux_loss"] = sums[-1] / tokens
+        return metrics
+
+    def _balance_experts(self, loads: torch.Tensor, dropped: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The aux-loss-free bias update from the step's global tokens per expert, and the balance metrics."""
+        assert self.model is not None and self.config.moe is not None
         if self.config.moe.bias_update_rate > 0:
             self.model.update_expert_bias(loads)
-        self.expert_loads = loads
         imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
         metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}
         # The selection bias's spread per MoE block; a pipeline stage holds some blocks only.
         ranges = self.model.expert_bias_ranges()
-        max_over_stages = getattr(strategy, "max_over_stages", None)
+        max_over_stages = getattr(self.trainer.strategy, "max_over_stages", None)
         ranges = max_over_stages(ranges) if max_over_stages else ranges
         metrics["moe/bias_range"] = ranges.max()
         metrics |= {f"moe/layer{b}/bias_range": v for b, v in zip(self.config.moe_blocks(), ranges)}
-        self._moe_metrics = metrics
+        return metrics
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Logged here (Lightning does not log from optimizer_step); values are global already.
-        if self._moe_metrics:
-            metrics, self._moe_metrics = self._moe_metrics, {}
-            self.log_dict(metrics, rank_zero_only=True)
-            self.log("imb", metrics["moe/max_over_mean"], prog_bar=True, logger=False, rank_zero_only=True)
+        # Logged here (Lightning does not log from optimizer_step); the values are global already,
+        # the same on every rank, so every rank logs them (callbacks may monitor them anywhere).
+        if self._step_metrics:
+            metrics, self._step_metrics = self._step_metrics, {}
+            self.log("train/loss", metrics.pop("train/loss"), prog_bar=True)
+            self.log_dict(metrics)
+            if "moe/max_over_mean" in metrics:
+                self.log("imb", metrics["moe/max_over_mean"], prog_bar=True, logger=False)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.pipeline_step_end(loss, batch, batch_idx, "val")
-        return loss
+        return self._loss(batch)
 
-    def pipeline_step_end(self, loss: torch.Tensor, batch: dict[str, torch.Tensor], batch_idx: int, split: str) -> None:
-        """Log a step's loss; pipeline parallelism, which runs the step itself, calls it too."""
-        self.log(f"{split}/loss", loss, prog_bar=True, sync_dist=True)
+    def on_validation_epoch_end(self) -> None:
+        # The cross-entropy of every labelled validation token, not a mean of per-batch means.
+        sums = self._global_sums("val")
+        self.log("val/loss", sums[0] / sums[1].clamp(min=1), prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         o = self.optim

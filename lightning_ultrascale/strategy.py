@@ -200,6 +200,8 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
             plugin.validate(dims, spec, data)
         if data is not None:
             data.validate_vocabulary(spec)
+            if data.fits is not None:
+                data.fits(dims.dp)
             if data.global_batch_size is not None:
                 dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
         self._validated = key

@@ -1,5 +1,6 @@
 """One way to train llama_tiny for parity tests: same data, seed and global batch in every layout."""
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -85,6 +86,17 @@ def run_tiny_llama(
 def assert_adamw_parity(run: RunRecord, ref: RunRecord) -> None:
     """Multi-step AdamW parity: losses and first-step gradients 1e-5, the rest :data:`ADAMW_RTOL`."""
     assert_parity(run, ref, rtol=1e-5, later_grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
+
+
+def assert_adamw_moe_parity(run: RunRecord, ref: RunRecord) -> None:
+    """Multi-step AdamW parity of MoE and MLA models: losses and first-step gradients 1e-5, nothing later.
+
+    Routing and MLA's low-rank products add reduction-order noise in near-zero gradients, which
+    Adam turns into parameter differences of ~lr: DeepSeek-V3-tiny at ep2 measured 1.83e-4 after
+    3 steps on one CPU (5.8e-5 on another), against :data:`ADAMW_RTOL` = 2e-4, so no bound with
+    margin exists. Their multi-step parameter parity is proven with SGD (1e-5).
+    """
+    assert_parity(run, ref, rtol=1e-5, later_grad_rtol=math.inf, check_params=False)
 
 
 class SaveCheckpoint(L.Callback):

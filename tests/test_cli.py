@@ -1,6 +1,7 @@
 """The Hydra entry point: composition, recipes, bad input before any process group, a real run."""
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -488,4 +489,66 @@ def test_moe_and_mla_options_are_checked_against_the_model(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match=re.escape(message)):
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             build(compose("train", overrides=hydra_argv(overrides)))
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------ bad input before any process group
+def test_a_checkpoint_copy_without_its_meta_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    partial = tmp_path / "last.ckpt"
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"")  # DCP's index, but no meta.pt (was: IsADirectoryError after the PG)
+    with pytest.raises(ConfigError, match=rf"ckpt_path={partial} has DCP's .metadata but no meta.pt .* copy the whole"):
+        build(_compose(f"ckpt_path={partial}"))
+    assert not dist.is_initialized()
+
+
+def test_a_checkpoint_of_another_model_names_what_differs(tmp_path, monkeypatch):
+    from dataclasses import asdict
+
+    from lightning_ultrascale.models import get_model_config
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    saved = tmp_path / "last.ckpt"
+    saved.mkdir()
+    (saved / ".metadata").write_bytes(b"")
+    torch.save({"hyper_parameters": {"model_config": asdict(get_model_config("llama_tiny"))}}, saved / "meta.pt")
+    build(_compose(f"ckpt_path={saved}"))  # the same model: accepted
+    # Was: DCP's "Size mismatch ... tok_embeddings.weight.exp_avg" after the process group.
+    message = r"was saved by model llama_tiny, and this run builds llama_small: dim=64 \(model llama_small: 256\)"
+    with pytest.raises(ConfigError, match=message):
+        build(_compose("model=llama_small", f"ckpt_path={saved}"))
+    assert not dist.is_initialized()
+
+
+def test_an_hf_directory_of_an_unsupported_model_type_names_the_supported_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
+    # Was: AttributeError: 'types.SimpleNamespace' object has no attribute 'hidden_size'.
+    message = r"model.init_from=hf:.*gpt2 holds a model_type='gpt2' model; valid: 'llama', 'mixtral', 'deepseek_v3'"
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(f"model.init_from=hf:{gpt2}"))
+    assert not dist.is_initialized()
+
+
+def test_a_token_file_shorter_than_a_global_batch_is_refused_before_any_process_group(tmp_path, monkeypatch):
+    import numpy as np
+
+    from lightning_ultrascale import LlamaModule, UltraScaleDataModule
+    from lightning_ultrascale.testing.parity import QUIET_TRAINER
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    tokens = tmp_path / "tokens.bin"
+    np.arange(100, dtype=np.uint16).tofile(tokens)  # fewer than one sequence of 64 + 1 per rank of 2
+    overrides = ["data=tokens", f"data.source={tokens}", "data.seq_len=64", "data.micro_batch_size=1"]
+    message = r"data.source=.*tokens.bin has 100 tokens, 1 training sequences: .* x dp=2 needs 2 sequences"
+    with pytest.raises(ConfigError, match=message):
+        build(_compose(*overrides, "data.global_batch_size=2", "data.val_fraction=0"))
+    # And from Python: trainer.fit checks it before it sets up any process group.
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=UltraScaleStrategy(), max_steps=1, **QUIET_TRAINER)
+    data = UltraScaleDataModule(str(tokens), seq_len=128, micro_batch_size=1, val_fraction=0)
+    with pytest.raises(ConfigError, match=r"has 100 tokens, 0 training sequences"):
+        trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
     assert not dist.is_initialized()

@@ -1,5 +1,6 @@
 """Mixture of experts and expert parallelism: routers, balancing, dispatch, parity of every layout, bad input."""
 
+import math
 from dataclasses import replace
 
 import lightning as L
@@ -7,13 +8,12 @@ import pytest
 import torch
 from llama_runs import (
     ADAMW,
-    ADAMW_RTOL,
     DEEPSEEK_V3_TINY,
     GLOBAL_BATCH,
     SEQ_LEN,
     SGD,
     SaveCheckpoint,
-    assert_adamw_parity,
+    assert_adamw_moe_parity,
     run_tiny_llama,
 )
 
@@ -31,10 +31,11 @@ from lightning_ultrascale import (
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.models.moe import GroupedExperts, MoE, MoEConfig, attach_aux_loss
+from lightning_ultrascale.parallel.context.attention import local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.pipeline.schedules import SCHEDULES
 from lightning_ultrascale.testing import run_workers
-from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity, record_run
 
 MOE_TINY = get_model_config("moe_tiny")  # DeepSeek-V3 routing: sigmoid, groups, shared expert, bias
 # Mixtral routing: softmax top-2 renormalised, no shared expert, every block MoE, z-loss on.
@@ -120,7 +121,7 @@ def test_capacity_factor_drops_the_overflow_and_counts_it():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(1, 64, 16)
     moe(x)
-    load, dropped = moe.pop_load()
+    load, dropped, _ = moe.pop_load()
     capacity = 64 * 2 * 0.5 / 8
     assert dropped == (load - capacity).clamp(min=0).sum() > 0
     dropless = MoE(16, replace(cfg, capacity_factor=None)).train()
@@ -164,14 +165,14 @@ def test_recomputed_forward_counts_tokens_once():
     model = build_model(MOE_TINY).train()
     plain = model(torch.randint(0, 320, (2, 16)))
     plain.sum().backward()
-    loads, _ = model.expert_loads()
+    loads = model.expert_stats().loads
     checkpointed = build_model(MOE_TINY).train()
     from torch.utils.checkpoint import checkpoint
 
     block = checkpointed.layers["1"]
     block.forward = lambda *a, f=block.forward: checkpoint(f, *a, use_reentrant=False)
     checkpointed(torch.randint(0, 320, (2, 16))).sum().backward()
-    again, _ = checkpointed.expert_loads()
+    again = checkpointed.expert_stats().loads
     assert torch.equal(loads.sum(-1), again.sum(-1)) and float(loads[0].sum()) == 2 * 16 * 2
 
 
@@ -310,10 +311,41 @@ def test_zero3_splits_each_expert_over_its_ranks_when_they_outnumber_the_experts
     assert_parity(run, _moe_reference(FEW_EXPERTS), rtol=1e-5)
 
 
+def test_hf_weights_load_into_zero3_shards_inside_each_expert(tmp_path):
+    # The same layout imports a Hugging Face Mixtral: each rank reads its half of its expert's rows
+    # (was NotImplementedError: "expert weights split inside an expert cannot load from HF").
+    transformers = pytest.importorskip("transformers")
+    from lightning_ultrascale.models.hf import config_to_hf, hf_architecture
+
+    cfg = replace(FEW_EXPERTS, ffn_hidden_dim=FEW_EXPERTS.moe.moe_ffn_dim)  # Mixtral has no dense width of its own
+    torch.manual_seed(1)
+    config_class, model_class = (getattr(transformers, c) for c in hf_architecture(cfg))
+    model_class(config_class(**config_to_hf(cfg))).save_pretrained(tmp_path)
+
+    def run(plugins, world_size):
+        module = lambda: LlamaModule(cfg, optim=SGD, init_from=f"hf:{tmp_path}")  # noqa: E731
+        data = lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // world_size, seed=0)  # noqa: E731
+        strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins else None
+        return record_run(module, data, steps=2, strategy=strategy, world_size=world_size)
+
+    one = run(None, 1)
+    assert_parity(run(lambda: [ExpertParallel(2), ZeRO(stage=3)], 4), one, rtol=1e-5)
+    fresh = run_tiny_llama(SGD, model=cfg, steps=1)
+    assert abs(fresh.losses[0] - one.losses[0]) > 1e-3  # the import's weights, not a fresh init
+
+
 def test_ep2_with_adamw_and_gradient_accumulation_matches_one_process():
     ref = run_tiny_llama(ADAMW, model=MOE_TINY, steps=3)
     run = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=MOE_TINY, steps=3, accumulate=2)
-    assert_adamw_parity(run, ref)
+    assert_adamw_moe_parity(run, ref)
+
+
+def test_deepseek_v3_tiny_at_ep2_matches_one_process_sgd_parameters_and_adamw_losses():
+    # Parameters: SGD, 1e-5 (AdamW's reached 1.83e-4 against a 2e-4 bound: no margin).
+    sgd = run_tiny_llama(SGD, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3)
+    assert_parity(sgd, _moe_reference(DEEPSEEK_V3_TINY), rtol=1e-5)
+    adamw = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3)
+    assert_adamw_moe_parity(adamw, run_tiny_llama(ADAMW, model=DEEPSEEK_V3_TINY, steps=3))
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -373,7 +405,9 @@ def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     reference = RunRecord(full.losses[3:], full.grads[3:], full.params)
     for source, target in [("ep2", "one"), ("one", "ep2"), ("ep2", "ep2-zero3"), ("ep2-zero3", "one")]:
         run = run_workers(_fit_moe, EP_LAYOUTS[target][0], target, str(tmp_path / source), timeout_s=300)[0]
-        assert_parity(run, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
+        # AdamW on a MoE model: losses only (assert_adamw_moe_parity says why); a wrong expert shard
+        # or moment after the resume moves them by far more than 1e-5.
+        assert_parity(run, reference, rtol=1e-5, grad_rtol=math.inf, check_params=False)
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -399,3 +433,83 @@ def test_balance_metrics_under_pipeline_parallelism_equal_one_process():
     for key, value in one.items():
         assert abs(pp2[key] - value) <= 1e-5 * abs(value) + 1e-9, (key, pp2[key], value)
     assert one["moe/layer3/bias_range"] > 0 and one["train/aux_loss"] > 0
+
+
+# ------------------------------------------------------------------------------------ capacity
+# capacity_factor=1.0: an expert keeps each sequence's first ceil(S k / E) = 16 of 64 x 2 routed slots.
+CAPPED = replace(MIXTRAL_TINY, name="mixtral_tiny_capped", moe=replace(MIXTRAL_TINY.moe, capacity_factor=1.0))
+
+
+def _kept_slots(method: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``within_capacity`` of 3 sequences of 64 tokens as this rank holds them, and their positions."""
+    moe = MoE(16, CAPPED.moe)
+    generator = torch.Generator().manual_seed(0)
+    for p in moe.parameters():
+        p.data.normal_(0, 1.0, generator=generator)
+    x = torch.randn(3, 64, 16, generator=generator)
+    positions = torch.arange(64)
+    if method is not None:
+        cp = ContextParallel(2, method)
+        moe.sequence_split = cp.sequence_split(torch.distributed.group.WORLD, torch.distributed.get_rank())
+        positions = local_positions("ring" if method == "all_to_all" else method, 64, 2, moe.sequence_split.rank)
+    experts = moe.router(x[:, positions].reshape(-1, 16)).experts
+    return moe.within_capacity(experts, 3).view(3, -1, CAPPED.moe.top_k), positions
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag_ring", "all_to_all"])
+def test_capacity_keeps_the_same_tokens_when_context_parallelism_splits_the_sequence(method):
+    kept, _ = _kept_slots(None)
+    assert 0 < int((~kept).sum()) < kept.numel() // 2  # some slots are dropped, most are kept
+    for rank_kept, positions in run_workers(_kept_slots, 2, method):
+        assert torch.equal(rank_kept, kept[:, positions])
+
+
+class _Drops(L.Callback):
+    """Tokens dropped over each optimizer step's global batch."""
+
+    def __init__(self) -> None:
+        self.dropped: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if not trainer.fit_loop._should_accumulate():
+            self.dropped.append(float(pl_module.expert_stats.dropped))
+
+
+def _fit_capped(plugins, world_size: int, dp: int) -> tuple[RunRecord, list[float]]:
+    L.seed_everything(0, verbose=False)
+    recorder, drops = ParityRecorder(), _Drops()
+    strategy = UltraScaleStrategy(*plugins()) if plugins else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, callbacks=[recorder, drops],
+        **QUIET_TRAINER,
+    )  # fmt: skip
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0)
+    trainer.fit(LlamaModule(CAPPED, optim=SGD), datamodule=data)
+    return recorder.record, drops.dropped
+
+
+CAPACITY_LAYOUTS = {
+    "dp2": (lambda: [ZeRO(stage=1)], 2),
+    "pp2": (lambda: [PipelineParallel(2, "1f1b", microbatches=2)], 1),
+    "tp2": (lambda: [TensorParallel(2)], 1),
+    "cp2-ring": (lambda: [ContextParallel(2, "ring")], 1),
+    "cp2-zigzag": (lambda: [ContextParallel(2, "zigzag_ring")], 1),
+    "ep2xcp2": (lambda: [ExpertParallel(2), ContextParallel(2)], 1),
+}
+
+
+@pytest.fixture(scope="module")
+def capped_reference() -> tuple[RunRecord, list[float]]:
+    return run_workers(_fit_capped, 1, None, 1, 1)[0]
+
+
+@pytest.mark.parametrize("layout", list(CAPACITY_LAYOUTS))
+def test_capacity_drops_the_same_tokens_in_every_layout(layout, capped_reference):
+    # Before: capacity came from a rank's local tokens: half-sequence chunks under CP, a
+    # micro-batch's sequences otherwise (ep2 x cp2 dropped 14.18% against 13.21% in one process).
+    ref, ref_drops = capped_reference
+    plugins, dp = CAPACITY_LAYOUTS[layout]
+    run, drops = run_workers(_fit_capped, 2, plugins, 2, dp)[0]
+    assert len(ref_drops) == 3 and all(d > 0 for d in ref_drops)
+    assert drops == ref_drops  # counts, exactly
+    assert_parity(run, ref, rtol=1e-5)  # and which tokens: every gradient

@@ -305,7 +305,7 @@ def _precision(node: DictConfig) -> dict[str, Any]:
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
-    from lightning_ultrascale.checkpoint import check_checkpoint_path
+    from lightning_ultrascale.checkpoint import check_checkpoint_model, check_checkpoint_path
     from lightning_ultrascale.guard import NonFiniteGuard
     from lightning_ultrascale.parallel.dims import DataShape
     from lightning_ultrascale.strategy import UltraScaleStrategy
@@ -313,6 +313,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     module, datamodule = _module_and_data(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
+        check_checkpoint_model(cfg.ckpt_path, module.hparams)
     strategy = UltraScaleStrategy(
         *plugins(cfg.parallel),
         seed=cfg.seed,

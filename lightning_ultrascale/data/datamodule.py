@@ -93,19 +93,24 @@ class UltraScaleDataModule(L.LightningDataModule):
             return int(kwargs["num_replicas"]), int(kwargs["rank"])
         return 1, 0
 
-    def setup(self, stage: str) -> None:
-        """Read the dp coordinates, open the source, split train/val and check both fill a global batch."""
-        self.dp_size, self.dp_rank = self._dp_coordinates()
+    def _dataset(self) -> PackedDataset:
         if self.source == DEFAULT_SOURCE:
-            dataset: PackedDataset = PackedDataset(load_default_corpus_tokens(), self.seq_len)
-        else:
-            dataset = MemmapTokenDataset(self.source, self.seq_len, self.dtype)
+            return PackedDataset(load_default_corpus_tokens(), self.seq_len)
+        return MemmapTokenDataset(self.source, self.seq_len, self.dtype)
+
+    def check_fits(self, dp_size: int, dataset: PackedDataset | None = None) -> tuple[int, int]:
+        """``(train, validation)`` sequences; raises if either cannot fill one global micro-step of ``dp_size`` ranks.
+
+        ``UltraScaleStrategy`` calls it before any process group exists (through
+        :meth:`~lightning_ultrascale.parallel.dims.DataShape.declared_by`), ``setup`` again.
+        """
+        dataset = dataset or self._dataset()
         n_val = int(len(dataset) * self.val_fraction)
         n_train = len(dataset) - n_val
-        global_batch = self.micro_batch_size * self.dp_size
+        global_batch = self.micro_batch_size * dp_size
         sizes = (
             f"data.seq_len={self.seq_len} x data.micro_batch_size={self.micro_batch_size} "
-            f"x dp={self.dp_size} needs {global_batch} sequences of {self.seq_len + 1} tokens a global batch"
+            f"x dp={dp_size} needs {global_batch} sequences of {self.seq_len + 1} tokens a global batch"
         )
         if n_train < global_batch:
             raise ConfigError(
@@ -117,6 +122,13 @@ class UltraScaleDataModule(L.LightningDataModule):
                 f"data.val_fraction={self.val_fraction} holds out {n_val} sequences, fewer than one global "
                 f"batch: {sizes}; raise data.val_fraction, or set it to 0 to skip validation"
             )
+        return n_train, n_val
+
+    def setup(self, stage: str) -> None:
+        """Read the dp coordinates, open the source, split train/val and check both fill a global batch."""
+        self.dp_size, self.dp_rank = self._dp_coordinates()
+        dataset = self._dataset()
+        n_train, _ = self.check_fits(self.dp_size, dataset)
         self.train_dataset = Subset(dataset, range(n_train))
         self.val_dataset = Subset(dataset, range(n_train, len(dataset)))
 

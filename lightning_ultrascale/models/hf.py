@@ -297,6 +297,7 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         >>> config_from_hf(hf_config, name="llama3_8b").n_layers  # doctest: +SKIP
         32
     """
+    _check_model_type(getattr(hf_config, "model_type", None), "hf config")
     deepseek_v3 = getattr(hf_config, "kv_lora_rank", None) is not None
     unsupported = {
         "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
@@ -488,22 +489,6 @@ def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Lla
 
 
 #: The shape of an architecture: what an HF checkpoint and our config must agree on to load.
-_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings")
-_MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
-
-
-def _architecture_differences(theirs: LlamaConfig, ours: LlamaConfig) -> list[str]:
-    """``option=theirs (model: ours)`` for every shape setting in which two configs differ."""
-    pairs = [(k, getattr(theirs, k), getattr(ours, k)) for k in _SHAPE]
-    pairs += [(k, getattr(theirs, k) is not None, getattr(ours, k) is not None) for k in ("moe", "mla")]
-    if theirs.moe is not None and ours.moe is not None:
-        pairs += [(f"moe.{k}", getattr(theirs.moe, k), getattr(ours.moe, k)) for k in _MOE_SHAPE]
-    if theirs.mla is not None and ours.mla is not None:
-        pairs += [(f"mla.{f.name}", getattr(theirs.mla, f.name), getattr(ours.mla, f.name))
-                  for f in dataclasses.fields(ours.mla)]  # fmt: skip
-    return [f"{k}={a} (model {ours.name}: {b})" for k, a, b in pairs if a != b]
-
-
 #: Our expert weights -> their names in an HF checkpoint's files, per architecture.
 _FILE_EXPERTS = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
@@ -555,20 +540,44 @@ def hf_directory_config(path: str | os.PathLike[str]) -> LlamaConfig:
         raise ConfigError(f"model.init_from=hf:{path}: {config_file} not found; valid: an HF model directory")
     defaults = {"tie_word_embeddings": False, "num_key_value_heads": None, "max_position_embeddings": 2048}
     fields = {**defaults, **json.loads(config_file.read_text())}
+    _check_model_type(fields.get("model_type"), f"model.init_from=hf:{path}")
     return config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
 
 
-def _local_experts(weight: Tensor) -> tuple[Tensor, int]:
-    """This rank's ``[e, ...]`` block of a stacked expert weight and the global index of its first expert."""
-    from torch.distributed.tensor import DTensor
+def _check_model_type(model_type: Any, where: str) -> None:
+    if model_type not in MODEL_TYPES.values():
+        raise ConfigError(
+            f"{where} holds a model_type={model_type!r} model; valid: {', '.join(map(repr, MODEL_TYPES.values()))} "
+            f"({', '.join(MODEL_TYPES)})"
+        )
+
+
+def _local_experts(weight: Tensor) -> tuple[list[Tensor], int]:
+    """Load targets of this rank's experts of a stacked ``[E, ...]`` weight, and the global index of its first.
+
+    Each target shares its expert's storage. Where ZeRO-3 splits inside each expert (fewer
+    experts per rank than expert-data ranks: FSDP shards dim 1), a target is a DTensor of the
+    expert's whole ``[...]`` shape holding this rank's rows, so DCP reads just those rows.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(weight, DTensor):
-        return weight, 0
+        return list(weight.unbind(0)), 0
     shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    if tuple(shape[1:]) != tuple(weight.shape[1:]):
-        raise NotImplementedError(f"expert weights split inside an expert ({weight.placements}) cannot load from HF")
-    return weight.to_local(), offset[0]
+    local = weight.to_local()
+    if tuple(shape[1:]) == tuple(weight.shape[1:]):
+        return list(local.unbind(0)), offset[0]
+    # The expert dim's split picks whole experts (no split of one expert); the others move down a dim.
+    placements = [
+        Replicate() if p.is_shard(0) else Shard(p.dim - 1) if isinstance(p, Shard) else p  # type: ignore[attr-defined]
+        for p in weight.placements
+    ]
+    one = weight.shape[1:]
+    stride = torch.empty(one, device="meta").stride()
+    experts = [DTensor.from_local(e, weight.device_mesh, placements, run_check=False, shape=one, stride=stride)
+               for e in local.unbind(0)]  # fmt: skip
+    return experts, offset[0]
 
 
 @torch.no_grad()
@@ -591,19 +600,22 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     except ImportError:
         raise ConfigError(f"model.init_from=hf:{path} needs the safetensors package: pip install safetensors") from None
     theirs, ours = hf_directory_config(path), model.config
-    wrong = _architecture_differences(theirs, ours)
+    wrong = theirs.architecture_differences(ours)
     if wrong:
         raise ConfigError(f"model.init_from=hf:{path} is another architecture: {', '.join(wrong)}")
     held = {n: p.detach() for n, p in model.named_parameters()}
     held |= {n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
     targets: dict[str, Tensor] = {}
+    experts: dict[str, tuple[list[Tensor], int]] = {}
     for hf, (key, expert) in hf_file_tensors(ours).items():
         if key not in held:  # another pipeline stage's
             continue
         if expert is None:
             targets[hf] = held[key]
             continue
-        local, first = _local_experts(held[key])
-        if first <= expert < first + local.shape[0]:  # one of this rank's experts: a view of its weight
+        if key not in experts:
+            experts[key] = _local_experts(held[key])
+        local, first = experts[key]
+        if first <= expert < first + len(local):  # one of this rank's experts: a view of its weight
             targets[hf] = local[expert - first]
     load(targets, storage_reader=HuggingFaceStorageReader(str(path)))

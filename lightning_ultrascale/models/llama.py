@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
-from lightning_ultrascale.models.moe import MoE, MoEConfig
+from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
 from lightning_ultrascale.models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -81,6 +82,11 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+#: The settings that decide the weights' shapes (and a router's meaning).
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings")
+_MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,23 @@ class LlamaConfig:
                     f"model.rope_scaling.original_max_position_embeddings={s.original_max_position_embeddings} "
                     "must be a positive integer"
                 )
+
+    def architecture_differences(self, other: LlamaConfig) -> list[str]:
+        """``option=mine (model other: its)`` for every setting in which the weights' shapes or meaning differ.
+
+        Example:
+            >>> from lightning_ultrascale.models import get_model_config
+            >>> get_model_config("llama_tiny").architecture_differences(get_model_config("llama_small"))[0]
+            'dim=64 (model llama_small: 256)'
+        """
+        pairs = [(k, getattr(self, k), getattr(other, k)) for k in _SHAPE]
+        pairs += [(k, getattr(self, k) is not None, getattr(other, k) is not None) for k in ("moe", "mla")]
+        if self.moe is not None and other.moe is not None:
+            pairs += [(f"moe.{k}", getattr(self.moe, k), getattr(other.moe, k)) for k in _MOE_SHAPE]
+        if self.mla is not None and other.mla is not None:
+            pairs += [(f"mla.{f.name}", getattr(self.mla, f.name), getattr(other.mla, f.name))
+                      for f in dataclasses.fields(other.mla)]  # fmt: skip
+        return [f"{k}={a} (model {other.name}: {b})" for k, a, b in pairs if a != b]
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count of the whole model, a tied embedding counted once (no model needed).
@@ -568,26 +591,30 @@ class Llama(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()
-    def expert_loads(self, reduce: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """Tokens per expert ``[MoE blocks of the config, experts]`` and tokens dropped, since the last call.
+    def expert_stats(self, reduce: Callable[[Tensor], Tensor] | None = None) -> ExpertStats:
+        """What the MoE blocks counted since the last call: tokens per expert, dropped, aux losses' sum.
+
+        ``loads`` is ``[MoE blocks of the config, experts]``.
 
         Rows of blocks another rank holds are zeros; ``reduce`` (a sum over the ranks of the global
         batch, each counted once) makes them global. Every rank gets the same tensor shape, so a
         pipeline rank without MoE blocks takes part in the reduction like the others.
         """
         blocks = self.config.moe_blocks()
-        loads = torch.zeros(len(blocks) + 1, max(self.config.n_experts, 1), device=self.rope_inv_freq.device)
+        loads = torch.zeros(len(blocks), max(self.config.n_experts, 1), device=self.rope_inv_freq.device)
+        totals = torch.zeros(2, device=loads.device)  # dropped, aux
         for row, moe in self._held_moe_rows():
-            load, dropped = moe.pop_load()
+            load, dropped, aux = moe.pop_load()
             loads[row] = load
-            loads[-1, 0] += dropped
+            totals += torch.stack((dropped, aux))
+        flat = torch.cat((loads.flatten(), totals))
         if reduce is not None:
-            loads = reduce(loads)
-        return loads[:-1], loads[-1, 0]
+            flat = reduce(flat)
+        return ExpertStats(flat[: loads.numel()].view_as(loads), flat[-2], flat[-1])
 
     @torch.no_grad()
     def update_expert_bias(self, loads: Tensor) -> None:
-        """Aux-loss-free balancing step of every MoE block held, from global ``loads`` (:meth:`expert_loads`)."""
+        """Aux-loss-free balancing step of every MoE block held, from global ``loads`` (:meth:`expert_stats`)."""
         for row, moe in self._held_moe_rows():
             moe.router.update_bias(loads[row])
 
@@ -640,9 +667,8 @@ class Llama(nn.Module):
             if device.type == "meta":
                 device = next((p.device for p in self.parameters()), device)
         self.rope_inv_freq = rope_inv_freq(self.config, device="cpu").to(device)
-        for moe in self.moe_layers().values():  # the token counters; the router's expert_bias is state
-            moe.load.zero_()
-            moe.dropped.zero_()
+        for moe in self.moe_layers().values():  # the counters; the router's expert_bias is state
+            moe.pop_load()
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -18,7 +18,7 @@ Load balancing (any mix):
   sequence-wise loss). Written per token, ``l_t = coeff * sum_i f_i p_ti``, it adds up over tokens
   like the cross-entropy, so it is weighted by the same token counts in every layout; ``f`` is a
   count (no gradient), so a sequence split over context-parallel ranks only sums its counts over
-  them (:attr:`MoE.sequence_group`);
+  them (:attr:`MoE.sequence_split`);
 - router z-loss ``z_loss_coeff * logsumexp(logits)^2`` per token (ST-MoE);
 - aux-loss-free balancing (DeepSeek-V3): a per-expert ``expert_bias`` used for selection only,
   moved by ``+-bias_update_rate`` after every optimizer step, towards the mean load counted over
@@ -26,8 +26,10 @@ Load balancing (any mix):
 
 Dispatch is dropless by default: tokens are sorted by expert and each expert runs on its
 contiguous rows (one grouped GEMM, ``torch._grouped_mm``, or a loop). An optional
-``capacity_factor`` keeps at most ``ceil(factor * T * k / E)`` tokens per expert (GShard: the
-first ones in token order) and counts the rest as dropped. Expert parallelism replaces the
+``capacity_factor`` keeps at most ``ceil(factor * S * k / E)`` tokens of each sequence (``S`` its
+length) per expert, the first ones in position order (GShard's rule, per sequence so that drops are
+the same in every layout: micro-batching, pipelining and context parallelism change what a rank
+sees of a batch, never a sequence), and counts the rest as dropped. Expert parallelism replaces the
 local :class:`Dispatcher` by one that moves tokens to the ranks holding their experts
 (``parallel/expert/``).
 
@@ -52,11 +54,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.spec import SequenceSplit
 
 __all__ = [
     "AUX_LOSSES",
     "ROUTERS",
     "Dispatcher",
+    "ExpertStats",
     "GroupedExperts",
     "MoE",
     "MoEConfig",
@@ -155,6 +159,16 @@ class MoEConfig:
         """Feed-forward parameters of one MoE block (router, routed and shared experts); ``active``: per token."""
         routed = self.top_k if active else self.n_routed_experts
         return dim * self.n_routed_experts + (routed + self.n_shared_experts) * self.expert_params(dim)
+
+
+class ExpertStats(NamedTuple):
+    """What the MoE blocks counted since the last look: ``loads [MoE blocks, experts]`` (tokens routed
+    to each expert), ``dropped`` (tokens over an expert's capacity) and ``aux`` (the auxiliary losses
+    summed over tokens: divided by the labelled tokens it is the loss's balancing part)."""
+
+    loads: Tensor
+    dropped: Tensor
+    aux: Tensor
 
 
 class Routing(NamedTuple):
@@ -339,10 +353,11 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_routed_experts, dim, cfg.moe_ffn_dim, cfg.expert_kernel)
         self.shared_experts = FeedForward(dim, cfg.n_shared_experts * cfg.moe_ffn_dim) if cfg.n_shared_experts else None
         self.dispatcher = Dispatcher()
-        #: The group a sequence is split over (context parallelism), for the per-window counts.
-        self.sequence_group: dist.ProcessGroup | None = None
+        #: How context parallelism splits each sequence, for the per-sequence counts.
+        self.sequence_split: SequenceSplit | None = None
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
         self._aux: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -352,9 +367,13 @@ class MoE(nn.Module):
         cfg = self.cfg
         flat = routing.experts.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=cfg.n_routed_experts)
         if cfg.capacity_factor is not None:
-            order, counts = self._drop_overflow(flat, order, counts, tokens.shape[0])
+            kept = self.within_capacity(routing.experts, b).reshape(-1)
+            if self.training and not _in_backward():  # a recomputed forward counts nothing again
+                self.dropped += (~kept).sum()
+            order = order[kept[order]]
+            flat = flat.masked_fill(~kept, cfg.n_routed_experts)  # dropped slots count for no expert
+        counts = torch.bincount(flat, minlength=cfg.n_routed_experts + 1)[: cfg.n_routed_experts]
         if self.training:
             self._observe(routing, b)
         rows = order // cfg.top_k
@@ -366,17 +385,35 @@ class MoE(nn.Module):
             out = out + self.shared_experts(tokens)
         return out.view(b, s, dim)
 
-    def _drop_overflow(self, flat: Tensor, order: Tensor, counts: Tensor, n_tokens: int) -> tuple[Tensor, Tensor]:
-        """GShard capacity: each expert keeps its first ``ceil(factor * T * k / E)`` tokens."""
+    def within_capacity(self, experts: Tensor, batch: int) -> Tensor:
+        """Which routed slots ``experts [T, k]`` keep their expert: ``[T, k]`` bool.
+
+        Capacity is per sequence, so drops never depend on the layout: an expert keeps each
+        sequence's first ``ceil(factor * S * k / E)`` tokens routed to it, in position order, ``S``
+        the whole sequence's tokens. Under context parallelism the ranks exchange how many tokens
+        each of their chunks routes to each expert, and a chunk's tokens count after those of every
+        chunk before it in the sequence (zig-zag included).
+        """
         cfg = self.cfg
-        assert cfg.capacity_factor is not None
-        capacity = math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.n_routed_experts)
-        starts = counts.cumsum(0) - counts
-        position = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
-        kept = counts.clamp(max=capacity)
-        if self.training and not _in_backward():  # a recomputed forward counts nothing again
-            self.dropped += (counts - kept).sum()
-        return order[position < capacity], kept
+        e, split = cfg.n_routed_experts, self.sequence_split
+        hits = torch.zeros(experts.shape[0], e, dtype=torch.int64, device=experts.device).scatter_(1, experts, 1)
+        chunks = 1 if split is None else len(split.mine)
+        per_chunk = hits.view(batch, chunks, -1, e)
+        before = per_chunk.cumsum(2) - per_chunk  # [b, chunks, chunk length, E]
+        seq_len = hits.shape[0] // batch
+        if split is not None:
+            counts = per_chunk.sum(2)  # [b, my chunks, E]
+            every = counts.new_empty((split.world_size * batch, *counts.shape[1:]))
+            dist.all_gather_into_tensor(every, counts.contiguous(), group=split.group)
+            every = every.view(split.world_size, *counts.shape)
+            in_order = counts.new_zeros(batch, split.chunks, e)
+            for rank, held in enumerate(split.held):
+                in_order[:, list(held)] = every[rank]
+            earlier = in_order.cumsum(1) - in_order  # tokens of the chunks before each chunk
+            before = before + earlier[:, list(split.mine), None, :]
+            seq_len = seq_len // chunks * split.chunks
+        capacity = math.ceil(cfg.capacity_factor * seq_len * cfg.top_k / e)  # type: ignore[operator]
+        return before.view(-1, e).gather(1, experts) < capacity
 
     def _observe(self, routing: Routing, batch: int) -> None:
         cfg = self.cfg
@@ -392,8 +429,8 @@ class MoE(nn.Module):
             windows = batch if cfg.aux_loss == "sequence" else 1
             per_window = hits.view(windows, -1, e)
             counts = torch.cat((per_window.sum(1), per_window.new_full((windows, 1), per_window.shape[1])), 1)
-            if self.sequence_group is not None:
-                dist.all_reduce(counts, group=self.sequence_group)
+            if self.sequence_split is not None:
+                dist.all_reduce(counts, group=self.sequence_split.group)
             f = counts[:, :e] * e / (k * counts[:, e:])  # [windows, E]
             probs = routing.probs.view(windows, -1, e)
             aux = aux + cfg.aux_loss_coeff * (probs * f[:, None, :]).sum()
@@ -401,15 +438,16 @@ class MoE(nn.Module):
             aux = aux + cfg.z_loss_coeff * routing.logits.logsumexp(-1).pow(2).sum()
         if not recomputing:
             self._aux = aux
+            self.aux_sum += aux.detach()
 
     def pop_aux_loss(self) -> Tensor | None:
         """The auxiliary loss of the last training forward, summed over its tokens (once)."""
         aux, self._aux = self._aux, None
         return aux
 
-    def pop_load(self) -> tuple[Tensor, Tensor]:
-        """Tokens per expert and tokens dropped since the last call (this rank's), then reset."""
-        load, dropped = self.load.clone(), self.dropped.clone()
-        self.load.zero_()
-        self.dropped.zero_()
-        return load, dropped
+    def pop_load(self) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's tokens per expert, tokens dropped and auxiliary losses' sum since the last call; then reset."""
+        stats = self.load.clone(), self.dropped.clone(), self.aux_sum.clone()
+        for counter in (self.load, self.dropped, self.aux_sum):
+            counter.zero_()
+        return stats

@@ -55,6 +55,35 @@ class ModelSpec:
         return [f"{self.layers}.{i}" for i in range(1, self.n_layers)]
 
 
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How context parallelism splits every sequence over ``group``: what a per-sequence statistic needs.
+
+    The sequence is cut into ``chunks`` equal chunks; rank ``r`` of ``group`` holds chunks
+    ``held[r]``, concatenated in that order (ring: ``(r,)`` of ``cp``; zig-zag: ``(r, 2cp-1-r)`` of
+    ``2 cp``). Context parallelism sets it on every module with a ``sequence_split`` attribute.
+
+    Example:
+        >>> split = SequenceSplit(group=None, rank=1, chunks=4, held=((0, 3), (1, 2)))
+        >>> split.mine, split.world_size
+        ((1, 2), 2)
+    """
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    chunks: int
+    held: tuple[tuple[int, ...], ...]
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        """This rank's chunks, in the order its tokens hold them."""
+        return self.held[self.rank]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.held)
+
+
 @runtime_checkable
 class SpecifiedModel(Protocol):
     """An ``nn.Module`` that declares its :class:`ModelSpec` and can initialise itself.

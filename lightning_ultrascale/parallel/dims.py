@@ -12,7 +12,7 @@ in seconds with a message that names the option, its value and what would be val
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 from lightning_ultrascale.errors import ConfigError, divisors, option
@@ -193,6 +193,9 @@ class DataShape:
     #: against the model's vocabulary).
     source: str | None = None
     max_token_id: int | None = None
+    #: ``fits(dp)`` raises if the data cannot fill one global micro-step of ``dp`` ranks (where the
+    #: DataModule can tell: ``check_fits``), so a too-small corpus fails before any process group.
+    fits: Callable[[int], object] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def declared_by(cls, datamodule: object) -> DataShape | None:
@@ -201,7 +204,8 @@ class DataShape:
         if not (isinstance(seq_len, int) and isinstance(micro, int)):
             return None
         source, max_id = getattr(datamodule, "source", None), getattr(datamodule, "max_token_id", None)
-        return cls(seq_len, micro, owner=type(datamodule).__name__, source=source, max_token_id=max_id)
+        fits = getattr(datamodule, "check_fits", None)
+        return cls(seq_len, micro, owner=type(datamodule).__name__, source=source, max_token_id=max_id, fits=fits)
 
     def option(self, name: str) -> str:
         return option(self.owner, name, getattr(self, name))

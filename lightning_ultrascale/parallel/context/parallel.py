@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, require_spec
+from lightning_ultrascale.models.spec import ModelSpec, SequenceSplit, require_spec
 from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, attention_fn, local_positions
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
@@ -119,12 +119,21 @@ class ContextParallel(ParallelPlugin):
                     "swaps it for ring / all-to-all attention (see models/llama.py Attention)"
                 )
             attention.attention_fn = fn
-        # Modules with per-sequence statistics (MoE balancing counts) sum them over the sequence's ranks.
+        # Modules with per-sequence statistics (MoE balancing counts and capacity) count them over
+        # the whole sequence, whichever of its chunks they hold.
+        split = self.sequence_split(cp_mesh.get_group(), self._rank)
         for module in model.modules():
-            if hasattr(module, "sequence_group"):
-                module.sequence_group = cp_mesh.get_group()
+            if hasattr(module, "sequence_split"):
+                module.sequence_split = split
         layout.batch_transforms.append(self.shard_batch)
         return model
+
+    def sequence_split(self, group: Any, rank: int) -> SequenceSplit:
+        """The chunks each ``cp`` rank holds (all-to-all holds the ring's contiguous split outside attention)."""
+        if self.method == "zigzag_ring":
+            held = tuple((r, 2 * self.size - 1 - r) for r in range(self.size))
+            return SequenceSplit(group, rank, 2 * self.size, held)
+        return SequenceSplit(group, rank, self.size, tuple((r,) for r in range(self.size)))
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's tokens, labels and positions of a batch every rank of its ``cp`` group received."""

@@ -11,11 +11,8 @@ The plugin splits the model and tells the Layout what this rank holds; its step 
 run the whole model on one rank), so the module provides the loss instead:
 
 * ``loss_fn(logits, labels) -> Tensor``: the mean loss over the tokens whose label is not -100,
-  computed on the last stage for each microbatch;
-* optionally ``pipeline_step_end(loss, batch, batch_idx, split)`` (``split`` is ``"train"`` or
-  ``"val"``), called on every rank with the batch's mean loss, to log it;
-* optionally ``pipeline_aux_loss(aux)``, called on every rank in training with the auxiliary
-  losses (MoE balancing) that the batch's loss includes, summed over the stages.
+  computed on the last stage for each microbatch (where a module that logs its loss counts it:
+  ``LlamaModule`` sums it over the global batch after each optimizer step).
 
 Each microbatch's loss is weighted by its share of the batch's tokens, so gradients equal those
 of one pass over the whole batch for any number of microbatches (``scale_grads=False`` in torch's

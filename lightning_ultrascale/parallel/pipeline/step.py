@@ -11,7 +11,8 @@ of every microbatch itself, so this runner, not Lightning:
   bubble weight gradients come from ``autograd.grad``, which fires no hooks);
 - weights each microbatch's loss by its share of the batch's tokens and this rank's share of
   the ``dp x cp`` tokens, so gradients equal those of one pass over the global batch;
-- broadcasts the batch's mean loss from the last stage to every rank, for logging.
+- broadcasts the batch's mean loss from the last stage to every rank: ``training_step``'s result
+  everywhere (the module logs its own loss from ``loss_fn``, which runs on the last stage).
 """
 
 from __future__ import annotations
@@ -59,16 +60,12 @@ class PipelineStep(StepRunner):
             loss = self.run(module, batch, train=True, accumulate=accumulate, loss_scale=scale)
         if not trainer.fit_loop._should_accumulate():
             self.sync_gradients()
-        _step_end(module, loss, batch, batch_idx, "train")
         return loss
 
     def validation_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         args, kwargs = self._transform(args, kwargs)
-        batch, batch_idx = batch_and_index(args, kwargs)
         with self.layout.step_context():
-            loss = self.run(module, batch, train=False)
-        _step_end(module, loss, batch, batch_idx, "val")
-        return loss
+            return self.run(module, batch_and_index(args, kwargs)[0], train=False)
 
     def on_train_start(self, module: Any) -> None:
         if not module.automatic_optimization:
@@ -139,11 +136,7 @@ class PipelineStep(StepRunner):
         # Every rank reports the loss (Lightning logs and callbacks run everywhere).
         dist.broadcast(loss, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
         if train and pipeline.spec is not None and pipeline.spec.moe_blocks:
-            aux = self._aux_total(loss)
-            loss = loss + aux
-            hook = getattr(module, "pipeline_aux_loss", None)
-            if hook is not None:
-                hook(aux * accumulate)
+            loss = loss + self._aux_total(loss)
         return loss * accumulate
 
     def _aux_total(self, like: torch.Tensor) -> torch.Tensor:
@@ -188,9 +181,10 @@ class PipelineStep(StepRunner):
 def _stage_class() -> type:
     """torch's ``PipelineStage``, whose metadata inference leaves our stage's statistics untouched.
 
-    torch 2.13 infers shapes by running each stage once on uninitialised tensors (with grad):
-    MoE token counts and auxiliary losses from that run would be garbage, so it runs
-    :meth:`StageModule.untracked`.
+    torch 2.13 infers shapes by running each stage once on uninitialised tensors (with grad), and
+    the loss once on the last stage's garbage output: MoE token counts, auxiliary losses and the
+    module's loss sums from that run would be garbage, so the stage runs
+    :meth:`StageModule.untracked` and the loss is a stand-in with the same graph.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -199,7 +193,16 @@ def _stage_class() -> type:
             with self.submod.untracked():
                 return super()._forward_metadata_inference(*args, **kwargs)
 
+        def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("loss_fn") is not None:
+                kwargs["loss_fn"] = _shape_only_loss
+            return super()._backward_metadata_inference(*args, **kwargs)
+
     return Stage
+
+
+def _shape_only_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.float().sum() * 0.0
 
 
 def _loss_fn_of(module: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -210,12 +213,6 @@ def _loss_fn_of(module: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
             "computed on the last stage, per microbatch, by that method"
         )
     return loss_fn
-
-
-def _step_end(module: Any, loss: torch.Tensor, batch: Any, batch_idx: int, split: str) -> None:
-    hook = getattr(module, "pipeline_step_end", None)
-    if hook is not None:
-        hook(loss, batch, batch_idx, split)
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:
