@@ -3,7 +3,8 @@
 The strategy owns the mesh, the fixed order in which plugins rewrite the model, and Lightning's
 hooks. Plugins (``parallel/plugin.py``) hand each other facts through the ``Layout``; a step
 runner (``parallel/step.py``) runs each step; gradient-sync engines (``parallel/data/engines.py``)
-average gradients. Lightning's ``ModelParallelStrategy`` provides process groups, launchers and
+average gradients. Checkpoints, the non-finite guard, the statistics metrics read and the
+watchdog are mixins of their own modules. Lightning's ``ModelParallelStrategy`` provides process groups, launchers and
 DCP checkpoints; its 2-D mesh becomes the ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh.
 """
 
@@ -27,15 +28,15 @@ from typing_extensions import override
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
-from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel
+from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, find_model
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
-from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin
+from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin, resolve_dims
 from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.statistics import LayoutStatistics
 from lightning_ultrascale.utils.grad import clip_grad_norm_
-from lightning_ultrascale.utils.memory import ModelStateBytes
 from lightning_ultrascale.watchdog import WatchedRanks
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 _PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, UltraScaleStrategy] = weakref.WeakKeyDictionary()
 
 
-class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelParallelStrategy):
+class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, WatchedRanks, ModelParallelStrategy):
     """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
 
     Plugins may be listed in any order; they are applied in the fixed order of
@@ -121,24 +122,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
     # ----------------------------------------------------------------------------- sizes, mesh, layout
     def resolve_dims(self, world_size: int) -> ParallelDims:
         """The plugins' sizes, with the one left open inferred, validated against ``world_size``."""
-        sizes: dict[str, int] = {}
-        sources: dict[str, tuple[str, str]] = {}
-        open_dims: list[str] = []
-        for plugin in self.plugins:
-            for dim, size in plugin.mesh_sizes().items():
-                sources[dim] = (type(plugin).__name__, plugin.size_arg(dim))
-                if size is None:
-                    open_dims.append(dim)
-                else:
-                    sizes[dim] = size
-        if len(open_dims) > 1:
-            raise ConfigError(
-                f"only one parallel size can be inferred, but {', '.join(open_dims)} are all unset; "
-                "give all but one of them a size"
-            )
-        dims = ParallelDims.infer(world_size, open_dims[0] if open_dims else None, sources, **sizes)
-        dims.validate(world_size)
-        return dims
+        return resolve_dims(self.plugins, world_size)
 
     def applied_plugins(self) -> tuple[ParallelPlugin, ...]:
         """Every plugin in the order it applies: the strategy's and the precision plugin's model rewrite (FP8).
@@ -236,21 +220,10 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    def _find_model(self) -> tuple[nn.Module, str]:
-        """The outermost module that declares a ModelSpec, and its name in the LightningModule."""
-        assert self.lightning_module is not None
-        for name, module in self.lightning_module.named_modules():
-            if isinstance(getattr(module, "spec", None), ModelSpec):
-                return module, name
-        raise TypeError(
-            f"{type(self.lightning_module).__name__} holds no model with a `spec: ModelSpec`; "
-            "UltraScaleStrategy parallelises models that declare one (e.g. lightning_ultrascale.models.Llama, "
-            "built in LightningModule.configure_model)"
-        )
-
     def parallelize(self) -> nn.Module:
         """Apply every plugin in order, then materialise and initialise the weights (idempotent)."""
-        model, name = self._find_model()
+        assert self.lightning_module is not None
+        model, name = find_model(self.lightning_module)
         owner = _PARALLELISED_BY.get(model)
         if owner is self:
             return model
@@ -332,7 +305,8 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
         super().setup_precision_plugin()
         # Lightning clips with torch's clip_grad_norm_, which cannot mix sharded DTensor gradients
         # with replicated ones; ours counts every gradient exactly once in any layout.
-        plugin, plan, (model, _) = self.precision_plugin, self.layout.grad_norm, self._find_model()
+        assert self.lightning_module is not None
+        plugin, plan, (model, _) = self.precision_plugin, self.layout.grad_norm, find_model(self.lightning_module)
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
             plugin.main_params(optimizer),
             float(clip_val),
@@ -340,38 +314,6 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, WatchedRanks, ModelPar
             plan.groups_of,
             uncounted=[model.get_parameter(name) for name in plan.skip],
         )
-
-    def sum_over_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a statistic over the ranks that see different tokens (and pipeline stages), each counted once.
-
-        Tensor-parallel ranks hold the same tokens, so they are left out (Lightning's ``reduce``
-        would count them ``tp`` times). E.g. tokens per expert over the global batch.
-        """
-        torch.distributed.all_reduce(tensor, group=self.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group())
-        return tensor
-
-    def max_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum over the pipeline stages (each holds its blocks' values, zeros elsewhere)."""
-        if self.parallel_dims.pp > 1:
-            torch.distributed.all_reduce(tensor, torch.distributed.ReduceOp.MAX, group=self.mesh["pp"].get_group())
-        return tensor
-
-    # ----------------------------------------------------------------------------- measurement
-    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
-        """Averaged gradients where an engine keeps them away from ``param.grad`` (a sharded optimizer), else None."""
-        grads: dict[nn.Parameter, torch.Tensor] = {}
-        for sync in self.layout.grad_syncs:
-            grads.update(sync.reduced_gradients() or {})
-        return grads or None
-
-    def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
-        """The playbook's per-rank model state for this layout: each engine's formula for its share."""
-        syncs = self.layout.grad_syncs
-        counts = [sum(p.numel() for p in sync.params) for sync in syncs]
-        parts = [s.expected_bytes(round(n_params * c / sum(counts)), k_optimizer) for s, c in zip(syncs, counts) if c]
-        if not parts:
-            return None
-        return ModelStateBytes(*(sum(getattr(p, f) for p in parts) for f in ("params", "grads", "optimizer_states")))
 
     def describe(self) -> str:
         """One line: the mesh and the plugins, for logs."""

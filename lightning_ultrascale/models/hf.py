@@ -283,6 +283,21 @@ def _deepseek_v3_from_hf(hf_config: Any) -> tuple[MoEConfig, MLAConfig]:
     return moe, mla
 
 
+def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
+    """Refuse what our models do not have: biases, another activation, a head_dim other than dim / n_heads."""
+    unsupported = {
+        "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
+        "attention_bias": (getattr(hf_config, "attention_bias", False), False),
+        "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
+    }
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is not None and not deepseek_v3:  # DeepseekV3Config's head_dim is its rotary width
+        unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
+    for option, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
+
+
 def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     """Our :class:`LlamaConfig` from a transformers Llama, Mixtral or DeepSeek-V3 config (4.x or 5.x).
 
@@ -299,18 +314,7 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     """
     _check_model_type(getattr(hf_config, "model_type", None), "hf config")
     deepseek_v3 = getattr(hf_config, "kv_lora_rank", None) is not None
-    unsupported = {
-        "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
-        "attention_bias": (getattr(hf_config, "attention_bias", False), False),
-        "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
-    }
-    head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim is not None and not deepseek_v3:  # DeepseekV3Config's head_dim is its rotary width
-        unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
-    for option, (value, supported) in unsupported.items():
-        if value != supported:
-            raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
-
+    _check_supported(hf_config, deepseek_v3)
     moe, mla = None, None
     if deepseek_v3:
         moe, mla = _deepseek_v3_from_hf(hf_config)

@@ -418,37 +418,57 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
         (['norm', 'output', 'tok_embeddings'], True)
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     residual = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
+    attention = _attention_tp_plan(cfg, residual)
+    dense, moe = _feed_forward_tp_plans(residual)
+    norms = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    moe_blocks = set(cfg.moe_blocks())
+    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
+    return top, blocks
+
+
+def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
+    """Heads split over tp: q/k/v column-parallel, wo row-parallel back into the residual layout."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    if cfg.mla is not None:
+        from lightning_ultrascale.models.mla import mla_tp_plan
+
+        return mla_tp_plan(residual, cfg.mla)
     # One conversion of each sub-layer's input, shared by its column-parallel projections: with
     # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
     # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
     # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
-    if cfg.mla is not None:
-        from lightning_ultrascale.models.mla import mla_tp_plan
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+    }
 
-        attention: dict[str, Any] = mla_tp_plan(residual, cfg.mla)
-    else:
-        attention = {
-            "attention": PrepareModuleInput(
-                input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-        }
+
+def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dense SwiGLU's plan (hidden units split over tp) and an MoE's (gathered, not split)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
+
     dense = {
         "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
@@ -464,12 +484,7 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
             desired_output_layouts=(residual,),
         )
     }
-    norms = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    moe_blocks = set(cfg.moe_blocks())
-    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
-    return top, blocks
+    return dense, moe
 
 
 class Llama(nn.Module):

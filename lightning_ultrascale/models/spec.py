@@ -108,3 +108,14 @@ def require_spec(model: nn.Module) -> ModelSpec:
             "parallelise the model (see lightning_ultrascale.models.spec.ModelSpec)"
         )
     return spec
+
+
+def find_model(root: nn.Module) -> tuple[nn.Module, str]:
+    """The outermost module under ``root`` that declares a :class:`ModelSpec`, and its name there."""
+    for name, module in root.named_modules():
+        if isinstance(getattr(module, "spec", None), ModelSpec):
+            return module, name
+    raise TypeError(
+        f"{type(root).__name__} holds no model with a `spec: ModelSpec`; UltraScaleStrategy parallelises models "
+        "that declare one (e.g. lightning_ultrascale.models.Llama, built in LightningModule.configure_model)"
+    )

@@ -16,10 +16,12 @@ runs forward and backward itself, its :attr:`~ParallelPlugin.step_runner`.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from torch import nn
 
+from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
@@ -84,3 +86,25 @@ class ParallelPlugin(abc.ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in {**self.settings(), **self.mesh_sizes()}.items())
         return f"{type(self).__name__}({fields})"
+
+
+def resolve_dims(plugins: Sequence[ParallelPlugin], world_size: int) -> ParallelDims:
+    """The plugins' mesh sizes, the one left open inferred, validated against ``world_size``."""
+    sizes: dict[str, int] = {}
+    sources: dict[str, tuple[str, str]] = {}
+    open_dims: list[str] = []
+    for plugin in plugins:
+        for dim, size in plugin.mesh_sizes().items():
+            sources[dim] = (type(plugin).__name__, plugin.size_arg(dim))
+            if size is None:
+                open_dims.append(dim)
+            else:
+                sizes[dim] = size
+    if len(open_dims) > 1:
+        raise ConfigError(
+            f"only one parallel size can be inferred, but {', '.join(open_dims)} are all unset; "
+            "give all but one of them a size"
+        )
+    dims = ParallelDims.infer(world_size, open_dims[0] if open_dims else None, sources, **sizes)
+    dims.validate(world_size)
+    return dims

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,5 +78,22 @@ def flat_chunks(
     # torch's wrapper for several local chunks of one tensor (what TorchRec checkpoints with); DCP
     # reads its chunks through the DTensor, which carries the global shape.
     stride = torch.empty(global_shape, device="meta").stride()
-    local = LocalShardsWrapper(shards, offsets)
+    local = _Boxes(shards, offsets)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape), stride=stride)
+
+
+class _Boxes(LocalShardsWrapper):
+    """``LocalShardsWrapper`` whose identity view works at any rank of tensor.
+
+    ``DTensor.from_local`` views its local tensor as itself; torch 2.13's wrapper allows that for
+    several chunks of 1- and 2-D tensors only, and a ZeRO-1/2 shard of a stacked expert weight
+    (``[experts, rows, cols]``) is several 3-D boxes: saving any MoE checkpoint under ZeRO-1/2 failed.
+    """
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        wrapper = args[0] if args else None
+        if func is torch.ops.aten.view.default and isinstance(wrapper, LocalShardsWrapper):
+            if len(wrapper.local_shards()) > 1 and wrapper.local_shards()[0].ndim > 2:
+                return _Boxes([s.view(s.shape) for s in wrapper.local_shards()], wrapper.local_offsets())
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -185,6 +185,10 @@ def _stage_class() -> type:
     the loss once on the last stage's garbage output: MoE token counts, auxiliary losses and the
     module's loss sums from that run would be garbage, so the stage runs
     :meth:`StageModule.untracked` and the loss is a stand-in with the same graph.
+
+    torch 2.13's V-shaped schedules (ZBV, DualPipeV) hand input gradients between a rank's two
+    stages even in ``eval``, where the backward itself is skipped and the hand-over asserts: every
+    validation crashed. Without a backward the hand-over is skipped too.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -197,6 +201,13 @@ def _stage_class() -> type:
             if kwargs.get("loss_fn") is not None:
                 kwargs["loss_fn"] = _shape_only_loss
             return super()._backward_metadata_inference(*args, **kwargs)
+
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     return Stage
 

@@ -1,0 +1,62 @@
+"""What metrics and tests read of a layout, as a part of :class:`~lightning_ultrascale.UltraScaleStrategy`.
+
+Sums over the ranks that see different tokens (each counted once), maxima over pipeline stages,
+the averaged gradients a sharded optimizer keeps away from ``param.grad``, and the playbook's
+model-state bytes of this layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lightning_ultrascale.utils.memory import ModelStateBytes
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.parallel.dims import ParallelDims
+    from lightning_ultrascale.parallel.layout import Layout
+
+
+class LayoutStatistics(ModelParallelStrategy):
+    """The strategy's part: statistics over its ``layout`` (see the module docstring)."""
+
+    layout: Layout
+    parallel_dims: ParallelDims
+
+    def sum_over_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a statistic over the ranks that see different tokens (and pipeline stages), each counted once.
+
+        Tensor-parallel ranks hold the same tokens, so they are left out (Lightning's ``reduce``
+        would count them ``tp`` times). E.g. tokens per expert over the global batch.
+        """
+        torch.distributed.all_reduce(
+            tensor, group=self.layout.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group()
+        )
+        return tensor
+
+    def max_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the pipeline stages (each holds its blocks' values, zeros elsewhere)."""
+        if self.parallel_dims.pp > 1:
+            torch.distributed.all_reduce(
+                tensor, torch.distributed.ReduceOp.MAX, group=self.layout.mesh["pp"].get_group()
+            )
+        return tensor
+
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """Averaged gradients where an engine keeps them away from ``param.grad`` (a sharded optimizer), else None."""
+        grads: dict[nn.Parameter, torch.Tensor] = {}
+        for sync in self.layout.grad_syncs:
+            grads.update(sync.reduced_gradients() or {})
+        return grads or None
+
+    def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
+        """The playbook's per-rank model state for this layout: each engine's formula for its share."""
+        syncs = self.layout.grad_syncs
+        counts = [sum(p.numel() for p in sync.params) for sync in syncs]
+        parts = [s.expected_bytes(round(n_params * c / sum(counts)), k_optimizer) for s, c in zip(syncs, counts) if c]
+        if not parts:
+            return None
+        return ModelStateBytes(*(sum(getattr(p, f) for p in parts) for f in ("params", "grads", "optimizer_states")))
