@@ -14,6 +14,7 @@ that ignores SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _ABORT = "ultrascale/abort"
 _FAILED = "ultrascale/failed/"
+_ENDED = "ultrascale/ended/"
 
 
 class Watchdog:
@@ -71,6 +73,11 @@ class Watchdog:
                 message += f"; ranks that did not fail with it ({why}): {_ranks(silent)}"
             if not self.store.check([_ABORT]):
                 self.store.set(_ABORT, message)
+            # Rank 0 hosts the store: keep it up until the silent ranks' watchdogs have read why
+            # (they poll every poll_s), or they would only learn that their parent is gone.
+            deadline = time.monotonic() + 2 * self.poll_s + 1.0
+            while time.monotonic() < deadline and not all(self.store.check([f"{_ENDED}{r}"]) for r in silent):
+                time.sleep(0.1)
         except Exception:  # the store may be gone already: this rank fails anyway
             message = f"rank {self.rank} failed: {type(exception).__name__}: {reason}"
         return message
@@ -92,7 +99,10 @@ class Watchdog:
                     self._end("the job's store (hosted by rank 0) is gone: rank 0 ended")
                 continue
             if aborted:
-                self._end(self.store.get(_ABORT).decode())
+                why = self.store.get(_ABORT).decode()
+                with contextlib.suppress(Exception):
+                    self.store.set(f"{_ENDED}{self.rank}", "")
+                self._end(why)
 
     def _end(self, why: str) -> None:
         if self._stop.is_set():  # stopped meanwhile: the job is ending normally
