@@ -546,11 +546,18 @@ def test_a_token_file_shorter_than_a_global_batch_is_refused_before_any_process_
     message = r"data.source=.*tokens.bin has 100 tokens, 1 training sequences: .* x dp=2 needs 2 sequences"
     with pytest.raises(ConfigError, match=message):
         build(_compose(*overrides, "data.global_batch_size=2", "data.val_fraction=0"))
-    # And from Python: trainer.fit checks it before it sets up any process group.
+    # And from Python: trainer.fit checks it before it sets up any process group. (Lightning's
+    # launcher leaves LOCAL_RANK and MASTER_PORT in this process's environment, which would make
+    # later launches here wait for ranks started "externally": restore it.)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=UltraScaleStrategy(), max_steps=1, **QUIET_TRAINER)
     data = UltraScaleDataModule(str(tokens), seq_len=128, micro_batch_size=1, val_fraction=0)
-    with pytest.raises(ConfigError, match=r"has 100 tokens, 0 training sequences"):
-        trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(ConfigError, match=r"has 100 tokens, 0 training sequences"):
+            trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     assert not dist.is_initialized()
 
 
