@@ -1,11 +1,17 @@
 """Context parallelism: ring / zig-zag / all-to-all attention kernels, load balance, parity, bad input."""
 
+import gc
+from collections import Counter
+
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightning_ultrascale import (
     ContextParallel,
@@ -21,16 +27,19 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context.attention import (
+    KERNELS,
     FlopCounter,
     local_positions,
     ring_attention,
     ring_blocks,
     ulysses_attention,
 )
+from lightning_ultrascale.parallel.context.comms import RingExchange
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
 from lightning_ultrascale.utils.loss import token_weight
+from lightning_ultrascale.utils.memory import peak_bytes
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -49,14 +58,44 @@ def test_each_ring_step_costs_the_same_on_every_zigzag_rank():
         work = set()
         for rank in range(cp):
             blocks = ring_blocks("zigzag_ring", rank, (rank - step) % cp, local)
-            pairs = sum(
-                (b.q.stop - b.q.start) * (b.k.stop - b.k.start) // (2 if b.causal else 1) for b in blocks
-            )
+            pairs = sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) // (2 if b.causal else 1) for b in blocks)
             work.add(pairs)
         assert work == {local * local // 2}
 
 
 # ------------------------------------------------------------------------------------ kernels
+class _Ops(TorchDispatchMode):
+    """Counts the ops that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Weakly records the storages ops create; :meth:`alive_bytes` counts those a forward left alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), t.nbytes)
+        return out
+
+    def alive_bytes(self, model: torch.nn.Module, *outputs: torch.Tensor) -> int:
+        gc.collect()
+        held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *outputs)}
+        return sum(n for ptr, (ref, n) in self.storages.items() if not ref.expired() and ptr not in held)
+
+
 def _full_attention(q, k, v):
     n = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(n, 1), v.repeat_interleave(n, 1), is_causal=True)
@@ -90,15 +129,115 @@ def kernel_errors(
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_and_its_gradients_equal_full_causal_attention(method, cp):
     # GQA (8 query heads on 2 kv heads); 3 tokens per zig-zag chunk, so no chunk is a power of two.
-    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2)
+    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "reference")
     worst = max(max(e) for e in errors)
     assert worst < 1e-5, f"{method} cp={cp}: output/dq/dk/dv relative errors {errors}"
 
 
 @pytest.mark.parametrize("method", ["ring", "zigzag_ring"])
-def test_fused_sdpa_kernel_gives_the_same_ring_attention(method):
-    errors = run_workers(kernel_errors, 2, method, 12, 8, 2, "sdpa")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_fused_flash_kernel_gives_the_same_ring_attention(method, cp):
+    # The device's fused kernel (on CPU torch's flash kernel): the path a GPU runs with its own op.
+    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "flash")
     assert max(max(e) for e in errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("qk_dim", "v_dim"), [(64, 64), (192, 128)])
+def test_the_cuda_kernel_calls_match_torchs_op_schemas(dtype, qk_dim, v_dim):
+    # No GPU here: the CUDA branch (FlashAttention-2 in bf16, the memory-efficient kernel in fp32;
+    # MLA's 192/128 head sizes padded) runs on meta tensors, which torch's meta kernels check.
+    q, k = (torch.empty(2, 4, n, qk_dim, device="meta", dtype=dtype) for n in (48, 40))
+    v = torch.empty(2, 4, 40, v_dim, device="meta", dtype=dtype)
+    out, lse = context_attention._flash_block(q, k, v, True, 0.1)
+    assert out.shape == (2, 4, 48, v_dim) and lse.shape == (2, 4, 48) and out.dtype == lse.dtype == torch.float32
+    dq, dk, dv = context_attention._flash_block_backward(q, k, v, out, lse, out, False, 0.1)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def _ring_peak_bytes(kernel: str, seq: int) -> int:
+    # The ring's own forward and backward functions: inside the op a dispatch mode sees nothing.
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, seq, 16, generator=g) for _ in range(3))
+    name = dist.group.WORLD.group_name
+
+    def step() -> None:
+        out, lse = context_attention._ring_forward(q, k, v, name, "ring", kernel)
+        context_attention._ring_backward(torch.ones_like(out), q, k, v, out, lse, name, "ring", kernel)
+
+    return peak_bytes(step, q, k, v)
+
+
+def test_the_flash_kernel_holds_no_score_block():
+    # Forward + backward of one rank's attention at two lengths: the fused kernel's peak grows
+    # with the block (x2), the reference's with its square (x4): 2 x 512^2 fp32 scores per head.
+    peaks = {k: run_workers(lambda k=k: [_ring_peak_bytes(k, n) for n in (512, 1024)], 1)[0] for k in KERNELS}
+    assert peaks["flash"][1] / peaks["flash"][0] < 2.5, peaks
+    assert peaks["reference"][1] / peaks["reference"][0] > 3.5, peaks
+    assert peaks["flash"][1] < peaks["reference"][1] / 10, peaks
+
+
+def _recompute_ring(kernel: str) -> tuple[int, int, int]:
+    """(bytes a forward leaves for backward, ring ops run in backward, ring backward ops) under selective_op."""
+    model = Recompute("selective_op").apply(build_model("llama_tiny"))
+    for block in model.layers.values():
+        block.attention.attention_fn = context_attention.attention_fn("zigzag_ring", dist.group.WORLD, kernel)
+    index = local_positions("zigzag_ring", 64, 2, dist.get_rank())
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(0))[:, index]
+    with _LiveStorages() as live:
+        loss = model(tokens, index.expand(2, -1)).sum()
+    saved = live.alive_bytes(model, loss)
+    with _Ops() as ops:
+        loss.backward()
+    ring, backward = torch.ops.ultrascale.ring_attention.default, torch.ops.ultrascale.ring_attention_backward.default
+    return saved, ops.counts[ring], ops.counts[backward]
+
+
+def test_selective_recomputation_keeps_the_ring_output_and_no_block_inside_it():
+    # The ring is one op: the SAC policy keeps its output and LSE, never runs it again in backward,
+    # and cannot see the per-block outputs or (reference kernel) score blocks inside it.
+    flash, reference = (run_workers(_recompute_ring, 2, k)[0] for k in ("flash", "reference"))
+    assert flash[1:] == reference[1:] == (0, 4)  # no ring forward in backward; 4 blocks' backwards
+    assert flash[0] == reference[0], (flash, reference)  # the kernel's insides leave nothing behind
+
+
+def _traced_backward(dtype: torch.dtype) -> list[str]:
+    events: list[str] = []
+    start, wait = RingExchange.start, RingExchange.wait
+    forward, backward = KERNELS["reference"]
+
+    def traced_start(self, *tensors):
+        events.append(f"start {tensors[0].dtype}")
+        return start(self, *tensors)
+
+    def traced_wait(self):
+        events.append("wait")
+        wait(self)
+
+    def traced_backward(*args):
+        events.append("block")
+        return backward(*args)
+
+    q, k, v = (torch.randn(1, 2, 8, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = ring_attention(q, k, v, dist.group.WORLD, "ring", "reference")
+    KERNELS["reference"] = (forward, traced_backward)
+    RingExchange.start, RingExchange.wait = traced_start, traced_wait
+    try:
+        out.sum().backward()
+    finally:
+        KERNELS["reference"] = (forward, backward)
+        RingExchange.start, RingExchange.wait = start, wait
+    return events
+
+
+def test_the_gradient_exchange_overlaps_the_next_block_in_the_compute_dtype():
+    events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # rank 1 computes a block at both steps
+    # Step 0: K/V go on, the block, K/V waited; the accumulator leaves (bf16). Step 1: the next
+    # block is computed BEFORE the accumulator sent at step 0 is waited for; the last send brings it home.
+    assert events == [
+        "start torch.bfloat16", "block", "start torch.bfloat16", "wait",
+        "block", "wait", "start torch.bfloat16", "wait",
+    ], events  # fmt: skip
 
 
 def _attention_pairs(method: str, seq: int) -> int:

@@ -130,8 +130,8 @@ def test_invalid_mla_config_names_option_value_and_what_is_valid(change, message
 # ------------------------------------------------------------------------------------ context kernels
 @pytest.mark.parametrize(
     ("method", "kernel"),
-    [("ring", "reference"), ("ring", "sdpa"), ("zigzag_ring", "reference"), ("zigzag_ring", "sdpa"),
-     ("all_to_all", "sdpa")],  # Ulysses always runs torch's SDPA on whole sequences
+    [("ring", "reference"), ("ring", "flash"), ("zigzag_ring", "reference"), ("zigzag_ring", "flash"),
+     ("all_to_all", "flash")],  # Ulysses always runs torch's SDPA on whole sequences
 )  # fmt: skip
 def test_context_attention_with_v_narrower_than_qk_equals_full_attention(method, kernel):
     # MLA's head sizes: q/k 24, v 16.
@@ -149,7 +149,7 @@ LAYOUTS = {
     "tp2": (lambda: [TensorParallel(2, sequence_parallel=False)]),
     "tp2-sp": (lambda: [TensorParallel(2, sequence_parallel=True)]),
     "cp2-ring": (lambda: [ContextParallel(2, "ring")]),
-    "cp2-zigzag": (lambda: [ContextParallel(2, "zigzag_ring", kernel="sdpa")]),
+    "cp2-zigzag": (lambda: [ContextParallel(2, "zigzag_ring", kernel="flash")]),
     "cp2-all-to-all": (lambda: [ContextParallel(2, "all_to_all")]),
 }
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
@@ -67,13 +67,24 @@ SAVED_OPS: tuple[torch._ops.OpOverload, ...] = (
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 )
+#: Ops of ours kept like those, by name (registered where they are defined): context parallelism's
+#: ring attention, one op whose inner per-block kernels and exchanges selective recomputation
+#: must neither keep (cp block outputs per layer) nor run again in backward.
+SAVED_OP_NAMES = frozenset({"ultrascale::ring_attention"})
+
+
+def _keep_matmul_outputs(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if func in SAVED_OPS or (isinstance(func, torch._ops.OpOverload) and func.name() in SAVED_OP_NAMES):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
 
 
 # The op-level policy as a module constant: torch.compile traces a checkpoint whose context_fn is
 # a global, but may fail on one that reaches it as an argument of the block's forward (torch 2.13,
 # seen with noop_context_fn: "checkpoint not implemented for LazyVariableTracker context_fn").
 # Each call makes a fresh pair of SAC contexts, which share the cache of kept outputs.
-_KEEP_MATMUL_OUTPUTS = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
+_KEEP_MATMUL_OUTPUTS = functools.partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)
 
 
 # Non-reentrant checkpointing in both: it supports keyword arguments, inputs that do not require

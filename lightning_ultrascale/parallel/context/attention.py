@@ -18,10 +18,13 @@ Which blocks a rank computes at ring step ``i`` (keys from rank ``src = rank - i
 **All-to-all** (Ulysses, Jacobs et al. 2023): scatter heads and gather the sequence, run ordinary
 causal attention on whole sequences of ``h / cp`` heads, and scatter back. Heads must divide by cp.
 
-The local kernel is one of :data:`KERNELS`: ``"reference"`` (:func:`block_attention`, an exact
-fp32 reference in plain matmuls, forward and backward) or ``"sdpa"`` (torch's fused flash-attention
-CPU kernel, which returns the log-sum-exp and takes the global output and LSE in its backward,
-exactly what the ring needs). A GPU flash / Triton kernel plugs in the same way.
+The local kernel is one of :data:`KERNELS`: ``"flash"`` (the default: torch's fused attention
+kernel for the tensors' device, which returns the log-sum-exp and takes the global output and LSE
+in its backward, exactly what the ring needs, as torch's own context parallel uses it; on CPU the
+CPU flash kernel, on CUDA FlashAttention-2 or the memory-efficient kernel; one code path, so the
+CPU tests run the ring logic the GPU runs) or ``"reference"`` (:func:`block_attention`, an exact
+fp32 reference in plain matmuls, O(block^2) memory: for tests). The ring is one torch op
+(``ultrascale::ring_attention``) with its backward op, so activation recomputation sees it whole.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,39 +133,69 @@ def block_attention_backward(
 
 
 def _pad(x: Tensor, dim: int) -> Tensor:
-    # torch's CPU flash kernel wants one head size for q, k and v; MLA's v is narrower than q/k.
-    # Zero columns add nothing to the scores nor to the output's real columns, forward or backward.
+    # The fused kernels want one head size for q, k and v; MLA's v is narrower than q/k. Zero
+    # columns add nothing to the scores nor to the output's real columns, forward or backward.
     return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
 
 
-def _sdpa_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    if q.device.type != "cpu":
-        raise NotImplementedError(
-            "the 'sdpa' context-parallel kernel wraps torch's CPU flash attention; on GPU use kernel='reference' "
-            "(a CUDA flash kernel with LSE is not built yet)"
-        )
+def _cuda_flash(q: Tensor) -> bool:
+    """FlashAttention-2 (half precision, head size <= 256); otherwise the memory-efficient kernel (fp32 too)."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+
+def _flash_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """One block through torch's fused attention for the device, with its log-sum-exp: O(block) memory.
+
+    CPU: the CPU flash kernel; CUDA: FlashAttention-2, or the memory-efficient kernel where flash
+    does not apply (fp32, head size > 256), whose LSE is padded to a multiple of 32 rows.
+    """
     _count(q, k, causal)
     d = max(q.shape[-1], v.shape[-1])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        _pad(q, d), _pad(k, d), _pad(v, d), 0.0, causal, scale=scale
-    )[:2]
+    q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, causal, scale=scale)[:2]
+    elif _cuda_flash(q):
+        out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[..., : q.shape[-2]]
     return out[..., : v.shape[-1]].float(), lse.float()
 
 
-def _sdpa_block_backward(
+def _flash_block_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The same kernel's backward, given the GLOBAL output and LSE of the block's query rows."""
     d = max(q.shape[-1], v.shape[-1])
-    padded = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*padded, lse, 0.0, causal, scale=scale)
+    dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_, q_, k_, v_, out_, lse, 0.0, causal, scale=scale
+        )
+    elif _cuda_flash(q):
+        # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
+        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        lengths = (q.shape[-2], k.shape[-2])
+        grads = aten._scaled_dot_product_flash_attention_backward(
+            dout_, q_, k_, v_, out_, lse, none, none, *lengths, 0.0, causal, none, none, scale=scale
+        )
+    else:
+        padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
+        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            dout_, q_, k_, v_, None, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
+        )
     dq, dk, dv = (g[..., : t.shape[-1]].float() for g, t in zip(grads[:3], (q, k, v)))
     return dq, dk, dv
 
 
 #: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse).
+#: ``"flash"`` is the device's fused kernel (the default); ``"reference"`` the exact fp32 matmuls.
 KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor, Tensor]]]] = {
+    "flash": (_flash_block, _flash_block_backward),
     "reference": (block_attention, block_attention_backward),
-    "sdpa": (_sdpa_block, _sdpa_block_backward),
 }
 
 
@@ -178,84 +212,141 @@ def _fold(grad: Tensor, n_rep: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------ ring attention
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, method: str, group: dist.ProcessGroup, kernel: str) -> Tensor:  # type: ignore[override]
-        block_forward = KERNELS[kernel][0]
-        ring = RingExchange(group)
-        rank, size = ring.rank, ring.size
-        n_rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[-2]
-        # Laid out [b, s, heads, d_v] in memory: the output projection reads it as [b, s, heads x d_v]
-        # without a copy, and the tensor saved for backward is that same memory. (d_v is v's head
-        # size, which MLA makes differ from q's and k's.)
-        b, h, s = q.shape[:3]
-        out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device).transpose(1, 2)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = (k.contiguous(), v.contiguous())
-        for step in range(size):
-            src = (rank - step) % size
-            incoming = ring.start(*kv) if step < size - 1 else None  # overlaps the compute below
-            for blk in ring_blocks(method, rank, src, length):
-                o, block_lse = block_forward(
-                    q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
-                    blk.causal, scale,
-                )  # fmt: skip
-                # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
-                old = lse[:, :, blk.q]
-                merged = torch.logaddexp(old, block_lse)
-                out[:, :, blk.q] = (
-                    out[:, :, blk.q] * torch.exp(old - merged)[..., None] + o * torch.exp(block_lse - merged)[..., None]
-                )
-                lse[:, :, blk.q] = merged
-            if incoming is not None:
-                ring.wait()
-                kv = (incoming[0], incoming[1])
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.method, ctx.group, ctx.kernel = method, group, kernel
-        return out.to(q.dtype)
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str) -> tuple[Tensor, Tensor]:
+    """This rank's attention output (in q's dtype) and its fp32 log-sum-exp over the whole ring."""
+    block_forward = KERNELS[kernel][0]
+    ring = RingExchange(_resolve_process_group(group_name))
+    rank, size = ring.rank, ring.size
+    n_rep = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = q.shape[-2]
+    # Laid out [b, s, heads, d_v] in memory: the output projection reads it as [b, s, heads x d_v]
+    # without a copy. (d_v is v's head size, which MLA makes differ from q's and k's.)
+    b, h, s = q.shape[:3]
+    out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(size):
+        src = (rank - step) % size
+        incoming = ring.start(*kv) if step < size - 1 else None  # overlaps the compute below
+        for blk in ring_blocks(method, rank, src, length):
+            o, block_lse = block_forward(
+                q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
+                blk.causal, scale,
+            )  # fmt: skip
+            # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
+            old = lse[:, :, blk.q]
+            merged = torch.logaddexp(old, block_lse)
+            out[:, :, blk.q] = (
+                out[:, :, blk.q] * torch.exp(old - merged)[..., None] + o * torch.exp(block_lse - merged)[..., None]
+            )
+            lse[:, :, blk.q] = merged
+        if incoming is not None:
+            ring.wait()
+            kv = (incoming[0], incoming[1])
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def backward(ctx, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        block_backward = KERNELS[ctx.kernel][1]
-        kv_ring, grad_ring = RingExchange(ctx.group), RingExchange(ctx.group)
-        rank, size = kv_ring.rank, kv_ring.size
-        n_rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[-2]
-        dout = dout.float()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = (k.contiguous(), v.contiguous())
-        # The gradient accumulators of the K/V block currently held travel with it.
-        dkv = (
-            torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-            torch.zeros(v.shape, dtype=torch.float32, device=v.device),
-        )
-        for step in range(size):
-            src = (rank - step) % size
-            incoming = kv_ring.start(*kv) if step < size - 1 else None
-            for blk in ring_blocks(ctx.method, rank, src, length):
-                gq, gk, gv = block_backward(
-                    q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
-                    out[:, :, blk.q], lse[:, :, blk.q], dout[:, :, blk.q], blk.causal, scale,
-                )  # fmt: skip
-                dq[:, :, blk.q] += gq
-                dkv[0][:, :, blk.k] += _fold(gk, n_rep)
-                dkv[1][:, :, blk.k] += _fold(gv, n_rep)
-            # Every accumulator moves on, size times in all: the last move brings it home.
-            arriving = grad_ring.start(*dkv)
-            if incoming is not None:
-                kv_ring.wait()
-                kv = (incoming[0], incoming[1])
+
+def _ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV. The K/V blocks go round again; each block's dK/dV accumulator travels with it.
+
+    An accumulator moves on after the step that adds to it and is waited for only after the next
+    step's compute (its transfer overlaps that compute); it travels in the compute dtype (q's) and
+    is summed in fp32 on each rank.
+    """
+    block_backward = KERNELS[kernel][1]
+    group = _resolve_process_group(group_name)
+    kv_ring, grad_ring = RingExchange(group), RingExchange(group)
+    rank, size = kv_ring.rank, kv_ring.size
+    n_rep = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = q.shape[-2]
+    dout = dout.float()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = (k.contiguous(), v.contiguous())
+    arriving: list[Tensor] = []
+    for step in range(size):
+        src = (rank - step) % size
+        incoming = kv_ring.start(*kv) if step < size - 1 else None
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for blk in ring_blocks(method, rank, src, length):
+            gq, gk, gv = block_backward(
+                q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
+                out[:, :, blk.q], lse[:, :, blk.q], dout[:, :, blk.q], blk.causal, scale,
+            )  # fmt: skip
+            dq[:, :, blk.q] += gq
+            dk[:, :, blk.k] += _fold(gk, n_rep)
+            dv[:, :, blk.k] += _fold(gv, n_rep)
+        if step > 0:  # this block's accumulator, sent by the previous rank after its last step
             grad_ring.wait()
-            dkv = (arriving[0], arriving[1])
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+            dk, dv = dk + arriving[0].float(), dv + arriving[1].float()
+        if size == 1:  # home already
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        # Every accumulator moves on, size times in all: the last move brings it home.
+        arriving = grad_ring.start(dk.to(q.dtype), dv.to(q.dtype))
+        if incoming is not None:
+            kv_ring.wait()
+            kv = (incoming[0], incoming[1])
+    grad_ring.wait()
+    return dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype)
+
+
+def _resolve_process_group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# One op to torch, not a Python autograd Function: selective recomputation (which sees every op
+# dispatched while a block runs) keeps this op's output and LSE, and none of the per-block
+# kernels' outputs or score blocks inside it (an autograd Function would expose them all: cp
+# block outputs per layer, or O(block^2) scores with the reference kernel).
+@torch.library.custom_op("ultrascale::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor]:
+    return _ring_forward(q, k, v, group_name, method, kernel)
+
+
+@_ring_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str) -> tuple[Tensor, Tensor]:
+    b, h, s = q.shape[:3]
+    out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
+    return out, q.new_empty(b, h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("ultrascale::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _ring_backward(dout, q, k, v, out, lse, group_name, method, kernel)
+
+
+@_ring_attention_backward_op.register_fake
+def _(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, group_name, method, kernel = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.settings = (group_name, method, kernel)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_ring_attention_backward_op(dout, q, k, v, out, lse, *ctx.settings), None, None, None)
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring", kernel: str = "reference"
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring", kernel: str = "flash"
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence spread on ``group``.
 
@@ -263,7 +354,7 @@ def ring_attention(
     (``v``'s head size may differ: MLA's does), the local part of the sequence laid out by
     :func:`local_positions` for ``method``; ``kernel``: a name in :data:`KERNELS`.
     """
-    return _RingAttention.apply(q, k, v, method, group, kernel)
+    return _ring_attention_op(q, k, v, group.group_name, method, kernel)[0]
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -280,7 +371,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup)
 
 
 def attention_fn(
-    method: str, group: dist.ProcessGroup, kernel: str = "reference"
+    method: str, group: dist.ProcessGroup, kernel: str = "flash"
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The ``Attention.attention_fn`` that context parallelism installs for ``method``."""
     if method == "all_to_all":

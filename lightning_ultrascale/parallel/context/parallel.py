@@ -47,8 +47,9 @@ class ContextParallel(ParallelPlugin):
         method: ``"zigzag_ring"`` (default: ring attention with the load-balanced zig-zag split),
             ``"ring"`` (contiguous split: simplest, causal work unbalanced) or ``"all_to_all"``
             (Ulysses: heads scattered, sequence gathered around attention).
-        kernel: the ring's local attention kernel: ``"reference"`` (exact fp32 matmuls, any
-            device) or ``"sdpa"`` (torch's fused flash-attention CPU kernel, with its LSE).
+        kernel: the ring's local attention kernel: ``"flash"`` (default: torch's fused attention
+            for the device, with its LSE: O(block) memory) or ``"reference"`` (exact fp32 matmuls,
+            O(block^2) memory: for tests).
 
     Example:
         >>> from lightning_ultrascale import ContextParallel, UltraScaleStrategy, ZeRO
@@ -57,7 +58,7 @@ class ContextParallel(ParallelPlugin):
 
     applies_at = "context"
 
-    def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "reference") -> None:
+    def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "flash") -> None:
         require_positive_int(self, "size", size)
         if method not in METHODS:
             raise ConfigError(f"{option(self, 'method', method)} is unknown; valid: {', '.join(METHODS)}")
