@@ -296,6 +296,21 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         self.step.on_train_start(self.lightning_module)
 
     @override
+    def on_train_end(self) -> None:
+        self.wait_for_parameters()
+        super().on_train_end()
+
+    def wait_for_parameters(self) -> None:
+        """Finish the parameter all-gathers a sharded optimizer (ZeRO-1/2) leaves in flight after its step.
+
+        The next forward waits for each bucket where it needs it, ``state_dict()`` and the end of
+        training for all; code reading parameter values in between (a callback's
+        ``on_train_batch_end`` or ``on_train_end``, which run before the strategy's) calls this first.
+        """
+        for sync in self.layout.grad_syncs:
+            sync.wait_for_parameters()
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         with self.step.backward_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.data import sharded_optimizer
 from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import WorkerError, run_workers
 from lightning_ultrascale.utils.comm import CommTracer
 from lightning_ultrascale.utils.memory import model_state_bytes
 
@@ -57,7 +60,7 @@ def _shard_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 def _setup(stage: int, bucket_bytes: int = BUCKET_BYTES, seed: int = 0):
     model = _MLP(seed)
-    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=stage, bucket_bytes=bucket_bytes)
+    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=stage, bucket_bytes=bucket_bytes, parts=[model])
     optimizer = _adamw(model)
     engine.attach(optimizer)
     return model, engine, optimizer
@@ -184,7 +187,7 @@ def _overlap_worker():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
     # ~2 layers per bucket: 3 buckets.
-    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=2, bucket_bytes=2 * 33 * 32 * 4)
+    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=2, bucket_bytes=2 * 33 * 32 * 4, parts=[model])
     engine.attach(torch.optim.AdamW(model.parameters()))
     events = []
     model[0].register_full_backward_hook(lambda *a: events.append(("first_layer_backward", len(engine.launch_log))))
@@ -213,6 +216,164 @@ def test_zero_gradients_are_the_mean_over_ranks():
     for got0, got1, g0, g1 in zip(results[0][3], results[1][3], *per_rank):
         torch.testing.assert_close(got0, (g0 + g1) / 2, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got1, got0, rtol=0, atol=0)
+
+
+class _GatherLog:
+    """Each all-gather's launch and wait, by the index of the bucket it fills, and each layer's forward."""
+
+    def __init__(self, engine: ZeroEngine, layers: list[nn.Module]) -> None:
+        self.engine = engine
+        self.events: list[tuple[str, int]] = []
+        self._all_gather = sharded_optimizer._all_gather
+        sharded_optimizer._all_gather = self._launch  # a forked worker's module: no other test sees it
+        for index, layer in enumerate(layers):  # after the engine's own pre-hooks: they run first
+            layer.register_forward_pre_hook(lambda *_, i=index: self.events.append(("forward", i)))
+
+    def _launch(self, output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = self._all_gather(output, *args, **kwargs)
+        index = next(i for i, b in enumerate(self.engine.buckets) if b.flat_params is output)
+        self.events.append(("launch", index))
+        log = self.events
+
+        class Logged:
+            def wait(self) -> None:
+                log.append(("wait", index))
+                work.wait()
+
+        return Logged()
+
+    def take(self) -> list[tuple[str, int]]:
+        events, self.events[:] = list(self.events), []
+        return events
+
+
+def _six_layers(bucket_layers: int = 2):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    bucket_bytes = bucket_layers * 33 * 32 * 4  # 6 / bucket_layers buckets, the last layers' first
+    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=2, bucket_bytes=bucket_bytes, parts=[model])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    return model, engine, optimizer, _GatherLog(engine, list(model))
+
+
+def _lazy_gather_worker():
+    model, engine, optimizer, log = _six_layers()
+    x = torch.randn(4, 32) * (dist.get_rank() + 1)
+    model(x).sum().backward()
+    log.take()
+    with CommTracer() as tracer:
+        optimizer.step()
+    stepped = log.take()
+    model(x).sum().backward()  # the next forward waits; backward (ZeRO-2's reduce-scatters) has nothing to wait for
+    forward = log.take()
+    model(x)  # a second forward (a recomputation re-runs the pre-hooks): nothing left to wait for
+    return len(engine.buckets), tracer.summary(), stepped, forward, log.take()
+
+
+def test_zero_all_gathers_launch_at_the_step_and_each_waits_for_the_first_layer_needing_it():
+    for n_buckets, comms, stepped, forward, again in run_workers(_lazy_gather_worker, 2):
+        assert n_buckets == 3  # bucket 0 holds layers 4-5, bucket 2 layers 0-1
+        assert comms["world"]["all_gather"]["calls"] == 3
+        # Launched by the step in the order the forward needs them, and none waited for there.
+        assert stepped == [("launch", 2), ("launch", 1), ("launch", 0)]
+        # Layer 0 computes while the gathers of layers 2-5 are still in flight.
+        assert forward == [
+            ("wait", 2), ("forward", 0), ("forward", 1),
+            ("wait", 1), ("forward", 2), ("forward", 3),
+            ("wait", 0), ("forward", 4), ("forward", 5),
+        ]  # fmt: skip
+        assert again == [("forward", i) for i in range(6)]
+
+
+def _readers_worker():
+    model, engine, optimizer, log = _six_layers()
+    x = torch.randn(4, 32) * (dist.get_rank() + 1)
+    model(x).sum().backward()
+    optimizer.step()
+    log.take()
+    model.state_dict()  # checkpoints: every holder waits for its buckets
+    after_state_dict = log.take()
+    optimizer.step()
+    log.take()
+    optimizer.step()  # a second step with no forward: the update must not race the gathers' input
+    second_step = log.take()
+
+    def closure() -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)  # Lightning's form: forward and backward inside step()
+    closure_step = log.take()
+    engine.state_dict({p: [n] for n, p in model.named_parameters()})  # the optimizer-state checkpoint
+    engine.wait_for_parameters()
+    engine.wait_for_parameters()  # idempotent
+    return after_state_dict, second_step, closure_step, log.take()
+
+
+def test_zero_every_reader_of_the_parameters_waits_for_their_gathers():
+    for after_state_dict, second_step, closure_step, after_state in run_workers(_readers_worker, 2):
+        assert after_state_dict == [("wait", 2), ("wait", 1), ("wait", 0)]
+        assert second_step == [("wait", 0), ("wait", 1), ("wait", 2), ("launch", 2), ("launch", 1), ("launch", 0)]
+        # Inside step(closure) the forward still waits lazily, and the update after it launches.
+        lazy = [("wait", 2), ("forward", 0), ("forward", 1), ("wait", 1), ("forward", 2), ("forward", 3)]
+        launch = [("launch", 2), ("launch", 1), ("launch", 0)]
+        assert closure_step == [*lazy, ("wait", 0), ("forward", 4), ("forward", 5), *launch]
+        # SGD has no state: the checkpoint's state initialisation steps (at lr 0), and waits for what it launched.
+        assert after_state == [("wait", 0), ("wait", 1), ("wait", 2), *launch, ("wait", 0), ("wait", 1), ("wait", 2)]
+
+
+class _ReadsAWeightItDoesNotCall(nn.Module):
+    """A tied embedding and head, and a projection whose weight the model reads itself (a fused loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(16, 8)
+        self.block = nn.Linear(8, 8)
+        self.projection = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(self.embedding(tokens)))
+        return self.head(nn.functional.linear(h, self.projection.weight, self.projection.bias))
+
+
+def _reads_worker(steps: int, call_forward: bool = False):
+    model = _ReadsAWeightItDoesNotCall()
+    # One bucket per parameter: the projection's share a bucket with no module that runs.
+    engine = ZeroEngine(list(model.parameters()), _mesh(), stage=1, bucket_bytes=4, parts=[model])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine.attach(optimizer)
+    for step in range(steps):
+        tokens = torch.randint(0, 16, (8, 4), generator=torch.Generator().manual_seed(step)).chunk(2)[dist.get_rank()]
+        logits = model.forward(tokens) if call_forward else model(tokens)
+        logits.logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def test_zero_waits_at_the_start_of_the_forward_for_a_weight_read_outside_its_module():
+    reference = _ReadsAWeightItDoesNotCall()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        tokens = torch.randint(0, 16, (8, 4), generator=torch.Generator().manual_seed(step))
+        # The mean of the two ranks' means: their halves of the batch are the same size.
+        sum(reference(t).logsumexp(-1).mean() / 2 for t in tokens.chunk(2)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for params in run_workers(_reads_worker, 2, 3):
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_zero_refuses_a_weight_read_while_its_gather_is_in_flight():
+    # model.forward() skips the model's pre-hooks: nothing waits for the projection before it is read.
+    with pytest.raises(WorkerError, match=r"took part in a forward while its all-gather was still in flight.*Linear"):
+        run_workers(_reads_worker, 2, 2, call_forward=True)
 
 
 def _comm_worker(stage: int):
@@ -306,6 +467,6 @@ def _full_states(engine: ZeroEngine) -> dict[str, dict[str, torch.Tensor]]:
 
 def test_zero_config_errors_name_the_option():
     with pytest.raises(ConfigError, match=r"ZeRO\(stage=3\)"):
-        ZeroEngine([], None, stage=3, bucket_bytes=1)  # type: ignore[arg-type]
+        ZeroEngine([], None, stage=3, bucket_bytes=1, parts=[])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"ZeRO\(bucket_mb="):
-        ZeroEngine([], None, stage=2, bucket_bytes=0)  # type: ignore[arg-type]
+        ZeroEngine([], None, stage=2, bucket_bytes=0, parts=[])  # type: ignore[arg-type]

@@ -98,6 +98,8 @@ class ParityRecorder(L.Callback):
         self.record.grads.append(_whole_model({n: _full(g) for n, g in grads.items() if g is not None}))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Callbacks run before the strategy's on_train_end: a sharded optimizer's gathers may be in flight.
+        getattr(trainer.strategy, "wait_for_parameters", lambda: None)()
         self.record.params = _whole_model({n: _full(p) for n, p in pl_module.named_parameters()})
         persistent = pl_module.state_dict().keys()
         buffers = {n: _full(b) for n, b in pl_module.named_buffers() if n in persistent}

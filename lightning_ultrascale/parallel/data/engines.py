@@ -2,7 +2,7 @@
 
 ``ZeRO(stage)`` picks the engine; the Layout says which parameter groups exist and over which
 data ranks each one averages (dense parameters over ``dp x cp``; an expert's parameters over its
-own data ranks). Every engine does the same five things, so the step runner and the strategy use
+own data ranks). Every engine does the same six things, so the step runner and the strategy use
 them without knowing the stage:
 
 =========================  ===================  =====================  =========================
@@ -16,6 +16,8 @@ built on the meta model    (nothing)            (nothing)              ``fully_s
                            reduce them now      reduce-scatters        / torch's stages reduce
 optimizer state            the optimizer's      its shards' chunks,    the optimizer's DTensors
 (by parameter name)        tensors              by parameter
+``wait_for_parameters``    (updated in place)   the all-gathers the    (FSDP2 gathers in each
+                                                step launched          forward)
 =========================  ===================  =====================  =========================
 """
 
@@ -91,6 +93,9 @@ class GradientSync:
     def load_named_optimizer_state(self, state: dict[str, Any], names: Mapping[nn.Parameter, Sequence[str]]) -> None:
         """Finish loading what :meth:`named_optimizer_state` gave (DCP filled its tensors)."""
 
+    def wait_for_parameters(self) -> None:
+        """Make the parameters hold the last optimizer step's values, where this engine updates them lazily."""
+
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients, where this engine keeps them away from ``param.grad`` (a collective)."""
         return None
@@ -126,14 +131,14 @@ class _BucketEngine(GradientSync, abc.ABC):
         self.reducer: GradientBuckets | None = None
 
     @abc.abstractmethod
-    def _make_reducer(self) -> GradientBuckets:
-        """The reducer over ``self.params`` (bound parameters) and ``self.mesh``."""
+    def _make_reducer(self, model: nn.Module) -> GradientBuckets:
+        """The reducer over ``self.params`` (bound parameters of ``model``) and ``self.mesh``."""
 
     def bind(self, model: nn.Module) -> None:
         super().bind(model)
         self.remove()
         if self.mesh.size() > 1:
-            self.reducer = self._make_reducer()
+            self.reducer = self._make_reducer(model)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -159,19 +164,20 @@ class AllReduceEngine(_BucketEngine):
         super().__init__(group, layout, bucket_bytes)
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
 
-    def _make_reducer(self) -> GradientBuckets:
+    def _make_reducer(self, model: nn.Module) -> GradientBuckets:
         return BucketedAllReduce(self.params, self.mesh.get_group(), self.bucket_bytes, self.reduce_dtype)
 
 
 class ShardedOptimizerEngine(_BucketEngine):
-    """Stages 1 and 2: reduce-scatter into this rank's optimizer shard, all-gather after the step."""
+    """Stages 1 and 2: reduce-scatter into this rank's optimizer shard, all-gather after the step (waited lazily)."""
 
     def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, stage: int) -> None:
         super().__init__(group, layout, bucket_bytes)
         self.stage = stage
 
-    def _make_reducer(self) -> GradientBuckets:
-        return ZeroEngine(self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes)
+    def _make_reducer(self, model: nn.Module) -> GradientBuckets:
+        parts = self.layout.model_parts(model)
+        return ZeroEngine(self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes, parts=parts)
 
     @property
     def _zero(self) -> ZeroEngine | None:
@@ -202,6 +208,10 @@ class ShardedOptimizerEngine(_BucketEngine):
 
     def parameter_at(self, tensor: torch.Tensor, index: int) -> nn.Parameter | None:
         return self._zero.parameter_at(tensor, index) if self._zero is not None else None
+
+    def wait_for_parameters(self) -> None:
+        if self._zero is not None:
+            self._zero.wait_for_parameters()
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Each parameter's averaged gradient, gathered from the shards (a collective).

@@ -35,6 +35,22 @@ split (chunks of ``c``, the last ranks shorter or empty), the way FSDP2 shards. 
   own shape, each rank writing the chunks its shard holds (``flat_chunks.py``): the format every
   layout saves, so any layout, any N and any bucket size load it, and nothing is gathered.
 
+Waiting. The all-gathers are launched after the step in the order the next forward needs the
+buckets (parameters are registered in forward order, buckets planned in reverse: see
+``plan_buckets``), the same order on every rank. A bucket is waited for (idempotently) in the
+forward pre-hook of every module that holds one of its parameters, so the earliest of them waits:
+a tied weight by the embedding, a pipeline stage's by whatever the stage runs first, a recomputed
+forward not at all. A parameter that a forward reads without calling a module holding it (Llama's
+fused cross-entropy reads the head's weight in the model's own forward) is waited for at the start
+of the step's forward (``parts``' pre-hook): holders that did not run in a step mark their buckets
+so, until they run again. Everything else that reads parameters waits for all buckets: the
+optimizer's update (after its closure: Lightning runs forward and backward inside ``step()``; a
+gather's input is the shard the update writes), ``state_dict()`` of a holder (checkpoints), the
+optimizer-state checkpoint (whose state initialisation may step), and :meth:`ZeroEngine.wait_for_parameters`
+(the end of training; a callback reading parameters between a step and the next forward). The
+gathers move the flat parameter buffers, in the parameters' own dtype: fp32 under ``32-true`` and
+``bf16-mixed`` (whose parameters Lightning keeps in fp32), bf16 under ``bf16-true``.
+
 The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
 shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
 Muon's orthogonalisation) would be computed over the wrong tensors.
@@ -43,7 +59,7 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +69,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils.hooks import RemovableHandle
 
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
@@ -92,6 +109,7 @@ class _Bucket(GradBucket):
     flat_params: torch.Tensor  # padded to N * shard_numel; the model's parameters are views into it
     shard: nn.Parameter  # DTensor over the unpadded bucket, local = this rank's part of flat_params
     reduced: torch.Tensor | None = None  # reduce-scatter output while in flight (padded shard)
+    gathering: dist.Work | None = None  # the all-gather of the updated shards, until a reader waits for it
 
 
 class ZeroEngine(GradientBuckets):
@@ -105,24 +123,34 @@ class ZeroEngine(GradientBuckets):
         stage: 1 (optimizer states sharded, full gradients kept) or 2 (gradients sharded too).
         bucket_bytes: gradient bucket size: larger buckets mean fewer, more efficient collectives;
             smaller ones start communicating earlier in backward.
+        parts: the modules whose ``forward`` a step calls (the model, or this rank's pipeline
+            stages), holding the modules that hold ``params``: the updated parameters are waited
+            for in their forwards.
 
     After a synced backward the averaged gradient lives only on the optimizer's shard parameters
     (``optimizer.param_groups[i]["params"]``, DTensors): the model's ``.grad`` are scratch (ZeRO-1:
     zeros, ZeRO-2: ``None``). Inside :meth:`no_sync` both stages accumulate full local gradients
     (as DDP's ``no_sync``), so ZeRO-2 holds full gradients between the micro-steps of one step.
     Do not move the model (``.to()``) after :meth:`attach`: it would detach the parameters from the
-    buffers.
+    buffers. Between ``optimizer.step()`` and the next forward the parameters are being gathered:
+    read their values there only after :meth:`wait_for_parameters` (``state_dict()`` waits itself).
 
     Example:
-        >>> engine = ZeroEngine(list(model.parameters()), mesh["dp_cp"], 2, 25 * 2**20)  # doctest: +SKIP
-        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)                   # doctest: +SKIP
-        >>> engine.attach(optimizer)       # optimizer now steps this rank's 1/N shard  # doctest: +SKIP
-        >>> model(x).sum().backward()      # reduce-scatters overlap backward            # doctest: +SKIP
-        >>> optimizer.step(); optimizer.zero_grad()   # step all-gathers the new shards  # doctest: +SKIP
+        >>> engine = ZeroEngine(list(model.parameters()), mesh["dp_cp"], 2, 25 * 2**20, [model])  # doctest: +SKIP
+        >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)                            # doctest: +SKIP
+        >>> engine.attach(optimizer)       # optimizer now steps this rank's 1/N shard           # doctest: +SKIP
+        >>> model(x).sum().backward()      # reduce-scatters overlap backward                     # doctest: +SKIP
+        >>> optimizer.step(); optimizer.zero_grad()   # step launches the all-gathers             # doctest: +SKIP
+        >>> model(x)                       # each layer waits for its bucket's gather             # doctest: +SKIP
     """
 
     def __init__(
-        self, params: Sequence[nn.Parameter], mesh: DeviceMesh, stage: Literal[1, 2], bucket_bytes: int
+        self,
+        params: Sequence[nn.Parameter],
+        mesh: DeviceMesh,
+        stage: Literal[1, 2],
+        bucket_bytes: int,
+        parts: Sequence[nn.Module],
     ) -> None:
         if stage not in (1, 2):
             raise ConfigError(
@@ -140,7 +168,12 @@ class ZeroEngine(GradientBuckets):
         self.group_size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied weights count once
+        self.parts = list(parts)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._waits: list[RemovableHandle] = []
+        self._held: dict[nn.Module, list[_Bucket]] = {}  # module -> buckets of the parameters it holds
+        self._ran: set[nn.Module] = set()  # holders whose forward ran since the last update
+        self._late: list[_Bucket] = []  # buckets waited for at the start of the forward
         super().__init__(self.params)
 
     # ---- layout -------------------------------------------------------------------------------
@@ -150,9 +183,10 @@ class ZeroEngine(GradientBuckets):
 
         In its param groups this engine's parameters become this rank's flat shard parameters (one
         per bucket, buckets planned per param group), their state is reset, the model's parameters
-        become views into the flat bucket buffers, and a step post-hook all-gathers the updated
-        shards. ``others``: parameters the optimizer also holds that other engines manage (another
-        parameter group's data ranks); they stay where they are.
+        become views into the flat bucket buffers, a step post-hook launches the all-gathers of the
+        updated shards and forward pre-hooks wait for them. ``others``: parameters the optimizer
+        also holds that other engines manage (another parameter group's data ranks); they stay
+        where they are.
         """
         if self.optimizer is not None:
             raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
@@ -166,7 +200,11 @@ class ZeroEngine(GradientBuckets):
             group["params"] = kept + [b.shard for b in self.buckets if group_of[b.params[0]] == index]
         for p in self.params:
             optimizer.state.pop(p, None)
-        self._step_hook = optimizer.register_step_post_hook(self._all_gather_params)
+        self._waits = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._all_gather_params),
+            *self._hook_forwards(),
+        ]
         self.optimizer = optimizer
 
     def _group_index(self, optimizer: torch.optim.Optimizer, others: set[int]) -> dict[nn.Parameter, int]:
@@ -235,6 +273,15 @@ class ZeroEngine(GradientBuckets):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self.optimizer is None:
             raise RuntimeError("ZeroEngine.attach(optimizer) must run before the first backward")
+        bucket = self._slot[param][0]
+        if isinstance(bucket, _Bucket) and bucket.gathering is not None:
+            holders = sorted({type(m).__name__ for m, held in self._held.items() if any(b is bucket for b in held)})
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} took part in a forward while its all-gather was still "
+                f"in flight: ZeRO waits for it when a module holding it ({', '.join(holders) or 'none'}) or a part "
+                "of the model starts its forward; read parameters inside such a forward (call the module, not its "
+                "forward method), or call wait_for_parameters() first"
+            )
         super()._on_grad_ready(param)
 
     def _launch(self, bucket: GradBucket) -> dist.Work:
@@ -292,7 +339,73 @@ class ZeroEngine(GradientBuckets):
             bucket.grad_buffer = None
             bucket.grad_views = []
 
-    # ---- optimizer step: all-gather -------------------------------------------------------------
+    # ---- optimizer step: all-gather, waited for where the parameters are read -----------------
+
+    def _hook_forwards(self) -> list[RemovableHandle]:
+        """Wait points: every module of ``parts`` holding a parameter waits for its buckets, before
+        its forward and its ``state_dict``; each part, before its forward, for the buckets that
+        forwards read without running a holder."""
+        modules = dict.fromkeys(m for part in self.parts for m in part.modules())
+        for module in modules:
+            held = [self._slot[p][0] for p in module.parameters(recurse=False) if p in self._slot]
+            if held:
+                self._held[module] = list({id(b): b for b in held}.values())  # buckets compare by value
+        # Until a forward has shown which holders run, every bucket waits at the start.
+        self._late = list(self.buckets)
+        return [
+            *(m.register_forward_pre_hook(self._before_holder_forward) for m in self._held),
+            *(m.register_state_dict_pre_hook(self._before_state_dict) for m in self._held),
+            *(part.register_forward_pre_hook(self._before_part_forward) for part in self.parts),
+        ]
+
+    def _before_holder_forward(self, module: nn.Module, args: Any) -> None:
+        self._ran.add(module)
+        self._wait(self._held[module])
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._wait(self._held[module])
+
+    def _before_part_forward(self, module: nn.Module, args: Any) -> None:
+        self._wait(self._late)
+
+    def _wait(self, buckets: Sequence[_Bucket]) -> None:
+        for b in buckets:
+            if b.gathering is not None:
+                b.gathering.wait()
+                b.gathering = None
+
+    def wait_for_parameters(self) -> None:
+        """Finish every all-gather still in flight: the parameters hold the last step's values (idempotent)."""
+        self._wait(self.buckets)
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        # The update must not start while a gather still reads the shard it writes (a step with no
+        # forward since the last one). Lightning runs forward and backward inside step() (the
+        # closure, args[1] or kwargs["closure"]): waiting here would wait before that forward.
+        closure: Callable[[], Any] | None = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._before_update()
+            return None
+
+        def closure_then_wait() -> Any:
+            loss = closure()
+            self._before_update()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
+
+    def _before_update(self) -> None:
+        self.wait_for_parameters()
+        if self._ran:
+            # A parameter none of whose holders ran was read elsewhere in the forward (or not at
+            # all): its bucket waits at the start of the next one.
+            covered = {p for m in self._ran for p in m.parameters(recurse=False)}
+            self._late = [b for b in self.buckets if not all(p in covered for p in b.params)]
+            self._ran = set()
 
     def _all_gather_params(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.stage == 1:
@@ -302,18 +415,13 @@ class ZeroEngine(GradientBuckets):
             for b in self.buckets:
                 if b.grad_buffer is not None:
                     b.grad_buffer.zero_()
-        # In place: each rank's input is its own slice of the output (NCCL and gloo allow it).
-        works = [
-            _all_gather(
-                b.flat_params,
-                b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel],
-                group=self.group,
-                async_op=True,
-            )
-            for b in self.buckets
-        ]
-        for work in works:
-            work.wait()
+        # Reversed: in the order the next forward needs them, the same on every rank. In place:
+        # each rank's input is its own slice of the output (NCCL and gloo allow it), in the
+        # parameters' dtype (the buffer is theirs).
+        for b in reversed(self.buckets):
+            assert isinstance(b, _Bucket)
+            own = b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
+            b.gathering = _all_gather(b.flat_params, own, group=self.group, async_op=True)
 
     # ---- checkpoint: the per-parameter format every layout reads --------------------------------
 
@@ -330,6 +438,8 @@ class ZeroEngine(GradientBuckets):
         """
         optimizer = self._require_optimizer()
         initialize_state(optimizer)
+        # That may have stepped, launching the gathers: a save reads the parameters, a load writes them.
+        self.wait_for_parameters()
         out: dict[str, Any] = {}
         for b in self.buckets:
             group = next(g for g in optimizer.param_groups if any(p is b.shard for p in g["params"]))
@@ -424,7 +534,9 @@ class ZeroEngine(GradientBuckets):
         return full + [b.shard.grad.to_local() for b in self.buckets if b.shard.grad is not None]
 
     def remove(self) -> None:
-        """Detach the gradient hooks and the step hook (the model keeps its current values)."""
+        """Detach every hook (the model keeps the values of its last step)."""
+        self.wait_for_parameters()
         super().remove()
-        if self.optimizer is not None:
-            self._step_hook.remove()
+        for handle in self._waits:
+            handle.remove()
+        self._waits.clear()
