@@ -39,6 +39,7 @@ from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
+from lightning_ultrascale.models.shard_init import fill_normal_, local_indices
 from lightning_ultrascale.models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -288,17 +289,18 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
 
 
 def param_seed(seed: int, fqn: str) -> int:
-    """Generator seed of one parameter: a 32-bit hash of the run seed and the parameter's name.
+    """Key of one parameter's draw: a 64-bit hash of the run seed and the parameter's name.
 
     Depends on nothing else (rank, device, which other parameters exist), so every layout
-    initialises a parameter identically. 32 bits because torch's CPU generator (mt19937) drops
-    the high bits of a seed: ``(seed << 32) | crc32(name)`` would ignore the run seed.
+    initialises a parameter identically. 64 bits: Philox-4x32's key
+    (:mod:`~lightning_ultrascale.models.shard_init`); two of 405B's 1,137 names then share a key
+    with probability 3.5e-14 (with 32 bits, 1.5e-4).
 
     Example:
         >>> param_seed(0, "norm.weight") != param_seed(1, "norm.weight")
         True
     """
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{fqn}".encode(), digest_size=4).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{fqn}".encode(), digest_size=8).digest(), "little")
 
 
 class RMSNorm(nn.Module):
@@ -689,13 +691,13 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter from ``(seed, its fully qualified name)`` alone (or from :attr:`pretrained`).
 
-        Each parameter is drawn on the CPU in fp32 by a generator seeded with
-        :func:`param_seed` and copied in, so a CPU build, a GPU build and a meta build materialised
-        with ``to_empty`` agree bit for bit, whatever the rank or the other layers present.
-        Embeddings and linears get N(0, 0.02); the projections back into the residual stream (wo,
-        w2) N(0, 0.02 / sqrt(2 n_layers)) (GPT-2's scaled init); norms 1. A DTensor parameter (TP,
-        FSDP2) receives its shard of the full tensor. Wrapper names (activation checkpointing,
-        torch.compile) are removed from the names first.
+        Each element's value is a pure function of :func:`param_seed` and its index in the full
+        parameter (Philox, :mod:`~lightning_ultrascale.models.shard_init`), so each rank draws only
+        the shard it holds (TP, FSDP2, expert shards), on the parameter's device, and a CPU build, a
+        meta build materialised with ``to_empty`` and every layout agree bit for bit, whatever the
+        rank or the other layers present. Embeddings and linears get N(0, 0.02); the projections
+        back into the residual stream (wo, w2) N(0, 0.02 / sqrt(2 n_layers)) (GPT-2's scaled init);
+        norms 1. Wrapper names (activation checkpointing, torch.compile) are removed from the names first.
 
         Example:
             >>> import torch
@@ -713,26 +715,38 @@ class Llama(nn.Module):
 
             load_hf_weights(self, self.pretrained)
             return
-        dtensor_type, distribute_tensor = _dtensor_api()
         for fqn, param in self.named_parameters():
             name = ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
             if self.config.tie_embeddings and name == "output.weight":
                 name = "tok_embeddings.weight"  # a last pipeline stage holding only the tied head
-            full = self._initial_value(name, param.shape, seed)
-            if dtensor_type is not None and isinstance(param, dtensor_type):
-                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(shard.to_local())
-            else:
-                param.copy_(full)
+            self._init_param(param, name, seed)
 
-    def _initial_value(self, name: str, shape: torch.Size, seed: int) -> Tensor:
+    def _init_param(self, param: Tensor, name: str, seed: int) -> None:
+        dtensor_type, distribute_tensor = _dtensor_api()
+        sharded = dtensor_type is not None and isinstance(param, dtensor_type)
+        local = param.to_local() if sharded else param  # type: ignore[attr-defined]
+        std = self._init_std(name)
+        if std is None:
+            local.fill_(1.0)
+            return
+        key = param_seed(seed, name)
+        indices = local_indices(param) if sharded else None
+        if sharded and indices is None:
+            # A placement that does not select along tensor dims (none of torch's parallelisms
+            # gives a parameter one): draw the whole parameter and let torch cut this rank's part.
+            full = fill_normal_(torch.empty(param.shape, device=local.device), key, std, param.shape)
+            local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())  # type: ignore[attr-defined]
+        else:
+            fill_normal_(local, key, std, param.shape, indices)
+
+    def _init_std(self, name: str) -> float | None:
+        """Standard deviation of a parameter's initial values; None for norms, which start at 1."""
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
+            return None
         std = 0.02
         if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
             std /= math.sqrt(2 * self.config.n_layers)
-        generator = torch.Generator().manual_seed(param_seed(seed, name))
-        return torch.empty(shape).normal_(0.0, std, generator=generator)
+        return std
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) of the whole model: see :meth:`LlamaConfig.flops_per_token`."""
