@@ -9,7 +9,6 @@ the model-state memory of rank 0. :class:`UltraScaleProgressBar` shows loss, tok
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any, Literal
 
 import lightning as L
@@ -84,10 +83,12 @@ class TrainingMetrics(L.Callback):
     - ``train/skipped_steps``: optimizer steps skipped for a non-finite loss or gradient, under a
       strategy with a ``guard`` (``UltraScaleStrategy``'s :class:`~lightning_ultrascale.guard.NonFiniteGuard`).
 
-    Throughput is a moving window over the last ``window`` steps, and the first step is left out:
-    it carries warm-up (allocator, kernel autotuning, compilation) that later steps do not.
-    Validation time between two steps is left out too. On CUDA the clock is read after a device
-    synchronisation, so a step's time includes its queued kernels.
+    Throughput is measured over windows of ``window`` optimizer steps and logged at the end of
+    each (with ``train/skipped_steps``), and the first step is left out: it carries warm-up
+    (allocator, kernel autotuning, compilation) that later steps do not. Validation time between
+    two steps is left out too. On CUDA the clock is read after a device synchronisation, so a
+    window's time includes its queued kernels; synchronising at every step would stall the
+    GPU's queue every step, so it happens once per window (and around validation).
 
     Once, after the first optimizer step (when gradients and optimizer states exist), it writes
     rank 0's ``memory/params_mib``, ``memory/grads_mib`` and, when the optimizer has state,
@@ -105,12 +106,13 @@ class TrainingMetrics(L.Callback):
         if window < 1:
             raise ValueError(f"window={window} must be >= 1")
         self.peak_dtype = peak_dtype
-        self._window: deque[tuple[int, float]] = deque(maxlen=window)
+        self.window = window
         self._peak: float | None = None
-        self._step_start: float | None = None
+        self._window_start: float | None = None
         self._val_start: float | None = None
         self._last_global_step = 0
         self._steps_seen = 0
+        self._window_steps = 0
         self._tokens = 0
         self._seq_len = 0
         self._flops_cache: dict[int, float | None] = {}
@@ -126,17 +128,14 @@ class TrainingMetrics(L.Callback):
         self._peak = peak_tflops(torch.cuda.get_device_name(device), self.peak_dtype) if device.type == "cuda" else None
         # A fresh start for every fit (a resumed run starts at its restored step, warm-up again).
         self._last_global_step = trainer.global_step
-        self._window.clear()
-        self._step_start, self._val_start = None, None
-        self._steps_seen = self._tokens = 0
+        self._window_start, self._val_start = None, None
+        self._steps_seen = self._window_steps = self._tokens = 0
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         tokens, self._seq_len = _tokens_and_seq_len(batch)
         self._tokens += tokens
-        if self._step_start is None:
-            self._step_start = self._clock(trainer)
 
     def on_train_batch_end(
         self,
@@ -149,26 +148,29 @@ class TrainingMetrics(L.Callback):
         if trainer.global_step == self._last_global_step:  # accumulating gradients: no step yet
             return
         self._last_global_step = trainer.global_step
+        self._steps_seen += 1
+        if self._steps_seen == 1:  # the warm-up step: memory now, the first window from here
+            self._log_memory(trainer, pl_module)
+            self._window_start, self._window_steps, self._tokens = self._clock(trainer), 0, 0
+            return
+        self._window_steps += 1
+        if self._window_steps < self.window:
+            return
+        now = self._clock(trainer)
+        assert self._window_start is not None
+        self._log_throughput(trainer, pl_module, self._tokens * self._dp_size(trainer), now - self._window_start)
         guard = getattr(trainer.strategy, "guard", None)  # UltraScaleStrategy's NonFiniteGuard
         if guard is not None:
             pl_module.log("train/skipped_steps", float(guard.skipped), on_step=True, on_epoch=False)
-        now = self._clock(trainer)
-        assert self._step_start is not None
-        if self._steps_seen == 0:
-            self._log_memory(trainer, pl_module)
-        else:
-            self._window.append((self._tokens * self._dp_size(trainer), now - self._step_start))
-            self._log_throughput(trainer, pl_module)
-        self._steps_seen += 1
-        self._step_start, self._tokens = now, 0
+        self._window_start, self._window_steps, self._tokens = now, 0, 0
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and self._step_start is not None:
+        if not trainer.sanity_checking and self._window_start is not None:
             self._val_start = self._clock(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._val_start is not None and self._step_start is not None:
-            self._step_start += self._clock(trainer) - self._val_start
+        if self._val_start is not None and self._window_start is not None:
+            self._window_start += self._clock(trainer) - self._val_start
         self._val_start = None
 
     @staticmethod
@@ -178,9 +180,7 @@ class TrainingMetrics(L.Callback):
             return int((strategy.distributed_sampler_kwargs or {}).get("num_replicas", 1))
         return 1
 
-    def _log_throughput(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        tokens = sum(t for t, _ in self._window)
-        seconds = sum(s for _, s in self._window)
+    def _log_throughput(self, trainer: L.Trainer, pl_module: L.LightningModule, tokens: int, seconds: float) -> None:
         tokens_per_s = tokens / seconds
         pl_module.log("train/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False)
         flops_per_token = self._flops_per_token(pl_module)

@@ -49,32 +49,40 @@ class NonFiniteGuard:
     def __init__(self, skip_step: bool = False) -> None:
         self.skip_step = skip_step
         self.skipped = 0
-        self._loss_finite = True
+        self._loss_bad: torch.Tensor | None = None
 
     def observe(self, output: Any) -> Any:
-        """Note whether a step's loss (a tensor, or a dict's ``"loss"``) is finite; return it unchanged."""
+        """Note whether a step's loss (a tensor, or a dict's ``"loss"``) is finite; return it unchanged.
+
+        On the device: nothing is read back until :meth:`check` (no host sync per micro-step).
+        """
         loss = output.get("loss") if isinstance(output, dict) else output
-        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-            self._loss_finite = False
+        if isinstance(loss, torch.Tensor):
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return output
 
     def check(self, optimizer: Optimizer, step: int, name_of: Callable[[torch.Tensor, int], str]) -> bool:
         """Every rank: whether this step must be skipped; raises :class:`NonFiniteError` to stop.
 
         ``name_of(tensor, flat_index)``: the parameter an optimizer tensor's element belongs to.
+        One host read per step (the all-reduced worst status); the parameter is looked for only
+        when a step is bad.
         """
-        bad = _first_non_finite(p for g in optimizer.param_groups for p in g["params"])
-        status = _LOSS if not self._loss_finite else _GRADIENT if bad is not None else _FINE
-        self._loss_finite = True
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        device = collective_device()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        statuses = torch.zeros(world, device=collective_device())
-        statuses[rank] = status
+        statuses = torch.zeros(world, device=device)
+        grads = [g for g in (_local(p.grad) for p in params) if g.numel()]  # FSDP may leave a rank none of one
+        statuses[rank] = _status(self._loss_bad, grads, device)
+        self._loss_bad = None
         if world > 1:
             dist.all_reduce(statuses)  # the one collective of a healthy step
-        worst = int(statuses.max())
+        worst = int(statuses.max())  # and its one host read
         if worst == _FINE:
             return False
         culprit = int((statuses == worst).nonzero()[0])
+        bad = _first_non_finite(params)
         where = [name_of(*bad) if bad is not None else "none"]
         if world > 1:
             dist.broadcast_object_list(where, src=culprit)
@@ -95,12 +103,26 @@ class NonFiniteGuard:
         return True
 
 
-def _first_non_finite(tensors: Any) -> tuple[torch.Tensor, int] | None:
-    for p in tensors:
-        if p.grad is None:
-            continue
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        flags = ~torch.isfinite(grad.detach().flatten())
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's status as a device scalar: loss, else gradient, else fine."""
+    # One fused pass over the gradients: a tensor's largest magnitude is NaN or inf exactly when it
+    # holds one, and no gradient-sized mask is allocated (isfinite would be one per parameter).
+    grad_bad = (
+        ~torch.stack([n.float().to(device) for n in torch._foreach_norm(grads, float("inf"))]).isfinite().all()
+        if grads
+        else torch.zeros((), dtype=torch.bool, device=device)
+    )
+    loss = torch.zeros((), dtype=torch.bool, device=device) if loss_bad is None else loss_bad.to(device)
+    return torch.where(loss, float(_LOSS), torch.where(grad_bad, float(_GRADIENT), float(_FINE)))
+
+
+def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+    for p in params:
+        flags = ~torch.isfinite(_local(p.grad).detach().flatten())
         if bool(flags.any()):
             return p, int(flags.nonzero()[0])
     return None

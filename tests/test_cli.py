@@ -146,7 +146,7 @@ def _train_overrides(steps: int = 4) -> list[str]:
 def test_two_process_training_run_shares_one_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    overrides = [*_train_overrides(steps=6), "checkpoint_every_n_steps=3"]
+    overrides = [*_train_overrides(steps=6), "checkpoint_every_n_steps=3", "callbacks.metrics.window=2"]
     out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))

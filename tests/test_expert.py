@@ -16,6 +16,7 @@ from llama_runs import (
     assert_adamw_moe_parity,
     run_tiny_llama,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale import (
     ContextParallel,
@@ -516,3 +517,30 @@ def test_capacity_drops_the_same_tokens_in_every_layout(layout, capped_reference
     assert len(ref_drops) == 3 and all(d > 0 for d in ref_drops)
     assert drops == ref_drops  # counts, exactly
     assert_parity(run, ref, rtol=1e-5)  # and which tokens: every gradient
+
+
+# ------------------------------------------------------------------------------------ mixed precision
+class _GroupedMMDtypes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default:
+            self.dtypes |= {args[0].dtype, args[1].dtype}
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_bf16_autocast_experts_run_in_bf16_and_the_router_in_fp32():
+    # Lightning's bf16-mixed keeps fp32 weights: _grouped_mm is no autocast op, so it ran in fp32
+    # (on CUDA off its bf16 grouped fast path), while autocast ran the "fp32" router in bf16.
+    moe = MoE(16, MIXTRAL_TINY.moe).train()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 32, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _GroupedMMDtypes() as seen:
+        logits = moe.router(x.reshape(-1, 16)).logits
+        moe(x).float().sum().backward()
+    assert seen.dtypes == {torch.bfloat16}
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x.reshape(-1, 16), moe.router.weight))

@@ -199,8 +199,10 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Routing:
         cfg = self.cfg
         # fp32 logits whatever the compute dtype (DeepSeek-V3 and torchtitan do): in bf16 near
-        # ties between experts flip from rank to rank and layout to layout.
-        logits = F.linear(x.float(), self.weight.float())
+        # ties between experts flip from rank to rank and layout to layout. Autocast would run
+        # this linear in bf16 all the same: it is turned off here.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
         if cfg.router == "softmax":
             scores = logits.softmax(dim=-1)
             probs = scores
@@ -247,19 +249,29 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
 
     def forward(self, x: Tensor, counts: Tensor, grad_scale: float = 1.0) -> Tensor:
-        """``x [sum(counts), dim]``, rows of local expert ``i`` contiguous and ``counts[i]`` of them."""
+        """``x [n, dim]``: rows of local expert ``i`` contiguous and ``counts[i]`` of them, then rows of none.
+
+        Rows past ``sum(counts)`` (tokens over capacity) are left undefined: the caller masks them.
+        Under autocast the experts run in its dtype: ``_grouped_mm`` is not an autocast op, and on
+        CUDA only bf16 takes its grouped fast path (fp32 falls back to a loop reading offsets).
+        """
         w1, w2, w3 = (_scale_grad(_local(w), grad_scale) for w in (self.w1, self.w2, self.w3))
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if self._grouped(x, w1):
             offsets = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
             h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
-        # unbind: one backward op stacks the experts' gradients (indexing w[i] would add a full-size
-        # zero-padded gradient per expert: quadratic in the number of experts).
-        outs = []
-        for rows, a, b, c in zip(x.split(counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0)):
-            outs.append(F.linear(F.silu(F.linear(rows, a)) * F.linear(rows, c), b))
-        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+        # The fallback reads the counts on the host. unbind: one backward op stacks the experts'
+        # gradients (indexing w[i] would add a full-size zero-padded gradient per expert).
+        sizes = counts.tolist()
+        groups = x.split([*sizes, x.shape[0] - sum(sizes)])
+        experts = zip(groups, w1.unbind(0), w2.unbind(0), w3.unbind(0))
+        outs = [F.linear(F.silu(F.linear(r, a)) * F.linear(r, c), b) for r, a, b, c in experts]
+        outs.append(x.new_zeros(groups[-1].shape[0], w2.shape[1]))
+        return torch.cat(outs)
 
     def _grouped(self, x: Tensor, w: Tensor) -> bool:
         if self.kernel == "loop" or not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
@@ -365,19 +377,29 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens)
         cfg = self.cfg
-        flat = routing.experts.reshape(-1)
-        order = flat.argsort(stable=True)
+        flat, e = routing.experts.reshape(-1), cfg.n_routed_experts
+        kept = None
         if cfg.capacity_factor is not None:
             kept = self.within_capacity(routing.experts, b).reshape(-1)
             if self.training and not _in_backward():  # a recomputed forward counts nothing again
                 self.dropped += (~kept).sum()
-            order = order[kept[order]]
-            flat = flat.masked_fill(~kept, cfg.n_routed_experts)  # dropped slots count for no expert
-        counts = torch.bincount(flat, minlength=cfg.n_routed_experts + 1)[: cfg.n_routed_experts]
+            flat = flat.masked_fill(~kept, e)  # dropped slots sort last, under no expert
+        # No host reads (shapes stay T x k): bincount and boolean indexing would sync with the GPU.
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(e + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = counts[:e]
         if self.training:
             self._observe(routing, b)
         rows = order // cfg.top_k
-        y = self.dispatcher(self.experts, tokens[rows], counts)
+        routed = tokens[rows]
+        if kept is not None:
+            # The dropped rows at the end: no expert runs them, and _grouped_mm leaves their output
+            # and input gradient unwritten. Selecting (not multiplying) keeps that garbage out.
+            kept_rows = kept[order, None]
+            routed = torch.where(kept_rows, routed, 0.0)
+        y = self.dispatcher(self.experts, routed, counts)
+        if kept is not None:
+            y = torch.where(kept_rows, y, 0.0)
         weights = routing.weights.reshape(-1)[order, None]
         out = torch.zeros_like(tokens, dtype=torch.float32).index_add_(0, rows, y.float() * weights)
         out = out.to(x.dtype)

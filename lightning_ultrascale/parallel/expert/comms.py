@@ -36,12 +36,17 @@ class AllToAllDispatcher(Dispatcher):
         send = counts.view(ep, -1)  # [destination rank, its local expert]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # [source rank, my local expert]
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        # The one host read of a layer: all_to_all_single takes its split sizes as Python lists.
+        splits = torch.cat((send.sum(1), recv.sum(1))).tolist()
+        send_splits, recv_splits = splits[:ep], splits[ep:]
+        sent = sum(send_splits)  # rows past it are dropped over capacity: none travels
+        received = all_to_all_single_autograd(x[:sent], recv_splits, send_splits, self.group)
         # Rows arrive grouped by source rank, then local expert: regroup by local expert.
         local = send.shape[1]
-        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(recv.flatten())
+        expert_of_row = torch.arange(local, device=x.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(recv.flatten(), output_size=sum(recv_splits))
         order = expert_of_row.argsort(stable=True)
         y = experts(received[order], recv.sum(0), grad_scale=1.0 / ep)
         restored = torch.empty_like(y).index_copy(0, order, y)
-        return all_to_all_single_autograd(restored, send_splits, recv_splits, self.group)
+        back = all_to_all_single_autograd(restored, send_splits, recv_splits, self.group)
+        return back if sent == x.shape[0] else torch.cat((back, back.new_zeros(x.shape[0] - sent, back.shape[1])))

@@ -1,0 +1,82 @@
+"""A training step reads the device from the host a fixed, small number of times: none per layer or parameter.
+
+On a GPU every host read (``item()``, ``bool(t)``, ``tolist()``, data-sized outputs) stalls the
+queue. ``HostSyncCounter`` finds them on a CPU; steps 2-4 of each layout are counted.
+"""
+
+from dataclasses import replace
+
+import lightning as L
+import pytest
+from llama_runs import MOE_TINY, SGD
+
+from lightning_ultrascale import (
+    ExpertParallel,
+    LlamaModule,
+    PipelineParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing.parity import QUIET_TRAINER
+from lightning_ultrascale.testing.syncs import HostSyncCounter
+
+#: Reads per optimizer step any layout may make: the non-finite guard's verdict (one all-reduced
+#: status), Lightning's own SIGTERM check (a broadcast flag it reads each step) and Lightning's
+#: progress-bar metrics, which it turns into numbers every step (train/loss; imb for MoE models).
+PER_STEP = 4
+#: Expert parallelism reads each MoE layer's split sizes once per forward: torch's all_to_all_single
+#: takes them as Python lists (a sync-free exchange needs NVSHMEM's all_to_all_vdev, GPU only).
+PER_EP_LAYER = 1
+CAPPED = replace(MOE_TINY, name="moe_tiny_capped", moe=replace(MOE_TINY.moe, capacity_factor=1.25))
+
+LAYOUTS = {
+    "zero1-dp2": ("llama_tiny", lambda: [ZeRO(stage=1)], 0),
+    "zero3-dp2": ("llama_tiny", lambda: [ZeRO(stage=3)], 0),
+    "pp2": ("llama_tiny", lambda: [PipelineParallel(2, "1f1b", 2)], 0),
+    "dp2-moe-capacity": (CAPPED, lambda: [ZeRO(stage=0)], 0),
+    "ep2-moe-capacity": (CAPPED, lambda: [ExpertParallel(2)], 3),
+}
+
+
+class _Count(L.Callback):
+    def __init__(self) -> None:
+        self.counter: HostSyncCounter | None = None
+        self.counts: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 1 and self.counter is None:
+            self.counter = HostSyncCounter().__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == 4 and self.counter is not None and not self.counts:
+            self.counter.__exit__(None, None, None)
+            self.counts = dict(self.counter.counts)
+
+
+def _count_syncs(layout: str) -> dict[str, int]:
+    model, plugins, _ = LAYOUTS[layout]
+    count = _Count()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(*plugins()), max_steps=5, gradient_clip_val=1.0,
+        callbacks=[count], **{**QUIET_TRAINER, "log_every_n_steps": 1000},
+    )  # fmt: skip
+    trainer.fit(LlamaModule(model, optim=SGD), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4))
+    return count.counts
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_syncs_a_fixed_number_of_times(layout):
+    # Before: the guard read every gradient's finiteness (51 reads a step for moe_tiny), MoE
+    # routing ran bincount and, with a capacity, boolean-mask indexing in every layer, and expert
+    # parallelism read its split sizes twice per layer and ran repeat_interleave without a size.
+    ep_layers = LAYOUTS[layout][2]
+    for counts in run_workers(_count_syncs, 2, layout):
+        # The sampler's permutation is a host tensor on every machine: no device read.
+        counts = {site: n for site, n in counts.items() if "lightning_ultrascale/data/" not in site}
+        steps = 3
+        assert sum(counts.values()) <= steps * (PER_STEP + PER_EP_LAYER * ep_layers), counts
+        assert not [site for site in counts if "models/" in site], counts  # nothing per layer in the model
+        expert_reads = sum(n for site, n in counts.items() if "parallel/expert/" in site)
+        assert expert_reads == steps * ep_layers, counts  # one per MoE layer's forward, not two
