@@ -71,6 +71,8 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
         timeout: timeout of every collective: a hung rank fails the job after this long (and a
             watchdog on every rank ends the ranks a failed job leaves behind).
+        tf32: on CUDA, run the fp32 matmuls and convolutions that remain (reference ops' backward,
+            fp32 runs) on TF32 tensor cores, as torchtitan does; False for exact fp32.
 
     Example:
         >>> import lightning as L
@@ -90,6 +92,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         guard: NonFiniteGuard | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        tf32: bool = True,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -115,6 +118,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         self.seed = seed
         self.async_checkpoint = async_checkpoint
         self.guard = guard or NonFiniteGuard()
+        self.tf32 = tf32
         self._parallel_dims: ParallelDims | None = None
         self._layout: Layout | None = None
         self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
@@ -197,6 +201,8 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
             datamodule = getattr(getattr(self.lightning_module, "_trainer", None), "datamodule", None)
             self.validate(spec, DataShape.declared_by(datamodule))
         self._setup_distributed()
+        if self.root_device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
         if self._layout is None:  # a second fit keeps the mesh and the facts of its model
             self._layout = Layout(self.parallel_dims, build_mesh(self.parallel_dims, self.root_device.type))
         self._device_mesh = self.mesh.root

@@ -228,3 +228,17 @@ def test_a_converted_model_keeps_its_checkpoint_and_trains_like_the_high_precisi
     # leaves the loss far above (the first step is 5.7, the last ones about 3.1).
     assert abs(sum(fp8[-4:]) - sum(high[-4:])) / sum(high[-4:]) < 0.02, (fp8, high)
     assert fp8[-1] < 0.7 * fp8[0]
+
+
+def test_blockwise_fp8_gemms_call_scaled_mm_with_the_layouts_torch_checks():
+    # No FP8 GPU here: the tensor-core path (emulate=False) runs on meta tensors, whose scaled_mm
+    # registration checks every operand and scale layout of the three GEMMs (1x128 x 128x128
+    # forward and for dx, 1x128 x 1x128 for dW); 200 tokens pad dW's tiles.
+    from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
+
+    x = torch.empty(200, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(384, 256, device="meta", requires_grad=True)
+    y = blockwise_fp8_linear(x, w, emulate=False)
+    y.backward(torch.empty_like(y))
+    assert (y.shape, y.dtype) == ((200, 384), torch.bfloat16)
+    assert (x.grad.shape, x.grad.dtype, w.grad.shape, w.grad.dtype) == (x.shape, x.dtype, w.shape, torch.float32)

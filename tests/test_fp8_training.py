@@ -144,12 +144,12 @@ def test_layouts_that_sum_in_another_order_match_one_process_within_fp8_noise(re
     assert worst[0] < 0.5, f"gradient of {worst[1]} differs by {worst[0]:.2e}"
 
 
-def _all_gather_bytes(fp8: bool) -> tuple[int, int]:
+def _all_gather_bytes(fp8: bool, steps: int = 1) -> tuple[int, int]:
     trace = StepCommTracer()
     precision = {"plugins": [FP8Precision("tensorwise")]} if fp8 else {"precision": "bf16-mixed"}
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=1, callbacks=[trace],
-        **precision, **QUIET_TRAINER,
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=steps,
+        callbacks=[trace], **precision, **QUIET_TRAINER,
     )  # fmt: skip
     module = LlamaModule(MODEL)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
@@ -159,6 +159,8 @@ def _all_gather_bytes(fp8: bool) -> tuple[int, int]:
         numel = sum(module.model.get_submodule(n).weight.numel() for n in converted)
         weight = module.model.get_submodule(converted[0]).weight
         assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+    if steps > 1:  # the last step's all-reduces other than the gradients' (dp_shard reduce-scatters)
+        return sum(r.op == "all_reduce" for r in trace.tracer.records), numel
     return trace.tracer.total("all_gather"), numel
 
 
@@ -203,3 +205,11 @@ def test_a_model_without_suitable_linears_trains_high_precision_and_says_why(cap
     assert not conversion.converted and len(conversion.skipped) == 29
     assert "kept layers.0.attention.wq: in_features=64 and out_features=64 not a multiple of 128" in caplog.text
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_fp8_all_gathers_use_scales_precomputed_after_the_step():
+    # torchao's precompute_float8_dynamic_scale_for_fsdp after each optimizer step: the next step's
+    # FP8 all-gathers find every weight's scale, where each gather all-reduced its own amax.
+    reductions, numel = run_workers(_all_gather_bytes, 2, True, 2)[0]
+    bf16_reductions, _ = run_workers(_all_gather_bytes, 2, False, 2)[0]
+    assert numel > 0 and reductions == bf16_reductions, (reductions, bf16_reductions)

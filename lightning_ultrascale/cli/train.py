@@ -319,6 +319,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         seed=cfg.seed,
         async_checkpoint=cfg.checkpoint["async"],
         guard=NonFiniteGuard(skip_step=cfg.guard.skip_step),
+        tf32=cfg.get("tf32", True),
     )
     t, data = cfg.trainer, cfg.data
     shape = DataShape.declared_by(datamodule)

@@ -52,17 +52,20 @@ class BlockwiseFP8Linear(nn.Linear):
 
     Under tensor parallelism (a DTensor weight, sharded whole 128 x 128 blocks at a time) each rank
     multiplies its local shards, which quantise exactly as the same blocks of the full tensor do.
+    ``emulate`` (set by :func:`convert_to_fp8`): dequantised GEMMs instead of FP8 tensor cores.
     """
+
+    emulate: bool = True
 
     def forward(self, x: Tensor) -> Tensor:
         from torch.distributed.tensor import DTensor
 
         if isinstance(self.weight, DTensor):
-            return _local_blockwise(x, self.weight)
-        return blockwise_fp8_linear(x, self.weight)
+            return _local_blockwise(x, self.weight, self.emulate)
+        return blockwise_fp8_linear(x, self.weight, self.emulate)
 
 
-def _local_blockwise(x: Tensor, weight: Tensor) -> Tensor:
+def _local_blockwise(x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
     """A column-parallel (weight ``Shard(0)``) or row-parallel (``Shard(1)``) blockwise GEMM on local shards."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -70,10 +73,10 @@ def _local_blockwise(x: Tensor, weight: Tensor) -> Tensor:
     (placement,) = weight.placements
     if placement == Shard(0) and x.placements == (Replicate(),):
         # Every rank uses all of x: its gradient is the sum over the ranks' partial ones.
-        y = blockwise_fp8_linear(x.to_local(grad_placements=(Partial(),)), weight.to_local())
+        y = blockwise_fp8_linear(x.to_local(grad_placements=(Partial(),)), weight.to_local(), emulate)
         out: Shard | Partial = Shard(y.ndim - 1)
     elif placement == Shard(1) and x.placements == (Shard(x.ndim - 1),):
-        y = blockwise_fp8_linear(x.to_local(), weight.to_local())
+        y = blockwise_fp8_linear(x.to_local(), weight.to_local(), emulate)
         out = Partial()
     else:
         raise NotImplementedError(
@@ -128,13 +131,15 @@ def plan_fp8(model: nn.Module, recipe: str = "blockwise", tp: int = 1) -> FP8Con
 def convert_to_fp8(model: nn.Module, recipe: str = "blockwise", tp: int = 1, *, emulate: bool = True) -> FP8Conversion:
     """Swap the linears :func:`plan_fp8` picks for their FP8 class, in place; log and return the plan.
 
-    ``emulate`` (torchao recipes): dequantise and multiply in high precision instead of calling
-    ``torch._scaled_mm`` (the same quantisation; for devices without FP8 GEMMs).
+    ``emulate``: dequantise and multiply in high precision instead of FP8 tensor-core GEMMs (the
+    same quantisation; for devices without FP8 GEMMs).
     """
     plan = plan_fp8(model, recipe, tp)
     if recipe == "blockwise":
         for name in plan.converted:
-            model.get_submodule(name).__class__ = BlockwiseFP8Linear
+            linear = model.get_submodule(name)
+            linear.__class__ = BlockwiseFP8Linear
+            linear.emulate = emulate
     else:
         from torchao.float8.float8_linear import Float8Linear
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's blockwise FP8 linear, emulated in pure torch: runs on any device.
+"""DeepSeek-V3's blockwise FP8 linear: FP8 tensor-core GEMMs on CUDA, emulated in pure torch elsewhere.
 
 Every GEMM of a linear layer takes E4M3 operands with fp32 scales and accumulates in fp32
 (DeepSeek-V3 technical report, section 3.3):
@@ -7,10 +7,13 @@ Every GEMM of a linear layer takes E4M3 operands with fp32 scales and accumulate
 * input gradient ``dx = dy W``: ``dy`` in 1 x 128 tiles along the output features, ``W`` the same blocks;
 * weight gradient ``dW = dy^T x``: both in 128 x 1 tiles, along the tokens (the reduction dim).
 
-Emulation dequantises each operand (``data * scale``, exact in fp32) and multiplies in fp32, so
-the result is what an FP8 tensor-core GEMM with fp32 accumulation computes, up to the order of the
-additions. Backward keeps the quantised ``x`` and ``W`` (E4M3 bytes plus scales), as a real FP8
-kernel does, not the high-precision ones.
+On a GPU with FP8 tensor cores each GEMM is one ``torch.nn.functional.scaled_mm`` call with
+torch's blockwise recipes (``BlockWise1x128`` with ``BlockWise128x128`` forward and for ``dx``,
+``1x128`` with ``1x128`` for ``dW``; the layouts those want are built in :func:`_scaled_mm`).
+Emulation (the CPU reference) dequantises each operand (``data * scale``, exact in fp32) and
+multiplies in fp32, so the result is what an FP8 tensor-core GEMM with fp32 accumulation
+computes, up to the order of the additions. Backward keeps the quantised ``x`` and ``W`` (E4M3
+bytes plus scales), as a real FP8 kernel does, not the high-precision ones.
 """
 
 from __future__ import annotations
@@ -28,9 +31,38 @@ __all__ = ["blockwise_fp8_linear", "quantize_input"]
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _mm(a: Quantized, b: Quantized) -> Tensor:
-    """``a @ b^T`` of two quantised 2-D operands, accumulated in fp32."""
-    return a.dequantize() @ b.dequantize().t()
+def _mm(a: Quantized, b: Quantized, emulate: bool, dtype: torch.dtype) -> Tensor:
+    """``a @ b^T`` of two quantised 2-D operands (``a`` in 1 x 128 tiles), accumulated in fp32."""
+    if emulate:
+        return (a.dequantize() @ b.dequantize().t()).to(dtype)
+    return _scaled_mm(a, b, dtype)
+
+
+def _column_major(t: Tensor) -> Tensor:
+    return t.t().contiguous().t()
+
+
+def _scaled_mm(a: Quantized, b: Quantized, dtype: torch.dtype) -> Tensor:
+    """``a @ b^T`` as one FP8 tensor-core GEMM: torch's blockwise ``scaled_mm`` (CUDA, sm90).
+
+    torch wants the second operand column-major (``b^T`` of a row-major ``b`` is), 1 x 128 scales
+    "outer-dim major" (``[rows, K / 128]`` with stride ``(1, rows)``), and a 128 x 128 operand's
+    scales as ``[round_up(K / 128, 4), N / 128]``, column-major (padded rows are never read).
+    """
+    import torch.nn.functional as F
+
+    kinds = {"tile": F.ScalingType.BlockWise1x128, "block": F.ScalingType.BlockWise128x128}
+    scale_a = _column_major(a.scale)
+    if b.granularity == "tile":
+        scale_b = _column_major(b.scale)
+    else:
+        blocks_n, blocks_k = b.scale.shape
+        padded = b.scale.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
+        padded[:, :blocks_k] = b.scale
+        scale_b = padded.t()  # [L4, N / 128], stride (1, L4)
+    return F.scaled_mm(
+        a.data, b.data.t(), scale_a, kinds[a.granularity], scale_b, kinds[b.granularity], output_dtype=dtype
+    )
 
 
 def _pad_tokens(t: Tensor) -> Tensor:
@@ -57,31 +89,33 @@ def quantize_input(x: Tensor) -> tuple[Quantized, Quantized]:
 
 class _BlockwiseFP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
         qx, qx_t = quantize_input(x.reshape(-1, x.shape[-1]))
         qw = quantize(weight, "block")
         # Backward needs x only for dW, tiled along the tokens: keep that E4M3 copy (same bytes).
         ctx.save_for_backward(qx_t.data, qx_t.scale, qw.data, qw.scale)
-        ctx.shape, ctx.dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
-        return _mm(qx, qw).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.shape, ctx.dtype, ctx.weight_dtype, ctx.emulate = x.shape, x.dtype, weight.dtype, emulate
+        return _mm(qx, qw, emulate, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor, None]:
         xt_data, xt_scale, w_data, w_scale = ctx.saved_tensors
         qx_t, qw = Quantized(xt_data, xt_scale, "tile"), Quantized(w_data, w_scale, "block")
         dy2 = dy.reshape(-1, dy.shape[-1])
         # dx = dy W: dy tiled along the output features, W's blocks read transposed.
-        dx = _mm(quantize(dy2, "tile"), Quantized(qw.data.t(), qw.scale.t(), "block"))
+        w_t = Quantized(qw.data.t() if ctx.emulate else qw.data.t().contiguous(), qw.scale.t().contiguous(), "block")
+        dx = _mm(quantize(dy2, "tile"), w_t, ctx.emulate, ctx.dtype)
         # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces.
-        dw = _mm(quantize(_pad_tokens(dy2.t()), "tile"), qx_t)
-        return dx.to(ctx.dtype).reshape(ctx.shape), dw.to(ctx.weight_dtype)
+        dw = _mm(quantize(_pad_tokens(dy2.t()), "tile"), qx_t, ctx.emulate, torch.float32)
+        return dx.reshape(ctx.shape), dw.to(ctx.weight_dtype), None
 
 
-def blockwise_fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
+def blockwise_fp8_linear(x: Tensor, weight: Tensor, emulate: bool = True) -> Tensor:
     """``x @ weight^T`` with DeepSeek-V3's blockwise FP8 recipe (see the module docstring).
 
     ``weight [out, in]`` with both dims multiples of 128; ``x [..., in]`` with any number of tokens
-    (the weight gradient's 128 x 1 tiles pad the last one with zeros).
+    (the weight gradient's 128 x 1 tiles pad the last one with zeros). ``emulate=False`` runs FP8
+    tensor-core GEMMs (CUDA, FP8-capable GPU).
 
     Example:
         >>> import torch
@@ -90,4 +124,4 @@ def blockwise_fp8_linear(x: Tensor, weight: Tensor) -> Tensor:
         >>> y.shape, float((y - exact).norm() / exact.norm()) < 0.1
         (torch.Size([128, 128]), True)
     """
-    return _BlockwiseFP8Linear.apply(x, weight)
+    return _BlockwiseFP8Linear.apply(x, weight, emulate)

@@ -56,9 +56,9 @@ BASE_PRECISIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def fp8_gemms_available() -> bool:
-    """Whether this machine has FP8 tensor cores (CUDA compute capability 8.9 or later)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+def fp8_gemms_available(blockwise: bool = False) -> bool:
+    """Whether this machine has FP8 tensor cores (CUDA compute capability 8.9 or later; 9.0 for blockwise scales)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= ((9, 0) if blockwise else (8, 9))
 
 
 class FP8Precision(MixedPrecision):
@@ -71,8 +71,8 @@ class FP8Precision(MixedPrecision):
             fp32 master weights) or, for tensorwise and blockwise, ``"32-true"``.
         emulate: dequantise and multiply in high precision instead of FP8 tensor-core GEMMs (the
             same quantisation, hence the same numerics up to summation order). Default: emulate
-            where the machine has no FP8 GEMMs (CPU, GPUs before Ada/Hopper). Blockwise always
-            emulates: its GEMM kernel (``F.scaled_mm`` with 1 x 128 / 128 x 128 scales) is not built yet.
+            where the machine has no FP8 GEMMs (CPU, GPUs before Ada/Hopper; for blockwise, whose
+            1 x 128 / 128 x 128 ``scaled_mm`` needs Hopper, before Hopper).
         fp8_all_gather: tensorwise under ZeRO-3: all-gather weights in FP8 (half of bf16's bytes).
         device: the autocast device type; default: ``"cuda"`` where there is one, else ``"cpu"``.
 
@@ -106,10 +106,11 @@ class FP8Precision(MixedPrecision):
             )
             valid = ", ".join(bases)
             raise ConfigError(f"{option(self, 'precision', precision)} cannot carry FP8: {why}; valid: {valid}")
-        if recipe == "blockwise" and emulate is False:
+        if recipe == "blockwise" and emulate is False and not fp8_gemms_available(blockwise=True):
             raise ConfigError(
-                f"{option(self, 'emulate', False)} with the blockwise recipe: its FP8 GEMM kernel is not built yet; "
-                "the emulated path (emulate=None or True) runs the same quantisation on any device"
+                f"{option(self, 'emulate', False)} with the blockwise recipe needs FP8 tensor cores with blockwise "
+                "scales (a CUDA GPU of compute capability 9.0 or later); the emulated path (emulate=None or True) "
+                "runs the same quantisation on any device"
             )
         if recipe in TORCHAO_RECIPES:
             _require_torchao(recipe)
@@ -117,9 +118,8 @@ class FP8Precision(MixedPrecision):
         #: Lightning's name of the high-precision setting (ZeRO-3 picks its dtype policy from it).
         self.precision = precision  # type: ignore[assignment]
         self.recipe = recipe
-        self.emulate = (not fp8_gemms_available()) if emulate is None else emulate
-        if recipe == "blockwise":
-            self.emulate = True
+        available = fp8_gemms_available(blockwise=recipe == "blockwise")
+        self.emulate = (not available) if emulate is None else emulate
         self.fp8_all_gather = fp8_all_gather
         self.swap = FP8Swap(recipe, emulate=self.emulate, fp8_all_gather=fp8_all_gather)
 
@@ -131,6 +131,17 @@ class FP8Precision(MixedPrecision):
             return
         with super().forward_context():
             yield
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        if self.recipe == "tensorwise" and self.fp8_all_gather:
+            # The next step's FP8 all-gathers need each weight's scale: one all-reduce of every
+            # amax now (torchao's helper), instead of one per weight at every gather.
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return result
 
     def parallel_plugin(self) -> FP8Swap:
         """The module swap, which :class:`~lightning_ultrascale.UltraScaleStrategy` applies first."""

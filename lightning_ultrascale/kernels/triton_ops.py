@@ -20,6 +20,28 @@ __all__ = ["rms_norm", "rope", "swiglu"]
 _ELEMENTWISE_BLOCK = 1024
 
 
+def num_warps(block: int) -> int:
+    """Warps for a program that holds ``block`` fp32 values of a row (Liger-Kernel's rule).
+
+    Triton's default of 4 warps (128 threads) leaves a row of 8,192-16,384 elements (Llama 3's
+    hidden sizes) at 64-128 fp32 values per thread, several such rows live at once in the
+    backward: registers spill to local memory. 8 warps from 2,048 elements, 16 from 8,192 and
+    32 from 32,768 keep it at 16-32 per thread. (RoPE's rows are half a head, 32-64 elements:
+    the default stands.)
+
+    Example:
+        >>> num_warps(4096), num_warps(16384)
+        (8, 16)
+    """
+    if block >= 32768:
+        return 32
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
 @triton.jit
 def _rms_norm_fwd(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -70,7 +92,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK=block)
+        _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(shape)
 
@@ -85,7 +107,9 @@ class _RMSNorm(torch.autograd.Function):
         programs = triton.cdiv(n_rows, rows_per_program)
         dw = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program, BLOCK=block)
+        _rms_norm_bwd[(programs,)](
+            dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program, BLOCK=block, num_warps=num_warps(block)
+        )
         return dx.view(dy.shape), dw.sum(0).to(weight.dtype), None
 
 
