@@ -58,6 +58,8 @@ BASE_PRECISIONS: dict[str, tuple[str, ...]] = {
 
 def fp8_gemms_available(blockwise: bool = False) -> bool:
     """Whether this machine has FP8 tensor cores (CUDA compute capability 8.9 or later; 9.0 for blockwise scales)."""
+    if blockwise and not hasattr(torch.nn.functional, "scaled_mm"):  # torch's blockwise recipes (2.13 has them)
+        return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= ((9, 0) if blockwise else (8, 9))
 
 

@@ -1,0 +1,168 @@
+"""The GPU tier: what only a CUDA GPU can check. Run it there with ``pytest -m gpu``; skipped elsewhere.
+
+The CUDA context-parallel kernel against the exact reference, FP8 blockwise tensor-core GEMMs
+against their emulation, the Triton kernels at Llama 3's hidden sizes, NCCL collectives on the
+root device, and one bf16 training step of llama3_1b that prints its MFU and peak memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_ultrascale.testing.parity import relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run `pytest -m gpu` on one"),
+]
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """A one-rank NCCL group on this GPU (NCCL serves CUDA tensors only: what the suite's gloo cannot show)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from lightning_ultrascale.testing.spawn import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ context parallel kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("qk_dim", "v_dim"), [(128, 128), (192, 128)])  # Llama 3; MLA
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_cuda_flash_kernel_equals_the_reference(dtype, qk_dim, v_dim, causal):
+    from lightning_ultrascale.parallel.context.attention import KERNELS
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 1024, qk_dim, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, 8, 1024, qk_dim, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(2, 8, 1024, v_dim, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(2, 8, 1024, v_dim, device="cuda", generator=g)
+    scale = 1 / math.sqrt(qk_dim)
+    (fast, fast_bwd), (ref, ref_bwd) = KERNELS["flash"], KERNELS["reference"]
+    out, lse = fast(q, k, v, causal, scale)
+    out_ref, lse_ref = ref(q, k, v, causal, scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert relative_error(out, out_ref) < tol and relative_error(lse, lse_ref) < tol
+    for got, want in zip(fast_bwd(q, k, v, out_ref, lse_ref, dout, causal, scale),
+                         ref_bwd(q, k, v, out_ref, lse_ref, dout, causal, scale)):  # fmt: skip
+        assert relative_error(got, want) < tol
+
+
+def test_context_parallel_block_memory_is_linear_in_the_block():
+    from lightning_ultrascale.parallel.context.attention import KERNELS
+
+    peaks = []
+    for seq in (8192, 16384):
+        q = torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        KERNELS["flash"][0](q, q, q, True, 1 / math.sqrt(128))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    print(f"flash block peak: {peaks[0] / 2**20:.0f} MiB at 8k, {peaks[1] / 2**20:.0f} MiB at 16k")
+    assert peaks[1] / peaks[0] < 2.5
+
+
+# ------------------------------------------------------------------------------------ FP8 blockwise
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="blockwise FP8 needs sm90"
+)
+def test_blockwise_fp8_tensor_cores_equal_the_emulation():
+    from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 4096, device="cuda", generator=g) * 0.02
+    dy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    results = []
+    for emulate in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = blockwise_fp8_linear(xi, wi, emulate=emulate)
+        y.backward(dy)
+        results.append((y.float(), xi.grad.float(), wi.grad))
+    for got, want in zip(results[1], results[0]):  # the same quantisation: summation order only
+        assert relative_error(got, want) < 1e-2
+    for emulate in (True, False):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            blockwise_fp8_linear(x, w, emulate=emulate)
+        torch.cuda.synchronize()
+        print(f"blockwise FP8 4096^3 emulate={emulate}: {(time.perf_counter() - start) / 10 * 1e3:.2f} ms")
+
+
+# ------------------------------------------------------------------------------------ Triton kernels
+@pytest.mark.parametrize("dim", [4096, 8192, 16384])
+def test_triton_kernels_equal_the_reference_at_llama_sizes(dim):
+    from lightning_ultrascale.kernels import reference, triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2048, dim, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    w = torch.randn(dim, device="cuda", generator=g, requires_grad=True)
+    out = triton_ops.rms_norm(x, w, 1e-5)
+    ref = reference.rms_norm(x, w, 1e-5)
+    assert relative_error(out.float(), ref.float()) < 1e-2
+    grads = torch.autograd.grad(out.float().sum(), (x, w))
+    ref_grads = torch.autograd.grad(ref.float().sum(), (x, w))
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got.float(), want.float()) < 1e-2
+    a, b = (torch.randn(2048, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    assert relative_error(triton_ops.swiglu(a, b).float(), reference.swiglu(a, b).float()) < 1e-2
+
+
+# ------------------------------------------------------------------------------------ collectives
+def test_collectives_get_tensors_on_the_gpu(nccl):
+    from lightning_ultrascale.testing.collectives import CollectiveDeviceCheck
+    from lightning_ultrascale.utils.comm import collective_device
+    from lightning_ultrascale.utils.grad import grad_norm
+
+    assert collective_device() == torch.device("cuda", torch.cuda.current_device())
+    p = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    with CollectiveDeviceCheck("cuda"):
+        assert float(grad_norm([p], across=[nccl])) == 0.0  # no gradient: the zero is built on the GPU
+    with pytest.raises(RuntimeError):
+        dist.all_reduce(torch.zeros(2))  # what a CPU tensor does under NCCL
+
+
+# ------------------------------------------------------------------------------------ a real step
+def test_one_bf16_training_step_of_llama3_1b_reports_mfu_and_peak_memory():
+    import lightning as L
+
+    from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
+    from lightning_ultrascale.callbacks import peak_tflops
+    from lightning_ultrascale.testing.parity import QUIET_TRAINER
+
+    times: list[float] = []
+
+    class _Clock(L.Callback):
+        def on_train_batch_start(self, *args):
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    seq, batch, steps = 2048, 4, 4
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, strategy=UltraScaleStrategy(), precision="bf16-mixed", max_steps=steps,
+        callbacks=[_Clock()], **QUIET_TRAINER,
+    )  # fmt: skip
+    module = LlamaModule("llama3_1b", kernels="reference")
+    torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq, micro_batch_size=batch))
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - times[1]) / (steps - 1)  # the first step warms up
+    tflops = module.flops_per_token(seq) * seq * batch / step_s / 1e12
+    peak = peak_tflops(torch.cuda.get_device_name())
+    memory = torch.cuda.max_memory_allocated() / 2**30
+    mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+    print(f"llama3_1b bf16, {batch} x {seq} tokens: {step_s * 1e3:.0f} ms/step, {tflops:.0f} TFLOP/s, MFU {mfu}, "
+          f"peak {memory:.1f} GiB")  # fmt: skip
+    assert memory < torch.cuda.get_device_properties(0).total_memory / 2**30
