@@ -35,21 +35,18 @@ split (chunks of ``c``, the last ranks shorter or empty), the way FSDP2 shards. 
   own shape, each rank writing the chunks its shard holds (``flat_chunks.py``): the format every
   layout saves, so any layout, any N and any bucket size load it, and nothing is gathered.
 
-Waiting. The all-gathers are launched after the step in the order the next forward needs the
-buckets (parameters are registered in forward order, buckets planned in reverse: see
-``plan_buckets``), the same order on every rank. A bucket is waited for (idempotently) in the
-forward pre-hook of every module that holds one of its parameters, so the earliest of them waits:
-a tied weight by the embedding, a pipeline stage's by whatever the stage runs first, a recomputed
-forward not at all. A parameter that a forward reads without calling a module holding it (Llama's
-fused cross-entropy reads the head's weight in the model's own forward) is waited for at the start
-of the step's forward (``parts``' pre-hook): holders that did not run in a step mark their buckets
-so, until they run again. Everything else that reads parameters waits for all buckets: the
-optimizer's update (after its closure: Lightning runs forward and backward inside ``step()``; a
-gather's input is the shard the update writes), ``state_dict()`` of a holder (checkpoints), the
-optimizer-state checkpoint (whose state initialisation may step), and :meth:`ZeroEngine.wait_for_parameters`
-(the end of training; a callback reading parameters between a step and the next forward). The
-gathers move the flat parameter buffers, in the parameters' own dtype: fp32 under ``32-true`` and
-``bf16-mixed`` (whose parameters Lightning keeps in fp32), bf16 under ``bf16-true``.
+Waiting. The step launches the all-gathers in the order the next forward needs the buckets (the
+reverse of bucket order: ``plan_buckets`` walks the parameters backwards), the same order on every
+rank. Each bucket is waited for, once, in the forward pre-hook of the first module holding one of
+its parameters: a tied weight by the embedding; a recomputed forward finds nothing left to wait
+for. A parameter that a forward reads without running any module holding it (Llama's fused
+cross-entropy reads the head's weight in the model's own forward) is learnt at the step and waited
+for where a part of the model starts its forward. Every other reader waits for all buckets: the
+optimizer's update (after the closure, in which Lightning runs forward and backward: a gather's
+input is the shard the update writes), ``state_dict()``, the optimizer-state checkpoint, and
+:meth:`ZeroEngine.wait_for_parameters` (the end of training; callbacks). The gathers move the flat
+buffers in the parameters' own dtype: fp32 under ``32-true`` and ``bf16-mixed`` (whose parameters
+Lightning keeps in fp32), bf16 under ``bf16-true``.
 
 The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
 shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
@@ -342,9 +339,11 @@ class ZeroEngine(GradientBuckets):
     # ---- optimizer step: all-gather, waited for where the parameters are read -----------------
 
     def _hook_forwards(self) -> list[RemovableHandle]:
-        """Wait points: every module of ``parts`` holding a parameter waits for its buckets, before
-        its forward and its ``state_dict``; each part, before its forward, for the buckets that
-        forwards read without running a holder."""
+        """Where the gathers are waited for (see the module docstring).
+
+        Every module of ``parts`` that holds a parameter waits for its buckets before its forward
+        and its ``state_dict``; every part, before its forward, for the buckets read without a holder.
+        """
         modules = dict.fromkeys(m for part in self.parts for m in part.modules())
         for module in modules:
             held = [self._slot[p][0] for p in module.parameters(recurse=False) if p in self._slot]
