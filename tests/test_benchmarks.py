@@ -196,3 +196,28 @@ def test_kernels_benchmark_committed_full_run_saves_more_than_the_logits_at_llam
     assert max(row["vocab"] for row in result["loss_memory"]) == 128256
     assert all(row["saved_over_logits"] >= 1.0 for row in result["loss_memory"])
     assert {row["kernels"] for row in result["numerics"]} == {"compile", "triton", "liger"}
+
+
+def test_init_benchmark_quick_run_draws_only_each_ranks_shard(tmp_path):
+    result, stdout = _quick_run("init", tmp_path)
+    assert "normals drawn" in stdout and result["quick"]
+    assert [row["layout"] for row in result["layouts"]] == ["zero3_dp8", "tp2_x_zero3_dp4"]
+    for row in result["layouts"]:
+        old, new, held = row["old"]["drawn"], row["new"]["drawn"], row["held_drawn_elements"]
+        # The old path drew every element of the model; the new one what the rank holds (rounded up
+        # to Philox's four normals per call at a shard's edges).
+        assert held <= new <= 1.01 * held, row
+        assert new < 1.2 * old / row["world_size"], row
+        assert row["old"]["peak_bytes"] >= row["held_bytes"] and row["new"]["peak_bytes"] >= row["held_bytes"], row
+    assert any("_StridedShard" in p for p in result["layouts"][1]["placements"])  # FSDP over TP, drawn locally too
+
+
+def test_init_benchmark_committed_full_run_draws_a_64th_of_llama3_8b_in_constant_extra_memory():
+    result = json.loads((ROOT / "benchmarks" / "results" / "init.json").read_text())
+    assert not result["quick"] and [row["world_size"] for row in result["layouts"]] == [64, 64]
+    for row in result["layouts"]:
+        assert row["model_params"] > 8e9 and row["old"]["drawn"] > 8e9, row["layout"]
+        assert row["held_drawn_elements"] <= row["new"]["drawn"] <= 1.01 * row["held_drawn_elements"], row["layout"]
+        # Beyond its shards the new path holds one chunk's temporaries; the old one a whole embedding.
+        assert row["new"]["peak_bytes"] - row["held_bytes"] < 64 * 2**20, row["layout"]
+        assert row["old"]["peak_bytes"] - row["held_bytes"] > 2e9, row["layout"]
