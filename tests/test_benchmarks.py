@@ -140,11 +140,13 @@ def test_expert_benchmark_quick_run_traces_the_routed_bytes_exactly_and_balances
     for m in balancing.values():
         assert m["step0"] > 3, m["step0"]  # the skew: most tokens on experts 0 and 2
     # 60 quick steps are too few to reach 1.3 (the full run's 400 are enough): balancing must cut the
-    # imbalance well down, the control must not.
+    # imbalance well down, the control must not. How far depends on the initial weights: over 8
+    # initialisations (seeds 0-3, mt19937 and shard-local draws) balancing ended at 0.38-0.66x its
+    # step 0, the control at 1.03-1.19x (0.6 failed on shard-local seed 0: 0.66).
     assert balancing["neither"]["final_trailing_mean"] > 3.5
     for name in ("aux_loss", "aux_free_bias"):
         m = balancing[name]
-        assert m["final_trailing_mean"] < 0.6 * m["step0"], (name, m["final_trailing_mean"])
+        assert m["final_trailing_mean"] < 0.8 * m["step0"], (name, m["final_trailing_mean"])
 
 
 def test_expert_benchmark_committed_full_run_balances_below_1_3():
