@@ -15,7 +15,7 @@ Columns: wall time of ``init_weights`` (one thread), peak bytes alive during it 
 torch's ``MemTracker``, this rank's shards included) and normals drawn (old: every element of every
 drawn parameter; new: counted at the generator, four per Philox call).
 
-    python benchmarks/init.py            # ~4.5 minutes on 2 CPU cores (the old path draws 8B values twice per layout)
+    python benchmarks/init.py            # 3-4.5 minutes on 2 CPU cores (the old path draws 8B values twice per layout)
     python benchmarks/init.py --quick    # llama_small over 8 ranks, seconds (the test suite's smoke run)
 """
 
