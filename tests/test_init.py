@@ -217,3 +217,25 @@ def test_init_zeroes_the_expert_bias_and_reties_the_head() -> None:
     model.init_weights(SEED)
     assert torch.equal(moe.router.expert_bias, torch.zeros_like(moe.router.expert_bias))
     assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run `pytest -m gpu` on one")
+def test_a_gpu_build_draws_the_cpu_values() -> None:
+    # Philox's words are integers: equal bit for bit. The values pass through float64 log/cos/sin,
+    # whose last bit CUDA's libm and the CPU's may round differently; fp32 rounding hides that except
+    # on a tie (about one element in 10**11 expected), and then by one fp32 ulp.
+    n = 1 << 24
+    counter = torch.arange(n, dtype=torch.int64)
+    zero = torch.zeros_like(counter)
+    words = philox4x32((counter, counter >> 3, zero, counter), key=2**63 + 5)
+    on_gpu = philox4x32([c.cuda() for c in (counter, counter >> 3, zero, counter)], key=2**63 + 5)
+    assert torch.equal(on_gpu.cpu(), words)
+    cpu = build_model(get_model_config("moe_tiny"), seed=SEED)
+    gpu = dict(build_model(get_model_config("moe_tiny"), device="cuda", seed=SEED).named_parameters())
+    differing = sum(int((p != gpu[name].cpu()).sum()) for name, p in cpu.named_parameters())
+    assert differing == 0, f"{differing} elements differ between the CPU and the GPU build"
+    values = shard_init.fill_normal_(torch.empty(n), 7, 1.0, (n,))
+    on_gpu_values = shard_init.fill_normal_(torch.empty(n, device="cuda"), 7, 1.0, (n,)).cpu()
+    torch.testing.assert_close(on_gpu_values, values, rtol=2**-23, atol=0)
+    assert int((on_gpu_values != values).sum()) <= 2
