@@ -18,13 +18,14 @@ SGD = OptimConfig(name="sgd", lr=0.1, weight_decay=0.0, warmup_steps=0, min_lr_r
 ADAMW = OptimConfig(name="adamw", lr=3e-3, warmup_steps=0)
 # AdamW over several steps. Adam's update lr*m/sqrt(v) is about ±lr whatever the size of a
 # near-zero gradient, so reduction-order noise (1e-7, which differs between CPU models: MKL and
-# oneDNN sum in other orders on Intel and AMD) moves those parameters by ~lr. Worst
-# errors measured over every AdamW layout of the suite, on an Intel and an AMD EPYC machine:
-# losses 1.8e-7, first-step gradients 3.4e-7 (both held to the tight 1e-5), later gradients
-# 2.4e-5 and final parameters 2.2e-5 (pp=4 on 8 layers; cp2 x tp2 and tp2+SP reach 1.5e-5 on
-# AMD). Later gradients and final parameters get ADAMW_RTOL: 8x the worst, so it holds on the
-# next CPU too; a missed reduction or a wrong scale is off by 1e-1 or more.
-ADAMW_RTOL = 2e-4
+# oneDNN sum in other orders on Intel and AMD) moves those parameters by ~lr, and how far depends
+# on the initial weights too. Worst errors measured over every AdamW layout of the suite: losses
+# 1.8e-7 and first-step gradients 3.4e-7 (both held to the tight 1e-5); later gradients 2.1e-4
+# and final parameters 9.8e-5, in the 6-step resume matrix with the counter-based initialisation
+# (cp2 and tp2 sources; with the earlier mt19937 draw 2.4e-5 and 2.2e-5). Later gradients and
+# final parameters get ADAMW_RTOL: 5x the worst, so it holds on the next CPU too; a missed
+# reduction or a wrong scale is off by 1e-1 or more.
+ADAMW_RTOL = 1e-3
 
 # Tiny models with a Hugging Face counterpart (transformers builds them on CPU).
 MOE_TINY = get_model_config("moe_tiny")
@@ -93,8 +94,9 @@ def assert_adamw_moe_parity(run: RunRecord, ref: RunRecord) -> None:
 
     Routing and MLA's low-rank products add reduction-order noise in near-zero gradients, which
     Adam turns into parameter differences of ~lr: DeepSeek-V3-tiny at ep2 measured 1.83e-4 after
-    3 steps on one CPU (5.8e-5 on another), against :data:`ADAMW_RTOL` = 2e-4, so no bound with
-    margin exists. Their multi-step parameter parity is proven with SGD (1e-5).
+    3 steps on one CPU (5.8e-5 on another), against the dense models' then 2e-4 bound, with no
+    worst case measured across MoE/MLA layouts to give a bound its margin. Their multi-step
+    parameter parity is proven with SGD (1e-5).
     """
     assert_parity(run, ref, rtol=1e-5, later_grad_rtol=math.inf, check_params=False)
 

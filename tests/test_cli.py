@@ -237,7 +237,7 @@ def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
         ),
         (["parallel=zero2", "parallel.recompute=selective", "parallel.recompute_every=2"], "Recompute"),
         (["parallel=pp"], "PipelineParallel(schedule=1f1b, microbatches=2, virtual_stages=1, pp=2)"),
-        (["parallel.cp=2"], "ContextParallel(method=zigzag_ring, kernel=reference, cp=2)"),
+        (["parallel.cp=2"], "ContextParallel(method=zigzag_ring, kernel=flash, cp=2)"),
     ],
 )
 def test_parallel_group_builds_the_plugins(tmp_path, monkeypatch, overrides, expected):

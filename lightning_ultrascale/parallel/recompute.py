@@ -79,7 +79,6 @@ def _keep_matmul_outputs(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-
 # The op-level policy as a module constant: torch.compile traces a checkpoint whose context_fn is
 # a global, but may fail on one that reaches it as an argument of the block's forward (torch 2.13,
 # seen with noop_context_fn: "checkpoint not implemented for LazyVariableTracker context_fn").
