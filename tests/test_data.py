@@ -65,14 +65,14 @@ def test_packed_dataset_windows_are_consecutive_and_labels_shifted_by_one() -> N
         ds[4]
 
 
-def _write_corpus(tmp_path: Path, dtype: str = "uint16") -> tuple[Path, list[int]]:
+def _write_corpus(tmp_path: Path) -> tuple[Path, list[int]]:
     docs = ["first document\n\nwith a blank line", "second: ünïcødé", "third"]
     inputs = []
     for i, text in enumerate(docs):
         inputs.append(tmp_path / f"doc{i}.txt")
         inputs[-1].write_text(text, encoding="utf-8")
     out = tmp_path / "corpus.bin"
-    tokenize_main([*map(str, inputs), str(out), "--dtype", dtype])
+    tokenize_main([*map(str, inputs), str(out), "--no-progress"])
     tok = ByteTokenizer()
     return out, [i for text in docs for i in tok.encode(text)]
 
@@ -81,9 +81,12 @@ def _write_corpus(tmp_path: Path, dtype: str = "uint16") -> tuple[Path, list[int
 def test_memmap_dataset_equals_packed_dataset_on_tokens_from_prepare(
     tmp_path: Path, dtype: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path, expected = _write_corpus(tmp_path, dtype)
-    assert f"wrote {len(expected)} tokens ({dtype})" in capsys.readouterr().out
-    assert path.stat().st_size == len(expected) * np.dtype(dtype).itemsize  # flat: no header
+    path, expected = _write_corpus(tmp_path)
+    assert f"wrote {len(expected)} tokens of 3 documents (uint16, byte: 258 ids)" in capsys.readouterr().out
+    assert path.stat().st_size == len(expected) * 2  # flat: no header
+    if dtype == "uint32":  # a bare .bin of another writer, read with data.dtype
+        path = tmp_path / "bare.bin"
+        np.asarray(expected, dtype=np.uint32).tofile(path)
     mm = MemmapTokenDataset(path, seq_len=7, dtype=dtype)
     ref = PackedDataset(torch.tensor(expected), seq_len=7)
     assert len(mm) == len(ref) > 0

@@ -9,7 +9,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import Dataset, Subset
 
 from lightning_ultrascale.data.corpus import load_default_corpus_tokens
-from lightning_ultrascale.data.datasets import TOKEN_DTYPES, MemmapTokenDataset, PackedDataset, max_token_id
+from lightning_ultrascale.data.datasets import MemmapTokenDataset, PackedDataset, max_token_id
+from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex
 from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
 from lightning_ultrascale.data.tokenizer import ByteTokenizer
 from lightning_ultrascale.errors import ConfigError
@@ -50,7 +51,8 @@ class UltraScaleDataModule(L.LightningDataModule):
         *,
         seq_len: int,
         micro_batch_size: int,
-        dtype: str = "uint16",
+        dtype: str | None = None,
+        tokenizer: str | None = None,
         val_fraction: float = 0.05,
         seed: int = 0,
         num_workers: int = 0,
@@ -59,7 +61,7 @@ class UltraScaleDataModule(L.LightningDataModule):
         for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
             if value <= 0:
                 raise ConfigError(f"data.{name}={value} must be > 0")
-        if dtype not in TOKEN_DTYPES:
+        if dtype is not None and dtype not in TOKEN_DTYPES:
             raise ConfigError(f"data.dtype={dtype} is not supported; valid: {', '.join(TOKEN_DTYPES)}")
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1); 0 disables validation")
@@ -69,15 +71,31 @@ class UltraScaleDataModule(L.LightningDataModule):
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
         self.dtype = dtype
+        self.tokenizer = tokenizer
         self.val_fraction = val_fraction
         self.seed = seed
         self.num_workers = num_workers
         self.dp_size, self.dp_rank = 1, 0
         self.train_dataset: Dataset[Any] | None = None
         self.val_dataset: Dataset[Any] | None = None
+        #: The token file's index (None for the bundled corpus and for a .bin without one).
+        self.index: TokenIndex | None = None
         if source != DEFAULT_SOURCE:
-            # Open once now so a wrong path fails before any process group or model exists.
-            MemmapTokenDataset(source, seq_len, dtype)
+            # Open once now so a wrong path or dtype fails before any process group or model exists.
+            self.dtype = MemmapTokenDataset(source, seq_len, dtype).dtype
+            self.index = TokenIndex.read(source)
+            self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            return
+        made_with = self.index.tokenizer if self.index is not None else None
+        if made_with != self.tokenizer:
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r}, but data.source={self.source} was tokenized with "
+                f"{made_with!r} (its index{' is missing' if made_with is None else ''}); tokenize the corpus "
+                "with that tokenizer (ultrascale-tokenize --tokenizer ... --tokenizer-name ...) or drop data.tokenizer"
+            )
 
     @property
     def max_token_id(self) -> int:
@@ -85,6 +103,13 @@ class UltraScaleDataModule(L.LightningDataModule):
         if self.source == DEFAULT_SOURCE:
             return ByteTokenizer.vocab_size - 1
         return max_token_id(self.source, self.dtype)
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the data was tokenized with (its index says; bytes for pydoc), else its largest id + 1."""
+        if self.source == DEFAULT_SOURCE:
+            return ByteTokenizer.vocab_size
+        return self.index.vocab_size if self.index is not None else self.max_token_id + 1
 
     def _dp_coordinates(self) -> tuple[int, int]:
         strategy = getattr(self.trainer, "strategy", None)

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex, check_token_dtype
 from lightning_ultrascale.errors import ConfigError
-
-TOKEN_DTYPES = ("uint16", "uint32")
 
 
 class PackedDataset(Dataset[dict[str, torch.Tensor]]):
@@ -54,14 +53,14 @@ class PackedDataset(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": window[:-1], "labels": window[1:]}
 
 
-def _open_token_file(path: Path, dtype: str) -> np.memmap:
-    if dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"data.dtype={dtype} is not supported; valid: {', '.join(TOKEN_DTYPES)}")
+def _open_token_file(path: Path, dtype: str | None) -> np.memmap:
+    """The tokens of ``path`` in the dtype its index records (or ``dtype``, checked), memory-mapped."""
     if not path.is_file():
         raise ConfigError(
-            f"data.source={path} does not exist; create it with `ultrascale-tokenize INPUT.txt {path}` "
+            f"data.source={path} does not exist; create it with `ultrascale-tokenize INPUT {path}` "
             "or use data.source=pydoc (the bundled corpus)"
         )
+    dtype = resolve_dtype(path, dtype)
     itemsize = np.dtype(dtype).itemsize
     size = path.stat().st_size
     if size % itemsize:
@@ -74,6 +73,28 @@ def _open_token_file(path: Path, dtype: str) -> np.memmap:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def resolve_dtype(path: Path, dtype: str | None) -> str:
+    """The dtype to read ``path`` with: its index's (``dtype`` must agree), else ``dtype`` (uint16 by default), checked.
+
+    Example:
+        >>> resolve_dtype(Path("corpus.bin"), "uint8")  # doctest: +SKIP
+        ConfigError: data.dtype=uint8 is not supported; valid: uint16, uint32
+    """
+    if dtype is not None and dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.dtype={dtype} is not supported; valid: {', '.join(TOKEN_DTYPES)}")
+    index = TokenIndex.read(path)
+    if index is not None:
+        if dtype is not None and dtype != index.dtype:
+            raise ConfigError(
+                f"data.dtype={dtype}, but data.source={path} holds {index.dtype} tokens (its index says so, for "
+                f"{index.tokenizer}'s {index.vocab_size} ids); drop data.dtype: the index tells"
+            )
+        return index.dtype
+    dtype = dtype or "uint16"
+    check_token_dtype(path, dtype)
+    return dtype
+
+
 class MemmapTokenDataset(PackedDataset):
     """:class:`PackedDataset` over a flat token file (no header, native byte order), read lazily.
 
@@ -84,15 +105,20 @@ class MemmapTokenDataset(PackedDataset):
         >>> ds[0]["input_ids"].shape  # doctest: +SKIP
         torch.Size([256])
 
+    ``dtype``: None reads the file's index (``ultrascale-tokenize`` writes one); without an index,
+    uint16 unless told otherwise.
+
     Raises:
-        ConfigError: the file is missing, ``dtype`` is not uint16/uint32, or the file size is not a
-            multiple of the dtype size (the file was written with another dtype), or it is empty.
+        ConfigError: the file is missing, ``dtype`` is not uint16/uint32 or disagrees with the index,
+            the file's bytes say another dtype, the file size is not a multiple of the dtype size, or
+            it is empty.
     """
 
-    def __init__(self, path: str | Path, seq_len: int, dtype: str = "uint16") -> None:
+    def __init__(self, path: str | Path, seq_len: int, dtype: str | None = None) -> None:
         self.path = Path(path)
-        self.dtype = dtype
-        super().__init__(_open_token_file(self.path, dtype), seq_len)
+        tokens = _open_token_file(self.path, dtype)
+        self.dtype = str(tokens.dtype)
+        super().__init__(tokens, seq_len)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickling a memmap copies its data; DataLoader workers started by spawn would each get the
@@ -100,7 +126,7 @@ class MemmapTokenDataset(PackedDataset):
         return (type(self), (self.path, self.seq_len, self.dtype))
 
 
-def max_token_id(path: str | Path, dtype: str = "uint16") -> int:
+def max_token_id(path: str | Path, dtype: str | None = None) -> int:
     """The largest token id in a token file, cached beside it (``<file>.maxid.json``) for the next run.
 
     Every rank of every run checks it against the model's vocabulary before any process group
@@ -108,6 +134,7 @@ def max_token_id(path: str | Path, dtype: str = "uint16") -> int:
     time (where the file's directory is not writable, it is computed each time).
     """
     path = Path(path)
+    dtype = resolve_dtype(path, dtype)
     stat = path.stat()
     key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": dtype}
     cache = path.with_name(path.name + ".maxid.json")

@@ -193,6 +193,8 @@ class DataShape:
     #: against the model's vocabulary).
     source: str | None = None
     max_token_id: int | None = None
+    #: The vocabulary the data was tokenized with (a token file's index records it).
+    vocab_size: int | None = None
     #: ``fits(dp)`` raises if the data cannot fill one global micro-step of ``dp`` ranks (where the
     #: DataModule can tell: ``check_fits``), so a too-small corpus fails before any process group.
     fits: Callable[[int], object] | None = field(default=None, compare=False, repr=False)
@@ -204,14 +206,21 @@ class DataShape:
         if not (isinstance(seq_len, int) and isinstance(micro, int)):
             return None
         source, max_id = getattr(datamodule, "source", None), getattr(datamodule, "max_token_id", None)
-        fits = getattr(datamodule, "check_fits", None)
-        return cls(seq_len, micro, owner=type(datamodule).__name__, source=source, max_token_id=max_id, fits=fits)
+        fits, vocab = getattr(datamodule, "check_fits", None), getattr(datamodule, "vocab_size", None)
+        owner = type(datamodule).__name__
+        return cls(seq_len, micro, owner=owner, source=source, max_token_id=max_id, vocab_size=vocab, fits=fits)
 
     def option(self, name: str) -> str:
         return option(self.owner, name, getattr(self, name))
 
     def validate_vocabulary(self, spec: ModelSpec) -> None:
-        """Every token id must index the model's embedding."""
+        """Every token id must index the model's embedding, and the data's tokenizer must fit in it."""
+        if self.vocab_size is not None and self.vocab_size > spec.vocab_size:
+            raise ConfigError(
+                f"{self.option('source')} was tokenized with a vocabulary of {self.vocab_size} ids, more than model "
+                f"{spec.name}'s vocab_size={spec.vocab_size}; use a model whose vocabulary holds it "
+                f"(model.vocab_size={self.vocab_size}) or tokenize with the model's tokenizer"
+            )
         if self.max_token_id is not None and self.max_token_id >= spec.vocab_size:
             raise ConfigError(
                 f"{self.option('source')} holds token id {self.max_token_id}, but model {spec.name} has "
