@@ -21,7 +21,6 @@ from lightning_ultrascale.cli.train import (
     RECIPES_DIR,
     _model_config,
     build,
-    expand_overrides,
     hydra_argv,
     plugins,
 )
@@ -35,8 +34,9 @@ TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
 
 
 def _compose(*overrides: str):
+    """The config the entry point composes from these overrides (its argv rewriting included)."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=expand_overrides(list(overrides)))
+        return compose("train", overrides=hydra_argv(list(overrides)))
 
 
 def test_compose_applies_command_line_overrides():
@@ -487,9 +487,82 @@ def test_moe_and_mla_options_are_checked_against_the_model(tmp_path, monkeypatch
     # covers its exit).
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=re.escape(message)):
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            build(compose("train", overrides=hydra_argv(overrides)))
+        build(_compose(*overrides))
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------------ a user's own DataModule
+#: The default data node with its target swapped for a class of tests/user_datamodule.py, and the
+#: keys that class does not take dropped.
+NOT_TAKEN = ["~data.source", "~data.val_fraction", "~data.num_workers"]
+USER_DATA = ["data._target_=user_datamodule.CountingTokens", *NOT_TAKEN]
+UNSHAPED_DATA = ["data._target_=user_datamodule.UnshapedTokens", *NOT_TAKEN, "~data.seed"]
+
+
+def test_a_users_datamodule_trains_through_the_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    overrides = [*USER_DATA, *_train_overrides(steps=4)]
+    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gradient accumulation 2" in out.stderr + out.stdout  # 8 / (2 x dp=2), from the DataModule's shape
+    losses = list(map(float, _losses(run_dir).values()))
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data._target_=no_such_pkg.DataModule"], r"data._target_=no_such_pkg.DataModule cannot be imported; valid: "),
+        (
+            ["data._target_=user_datamodule.CountingTokens"],
+            r"data.source='pydoc' is not an argument of user_datamodule.CountingTokens; valid: seq_len, "
+            r"micro_batch_size, vocab_size, seed \(drop it with ~data.source\)",
+        ),
+        ([*USER_DATA, "~data.seq_len"], r"data.seq_len is not set, and user_datamodule.CountingTokens needs it"),
+        # The checks a DataModule's declared shape gets, named by its own keys:
+        ([*USER_DATA, "parallel.cp=2", "data.seq_len=250"], r"data.seq_len=250 must be divisible by 4 for parallel.cp"),
+        ([*USER_DATA, "data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256 of llama_tiny"),
+        ([*USER_DATA, "data.global_batch_size=6", "data.micro_batch_size=2"], r"data.global_batch_size=6 .* valid: 4"),
+        ([*USER_DATA, "+data.vocab_size=400"], r"holds token id 399, but model llama_tiny has vocab_size=320"),
+        (
+            UNSHAPED_DATA,
+            r"data.global_batch_size=16 needs the micro batch size, but UnshapedTokens declares no integer micro_batch",
+        ),
+    ],
+)
+def test_a_users_datamodule_is_checked_before_any_process_group(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=message) as err:
+        build(_compose(*overrides))
+    assert "\n" not in str(err.value) and not dist.is_initialized()
+
+
+def test_a_datamodule_that_declares_no_shape_is_built_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    cfg = _compose(*UNSHAPED_DATA, "data.global_batch_size=null")
+    trainer, _, datamodule = build(cfg)
+    assert type(datamodule).__name__ == "UnshapedTokens" and trainer.accumulate_grad_batches == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["data: UnshapedTokens declares no integer seq_len and micro_batch_size: its batches are not "
+                        "checked against the layout before training"]  # fmt: skip
+    assert not dist.is_initialized()
+
+
+def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "counting.yaml").write_text(
+        "_target_: user_datamodule.CountingTokens\nseq_len: 64\nmicro_batch_size: 2\nglobal_batch_size: 8\n"
+    )
+    assert hydra_argv(["--config-dir", str(tmp_path), "data=counting"])[0] == f"--config-dir={tmp_path}"
+    with pytest.raises(ConfigError, match=r"data=countin is unknown; valid: counting, pydoc, tokens"):
+        hydra_argv([f"--config-dir={tmp_path}", "data=countin"])
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run")}
+    cmd = [*TRAIN, f"--config-dir={tmp_path}", "data=counting", "--cfg", "job"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "_target_: user_datamodule.CountingTokens" in out.stdout and "source" not in out.stdout
 
 
 # ------------------------------------------------------------------------ bad input before any process group

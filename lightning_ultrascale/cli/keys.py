@@ -69,14 +69,16 @@ def short_key(node: str, arg: str) -> str:
 
 
 def error_keys(cfg: DictConfig) -> dict[tuple[str, str], str]:
-    """``(class name, argument) -> config key`` for every plugin node and the data settings."""
+    """``(class name, argument) -> config key`` for every plugin node and the DataModule's settings."""
     keys: dict[tuple[str, str], str] = {}
     for node, settings in cfg.parallel.items():
         target = settings.get("_target_") if isinstance(settings, DictConfig) else None
         if target:
             owner = str(target).rsplit(".", 1)[-1]
             keys.update({(owner, str(arg)): short_key(str(node), str(arg)) for arg in settings if arg != "_target_"})
-    keys.update({("UltraScaleDataModule", str(arg)): f"data.{arg}" for arg in cfg.data})
+    # The DataModule's arguments are its node's keys, whatever class the node builds.
+    data_class = str(cfg.data.get("_target_", "UltraScaleDataModule")).rsplit(".", 1)[-1]
+    keys.update({(data_class, str(arg)): f"data.{arg}" for arg in cfg.data if arg != "_target_"})
     keys.update({("FP8Precision", arg): f"precision.{key}" for arg, key in FP8_KEYS.items()})
     return keys
 

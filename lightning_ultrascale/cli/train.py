@@ -8,9 +8,10 @@ Examples::
     ultrascale-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_steps=600   # resume
     ultrascale-train -m parallel=zero1,zero2 trainer.max_steps=20                        # a sweep
 
-Every node with a ``_target_`` is built from it: each plugin under ``parallel``, each logger
-under ``logger``, each callback under ``callbacks``. Short keys (``parallel.tp=2``) are expanded
-to their nodes (``cli/keys.py``).
+Every node with a ``_target_`` is built from it: the DataModule under ``data`` (``data._target_=
+my_pkg.MyDataModule`` plugs in one's own), each plugin under ``parallel``, each logger under
+``logger``, each callback under ``callbacks``. Short keys (``parallel.tp=2``) are expanded to
+their nodes (``cli/keys.py``).
 
 One run directory for all ranks: Hydra would otherwise make one per process (each with its own
 timestamp; lightning-hydra-template #393, hydra #2070). The directory is fixed once, before any
@@ -28,22 +29,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import inspect
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ultrascale.cli.keys import error_keys, expand, plugin_nodes
 from lightning_ultrascale.errors import ConfigError, config_keys
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.models import LlamaConfig
+    from lightning_ultrascale.parallel.dims import DataShape
 
 log = logging.getLogger("lightning_ultrascale")
 
@@ -106,21 +112,38 @@ def expand_overrides(overrides: list[str]) -> list[str]:
 
 
 def check_group_choices(overrides: list[str]) -> None:
-    """``model=llama9``: name the valid options of a config group (Hydra lists its search path instead)."""
+    """``model=llama9``: name the valid options of a config group (Hydra lists its search path instead).
+
+    The group files of a user's ``--config-dir`` are valid options too (``data=mine`` for ``mine/data/mine.yaml``).
+    """
+    dirs = [CONFIG_DIR, *(Path(a.split("=", 1)[1]) for a in overrides if a.startswith("--config-dir="))]
     for override in overrides:
         key, sep, value = override.lstrip("+").partition("=")
-        group = CONFIG_DIR / key
-        if not sep or "." in key or key.startswith("-") or not group.is_dir():
+        groups = [d / key for d in dirs if (d / key).is_dir()]
+        if not sep or "." in key or key.startswith("-") or not groups:
             continue
-        valid = sorted(p.stem for p in group.glob("*.yaml"))
+        valid = sorted({p.stem for group in groups for p in group.glob("*.yaml")})
         for choice in value.strip("[]").split(","):
             if choice.strip() and choice.strip() not in valid:
-                raise ConfigError(f"{key}={choice.strip()} is unknown; valid: {', '.join(valid)} (in {group})")
+                where = ", ".join(map(str, groups))
+                raise ConfigError(f"{key}={choice.strip()} is unknown; valid: {', '.join(valid)} (in {where})")
+
+
+def _joined_flags(argv: list[str]) -> list[str]:
+    """``--config-dir D`` and ``-cd D`` as ``--config-dir=D``: one argument, as a sweep's jobs pass flags on."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--config-dir", "-cd"):
+            out[-1] = f"--config-dir={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
     """Rewrite ``recipe=NAME`` into Hydra's primary-config flags, expand short keys, fix a sweep's
     directory, and silence ``.hydra/`` off rank 0."""
+    argv = _joined_flags(argv)
     check_group_choices(argv)
     out: list[str] = []
     for arg in expand_overrides(argv):
@@ -196,20 +219,64 @@ def _one_job() -> Iterator[None]:
         os.environ.update(environ)
 
 
-def instantiate(node: DictConfig, where: str) -> Any:
+def instantiate(node: DictConfig | dict[str, Any], where: str) -> Any:
     """Build ``_target_(**settings)`` (no Hydra wrapper around its errors, so a ConfigError stays one line).
 
-    A node may say how to install what its target needs (``_install_``); a missing package then
-    fails with that hint.
+    A key the target does not take, or an argument it needs that the node lacks, is named as the
+    config key ``where.key``. A node may say how to install what its target needs (``_install_``);
+    a missing package then fails with that hint.
     """
-    settings = OmegaConf.to_container(node, resolve=True)
+    settings = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     assert isinstance(settings, dict)
+    if "_target_" not in settings:
+        raise ConfigError(f"{where} has no _target_; valid: {where}._target_=<dotted path of the class to build>")
     target, install = settings.pop("_target_"), settings.pop("_install_", None)
+    hint = f"; install it: {install}" if install else ""
+    factory = _locate(str(target), where, hint)
+    _check_arguments(factory, settings, str(target), where)
     try:
-        return get_class(target)(**settings)
+        return factory(**settings)
     except (ImportError, ModuleNotFoundError) as err:
-        hint = f"; install it: {install}" if install else ""
         raise ConfigError(f"{where} ({target}) needs a package that is not installed ({err}){hint}") from None
+
+
+def _locate(target: str, where: str, hint: str) -> Callable[..., Any]:
+    """``module.attribute`` imported, or one line naming ``where._target_`` (Hydra's own lookup logs several)."""
+    module_name, _, attribute = target.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute) if module_name else None
+    except ModuleNotFoundError as err:
+        if err.name is not None and not (module_name + ".").startswith(err.name + "."):
+            # The target's module exists but imports a package that is not installed.
+            raise ConfigError(f"{where} ({target}) needs a package that is not installed ({err}){hint}") from None
+        factory = None
+    except AttributeError:
+        factory = None
+    if not callable(factory):
+        raise ConfigError(
+            f"{where}._target_={target} cannot be imported; valid: the dotted path of a class importable here "
+            "(package.module.Class)"
+        )
+    return factory  # type: ignore[no-any-return]
+
+
+def _check_arguments(factory: Callable[..., Any], settings: dict[str, Any], owner: str, where: str) -> None:
+    """Name the key the factory does not take, or the argument it needs that is not set, before calling it."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call itself will tell
+        return
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        for key, value in settings.items():
+            if key not in {p.name for p in named}:
+                raise ConfigError(
+                    f"{where}.{key}={value!r} is not an argument of {owner}; valid: "
+                    f"{', '.join(p.name for p in named)} (drop it with ~{where}.{key})"
+                )
+    missing = [p.name for p in named if p.default is p.empty and p.name not in settings]
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]} is not set, and {owner} needs it; valid: +{where}.{missing[0]}=...")
 
 
 def plugins(parallel: DictConfig) -> list[Any]:
@@ -232,8 +299,12 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         return _build(cfg)
 
 
-def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
-    from lightning_ultrascale.data import UltraScaleDataModule
+def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
+    """The LlamaModule, the DataModule the ``data`` node builds, and ``data.global_batch_size``.
+
+    ``global_batch_size`` is the CLI's own key (gradient accumulation is derived from it), so it
+    leaves the node before the DataModule is built; every other key is a constructor argument.
+    """
     from lightning_ultrascale.module import LlamaModule, OptimConfig
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
@@ -247,24 +318,31 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any]:
         kernels=kernels.get("name", "reference"),
         fused_cross_entropy=kernels.get("fused_cross_entropy"),
     )
-    data = cfg.data
-    datamodule = UltraScaleDataModule(
-        source=data.source,
-        seq_len=data.seq_len,
-        micro_batch_size=data.micro_batch_size,
-        dtype=data.get("dtype", "uint16"),
-        val_fraction=data.val_fraction,
-        seed=cfg.seed,
-        num_workers=data.num_workers,
-    )
-    if data.seq_len > module.config.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len={data.seq_len} exceeds model.max_seq_len={module.config.max_seq_len} of {cfg.model.name}"
-        )
-    return module, datamodule
+    settings = OmegaConf.to_container(cfg.data, resolve=True)
+    assert isinstance(settings, dict)
+    global_batch_size = settings.pop("global_batch_size", None)
+    return module, instantiate(settings, "data"), global_batch_size
 
 
-def _model_config(model: DictConfig) -> Any:
+def _data_shape(datamodule: Any, global_batch_size: int | None, model: LlamaConfig) -> DataShape | None:
+    """The batch shape the DataModule declares, checked against the model; None where it declares none."""
+    from lightning_ultrascale.parallel.dims import DataShape
+
+    shape = DataShape.declared_by(datamodule)
+    if shape is None:
+        if global_batch_size is not None:
+            raise ConfigError(
+                f"data.global_batch_size={global_batch_size} needs the micro batch size, but "
+                f"{type(datamodule).__name__} declares no integer micro_batch_size attribute; valid: "
+                "data.global_batch_size=null (then trainer.accumulate_grad_batches sets the accumulation)"
+            )
+        return None
+    if shape.seq_len > model.max_seq_len:
+        raise ConfigError(f"{shape.option('seq_len')} exceeds model.max_seq_len={model.max_seq_len} of {model.name}")
+    return dataclasses.replace(shape, global_batch_size=global_batch_size)
+
+
+def _model_config(model: DictConfig) -> LlamaConfig:
     """The named config, with the ``model.moe.*`` and ``model.mla.*`` keys of the model node applied."""
     from lightning_ultrascale.models import MODEL_CONFIGS, get_model_config
 
@@ -307,10 +385,10 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     from lightning_ultrascale.checkpoint import check_checkpoint_model, check_checkpoint_path
     from lightning_ultrascale.guard import NonFiniteGuard
-    from lightning_ultrascale.parallel.dims import DataShape
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
-    module, datamodule = _module_and_data(cfg)
+    module, datamodule, global_batch_size = _module_and_data(cfg)
+    shape = _data_shape(datamodule, global_batch_size, module.config)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
         check_checkpoint_model(cfg.ckpt_path, module.hparams)
@@ -321,12 +399,18 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         guard=NonFiniteGuard(skip_step=cfg.guard.skip_step),
         tf32=cfg.get("tf32", True),
     )
-    t, data = cfg.trainer, cfg.data
-    shape = DataShape.declared_by(datamodule)
-    assert shape is not None
-    shape = dataclasses.replace(shape, global_batch_size=data.global_batch_size)
+    t = cfg.trainer
     strategy.validate(module.model_spec, shape, world_size=int(t.devices) * int(t.num_nodes))
-    accumulate = strategy.parallel_dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
+    accumulate: dict[str, int] = {}
+    if shape is not None and shape.global_batch_size is not None:
+        if "accumulate_grad_batches" in t:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} and data.global_batch_size="
+                f"{shape.global_batch_size} both set the gradient accumulation; valid: one of them "
+                "(data.global_batch_size=null, or drop trainer.accumulate_grad_batches)"
+            )
+        micro_steps = strategy.parallel_dims.grad_accumulation(shape.global_batch_size, shape.micro_batch_size)
+        accumulate["accumulate_grad_batches"] = micro_steps
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
@@ -334,7 +418,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         **OmegaConf.to_container(t, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,
         **_precision(cfg.precision),
-        accumulate_grad_batches=accumulate,
+        **accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
         logger=loggers or False,
         callbacks=_callbacks(cfg),
@@ -342,7 +426,13 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     )
     if trainer.global_rank == 0:
         log.info("run directory: %s", out.resolve())
-        log.info("layout: %s, gradient accumulation %d", strategy.describe(), accumulate)
+        log.info("layout: %s, gradient accumulation %d", strategy.describe(), trainer.accumulate_grad_batches)
+        if shape is None:
+            log.warning(
+                "data: %s declares no integer seq_len and micro_batch_size: its batches are not checked against "
+                "the layout before training",
+                type(datamodule).__name__,
+            )
     return trainer, module, datamodule
 
 
