@@ -480,15 +480,75 @@ def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypat
         (["model=moe_tiny", "model.moe.topk=2"], "model.moe.topk is unknown; valid: n_routed_experts, top_k"),
         (["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k=9 must be at most model.moe.n_routed_experts=8"),
         (["model=moe_tiny", "model.mla.kv_lora_rank=8"], "model.mla.kv_lora_rank is set, but model=moe_tiny has no"),
+        (["model=mixtral_8x7b", "model.rope_scaling.factor=8"], "model=mixtral_8x7b has no rope scaling; valid: a"),
+        (["model.foo=1"], "model.foo=1 is unknown; valid: name, init_from, dim, n_layers, n_heads, n_kv_heads, vocab"),
+        (["model.n_heads=3"], "model.n_heads=3 must divide model.dim=64 into an even head_dim; valid: 1, 2, 4, 8,"),
+        (["model.n_layers=0"], "model.n_layers=0 must be a positive integer"),
+        (["model.n_layers=2", "data.seq_len=512"], "data.seq_len=512 exceeds model.max_seq_len=256 of llama_tiny(n_"),
     ],
 )
-def test_moe_and_mla_options_are_checked_against_the_model(tmp_path, monkeypatch, overrides, message):
+def test_model_options_are_checked_against_the_preset(tmp_path, monkeypatch, overrides, message):
     # In process, through the entry point's argv rewriting (test_a_config_error_exits_with_one_readable_line
     # covers its exit).
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=re.escape(message)):
         build(_compose(*overrides))
     assert not dist.is_initialized()
+
+
+def test_model_keys_change_the_named_preset(tmp_path, monkeypatch):
+    from dataclasses import asdict
+
+    from lightning_ultrascale.models import get_model_config
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path))
+    _, module, _ = build(_compose("model=llama_tiny", "model.vocab_size=32000", "model.n_layers=2"))
+    config, preset = module.config, get_model_config("llama_tiny")
+    assert (config.vocab_size, config.n_layers) == (32000, 2)
+    changed = {k for k, v in asdict(config).items() if v != asdict(preset)[k]}
+    assert changed == {"vocab_size", "n_layers", "name"}
+    # The name a checkpoint records and the logs print says what differs from the preset.
+    assert config.name == module.hparams["model"] == "llama_tiny(n_layers=2, vocab_size=32000)"
+    assert module.model_spec.n_layers == 2 and module.model_spec.vocab_size == 32000
+    _, module, _ = build(_compose("model=moe_tiny", "model.moe.top_k=4", "model.rope_theta=10000.0"))
+    assert module.config.name == "moe_tiny(rope_theta=10000.0, moe.top_k=4)" and module.config.moe.top_k == 4
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml")))
+def test_every_model_node_is_its_preset(name):
+    from lightning_ultrascale.models import get_model_config
+
+    assert _model_config(_compose(f"model={name}").model) == get_model_config(name)
+
+
+def test_init_from_an_hf_directory_of_other_sizes_is_refused(tmp_path, monkeypatch):
+    from lightning_ultrascale.models import get_model_config
+    from lightning_ultrascale.models.hf import config_to_hf
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    hf = tmp_path / "tiny"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", **config_to_hf(get_model_config("llama_tiny"))}))
+    _, module, _ = build(_compose(f"model.init_from=hf:{hf}", "model.n_layers=2"))
+    # The directory's architecture must be the changed model's, as it must be the preset's.
+    message = r"model.init_from=hf:.*tiny is another architecture: n_layers=4 \(model llama_tiny\(n_layers=2\): 2\)"
+    with pytest.raises(ConfigError, match=message):
+        module.configure_model()
+    assert not dist.is_initialized()
+
+
+def test_a_model_of_other_sizes_trains_on_the_bundled_corpus(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = ["model.vocab_size=512", "model.n_layers=2", *_train_overrides(steps=3)]  # byte ids < 512
+    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(_losses(run_dir)) == 3
+    meta = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
+    config = meta["hyper_parameters"]["model_config"]
+    assert (config["vocab_size"], config["n_layers"]) == (512, 2)
+    assert config["name"] == "llama_tiny(n_layers=2, vocab_size=512)"
 
 
 # ------------------------------------------------------------------------ a user's own DataModule

@@ -11,7 +11,8 @@ Examples::
 Every node with a ``_target_`` is built from it: the DataModule under ``data`` (``data._target_=
 my_pkg.MyDataModule`` plugs in one's own), each plugin under ``parallel``, each logger under
 ``logger``, each callback under ``callbacks``. Short keys (``parallel.tp=2``) are expanded to
-their nodes (``cli/keys.py``).
+their nodes (``cli/keys.py``). ``model`` names a preset and changes any of its ``LlamaConfig``
+fields (``model=llama_tiny model.n_layers=2``).
 
 One run directory for all ranks: Hydra would otherwise make one per process (each with its own
 timestamp; lightning-hydra-template #393, hydra #2070). The directory is fixed once, before any
@@ -101,8 +102,10 @@ OmegaConf.register_new_resolver("ultrascale.div", lambda a, b: int(a) // int(b),
 OmegaConf.register_new_resolver("ultrascale.run_dir", run_dir, replace=True)
 
 
-#: Overrides of a model's MoE and MLA settings (``model.moe.top_k=4``).
-MODEL_PARTS = ("model.moe.", "model.mla.")
+#: Keys of the ``model`` node the CLI reads itself; every other key is a field of ``LlamaConfig``.
+MODEL_KEYS = ("name", "init_from")
+#: ``LlamaConfig`` fields that are configs of their own: ``model.moe.top_k=4`` changes one of their settings.
+MODEL_PARTS = {"moe": "mixture of experts", "mla": "multi-head latent attention", "rope_scaling": "rope scaling"}
 
 
 def expand_overrides(overrides: list[str]) -> list[str]:
@@ -141,15 +144,15 @@ def _joined_flags(argv: list[str]) -> list[str]:
 
 
 def hydra_argv(argv: list[str]) -> list[str]:
-    """Rewrite ``recipe=NAME`` into Hydra's primary-config flags, expand short keys, fix a sweep's
-    directory, and silence ``.hydra/`` off rank 0."""
+    """Rewrite ``recipe=NAME`` into Hydra's primary-config flags, expand short keys, force-add ``model.*``
+    keys, fix a sweep's directory, and silence ``.hydra/`` off rank 0."""
     argv = _joined_flags(argv)
     check_group_choices(argv)
     out: list[str] = []
     for arg in expand_overrides(argv):
-        if arg.startswith(MODEL_PARTS):
-            # Force-add: on a dense model Hydra would stop at "Key 'moe' is not in struct"; _model_config
-            # then names the option, the model and what is valid instead.
+        if arg.startswith("model."):
+            # Force-add: a preset's node lists few of its fields (Hydra would stop at "Key 'vocab_size' is
+            # not in struct"); _model_config applies each key to the preset or names what is valid instead.
             out.append("++" + arg)
         elif arg.startswith("recipe="):
             name = arg.split("=", 1)[1]
@@ -343,31 +346,66 @@ def _data_shape(datamodule: Any, global_batch_size: int | None, model: LlamaConf
 
 
 def _model_config(model: DictConfig) -> LlamaConfig:
-    """The named config, with the ``model.moe.*`` and ``model.mla.*`` keys of the model node applied."""
-    from lightning_ultrascale.models import MODEL_CONFIGS, get_model_config
+    """The preset ``model.name`` with every other key of the node applied to its ``LlamaConfig``, validated.
 
-    config = get_model_config(model.name)
-    for part in ("moe", "mla"):
-        node = model.get(part)
-        if node is None:
+    A changed preset is named after what changed, ``llama_tiny(n_layers=2, vocab_size=512)``: the
+    name goes into checkpoints and logs, where the preset's own would claim the preset's sizes.
+    """
+    from lightning_ultrascale.models import LlamaConfig, get_model_config
+
+    preset = get_model_config(model.name)
+    settings = OmegaConf.to_container(model, resolve=True)
+    assert isinstance(settings, dict)
+    fields = [f.name for f in dataclasses.fields(LlamaConfig) if f.name != "name"]
+    changes: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key in MODEL_KEYS:
             continue
-        settings = OmegaConf.to_container(node)
-        assert isinstance(settings, dict)
-        current = getattr(config, part)
-        if current is None:
-            having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part) is not None)
-            what = "mixture of experts" if part == "moe" else "multi-head latent attention"
-            raise ConfigError(
-                f"model.{part}.{next(iter(settings), '')} is set, but model={model.name} has no {what}; "
-                f"valid: a model with one ({having})"
-            )
-        fields = [f.name for f in dataclasses.fields(current)]
-        unknown = sorted(set(settings) - set(fields))
-        if unknown:
-            raise ConfigError(f"model.{part}.{unknown[0]} is unknown; valid: {', '.join(fields)}")
-        config = dataclasses.replace(config, **{part: dataclasses.replace(current, **settings)})
+        if key not in fields:
+            raise ConfigError(f"model.{key}={value!r} is unknown; valid: {', '.join([*MODEL_KEYS, *fields])}")
+        changes[key] = _model_part(preset, key, value) if key in MODEL_PARTS else value
+    config = dataclasses.replace(preset, **changes)
+    changed = _differences(config, preset)
+    if changed:
+        config = dataclasses.replace(config, name=f"{preset.name}({', '.join(changed)})")
     config.validate()
     return config
+
+
+def _model_part(preset: LlamaConfig, part: str, value: Any) -> Any:
+    """``model.moe.top_k=4``: the preset's ``moe`` with that setting changed; ``model.moe=null`` drops it."""
+    from lightning_ultrascale.models import MODEL_CONFIGS
+
+    if value is None:
+        return None
+    current = getattr(preset, part)
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.{part}={value!r} must be a node of its settings; valid: model.{part}.<setting>=...")
+    if current is None:
+        having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part) is not None)
+        raise ConfigError(
+            f"model.{part}.{next(iter(value), '')} is set, but model={preset.name} has no {MODEL_PARTS[part]}; "
+            f"valid: a model with one ({having})"
+        )
+    fields = [f.name for f in dataclasses.fields(current)]
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ConfigError(f"model.{part}.{unknown[0]} is unknown; valid: {', '.join(fields)}")
+    return dataclasses.replace(current, **value)
+
+
+def _differences(config: Any, preset: Any, prefix: str = "") -> list[str]:
+    """``setting=value`` for every field of ``config`` that differs from ``preset`` (inside its parts too)."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        ours, theirs = getattr(config, f.name), getattr(preset, f.name)
+        if f.name == "name" or ours == theirs:
+            continue
+        if dataclasses.is_dataclass(ours) and type(ours) is type(theirs):
+            out += _differences(ours, theirs, f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}={ours}")
+    return out
 
 
 def _precision(node: DictConfig) -> dict[str, Any]:
