@@ -82,6 +82,11 @@ class TrainingMetrics(L.Callback):
       in :data:`PEAK_TFLOPS`.
     - ``train/skipped_steps``: optimizer steps skipped for a non-finite loss or gradient, under a
       strategy with a ``guard`` (``UltraScaleStrategy``'s :class:`~lightning_ultrascale.guard.NonFiniteGuard`).
+    - ``data/<source>/tokens`` and ``data/<source>/pass``: for a blend of token files, each
+      source's training tokens read so far over all ranks and which pass over it the run is on
+      (2 once a source has wrapped), from the datamodule's ``tokens_by_source()``
+      (:class:`~lightning_ultrascale.data.datamodule.UltraScaleDataModule`). Counted from the
+      loader's position, so they need no collective.
 
     Throughput is measured over windows of ``window`` optimizer steps and logged at the end of
     each (with ``train/skipped_steps``), and the first step is left out: it carries warm-up
@@ -162,6 +167,7 @@ class TrainingMetrics(L.Callback):
         guard = getattr(trainer.strategy, "guard", None)  # UltraScaleStrategy's NonFiniteGuard
         if guard is not None:
             pl_module.log("train/skipped_steps", float(guard.skipped), on_step=True, on_epoch=False)
+        self._log_sources(trainer, pl_module)
         self._window_start, self._window_steps, self._tokens = now, 0, 0
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -172,6 +178,15 @@ class TrainingMetrics(L.Callback):
         if self._val_start is not None and self._window_start is not None:
             self._window_start += self._clock(trainer) - self._val_start
         self._val_start = None
+
+    @staticmethod
+    def _log_sources(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tokens_by_source = getattr(getattr(trainer, "datamodule", None), "tokens_by_source", None)
+        if not callable(tokens_by_source):
+            return
+        for name, (tokens, passes) in tokens_by_source().items():
+            pl_module.log(f"data/{name}/tokens", float(tokens), on_step=True, on_epoch=False)
+            pl_module.log(f"data/{name}/pass", float(passes), on_step=True, on_epoch=False)
 
     @staticmethod
     def _dp_size(trainer: L.Trainer) -> int:

@@ -223,3 +223,22 @@ def test_init_benchmark_committed_full_run_draws_a_64th_of_llama3_8b_in_constant
         # Beyond its shards the new path holds one chunk's temporaries; the old one a whole embedding.
         assert row["new"]["peak_bytes"] - row["held_bytes"] < 64 * 2**20, row["layout"]
         assert row["old"]["peak_bytes"] - row["held_bytes"] > 2e9, row["layout"]
+
+
+def test_data_benchmark_quick_run_tokenizes_the_same_tokens_every_way(tmp_path):
+    result, stdout = _quick_run("data", tmp_path)
+    assert "workers=2" in stdout and result["quick"]
+    names = [row["tokenizer"] for row in result["rows"]]
+    assert names[0] == "byte"  # the others need the test-only tokenizer packages
+    for row in result["rows"]:
+        assert row["tokens"] > row["documents"] > 0  # the script asserts every way wrote these tokens
+        assert row["workers1_tokens_per_s"] > 0 and row["workers2_tokens_per_s"] > 0
+
+
+def test_data_benchmark_committed_full_run_gains_from_a_second_worker_with_real_tokenizers():
+    result = json.loads((ROOT / "benchmarks" / "results" / "data.json").read_text())
+    assert not result["quick"] and result["corpus_mb"] >= 32
+    real = [row for row in result["rows"] if row["tokenizer"] != "byte"]
+    assert {row["tokenizer"] for row in real} == {"deepseek_v3", "mistral"}
+    for row in real:  # 2 cores: two encoding workers, measured side by side with the plain loop
+        assert row["speedup_workers2_over_loop"] > 1.5, row

@@ -420,11 +420,27 @@ def test_token_ids_beyond_the_vocabulary_are_refused_before_any_process_group(tm
     assert (tmp_path / "tokens.bin.maxid.json").is_file()
 
 
+def test_data_blend_builds_a_weighted_blend_from_the_command_line(tmp_path, monkeypatch):
+    from lightning_ultrascale.data.prepare import main as tokenize_main
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    for name in ("web", "code"):
+        (tmp_path / f"{name}.txt").write_text(f"{name} text " * 400, encoding="utf-8")
+        tokenize_main([str(tmp_path / f"{name}.txt"), str(tmp_path / f"{name}.bin"), "--no-progress"])
+    sources = f"data.sources=[{{path: {tmp_path}/web.bin, weight: 0.7}}, {{path: {tmp_path}/code.bin, weight: 0.3, name: py}}]"
+    shape = ["data.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=4", "data.val_fraction=0.1"]
+    _, _, datamodule = build(_compose("data=blend", sources, *shape))
+    assert [(s.name, s.weight) for s in datamodule.sources] == [("web", 0.7), ("py", 0.3)]
+    assert datamodule.dtype == "uint16" and not dist.is_initialized()
+    with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight=0\.0 must be > 0"):
+        build(_compose("data=blend", sources.replace("0.3", "0"), *shape))
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
         ("model=nonexistent", r"model=nonexistent is unknown; valid: deepseek_v2_lite, .*llama_tiny"),
-        ("data=web", r"data=web is unknown; valid: pydoc, tokens"),
+        ("data=web", r"data=web is unknown; valid: blend, pydoc, tokens"),
         ("parallel=zero4", r"parallel=zero4 is unknown; valid: dp, hsdp, pp, zero1, zero2, zero3"),
         ("precision=fp8", r"precision=fp8 is unknown; valid: bf16_mixed, fp32"),
         ("logger=[csv,wandbx]", r"logger=wandbx is unknown; valid: csv, mlflow, tensorboard, wandb"),

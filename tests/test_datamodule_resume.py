@@ -46,9 +46,27 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "tokens.bin"
 
 
-def _fit(token_file: Path, root: Path, num_workers: int, ckpt_path: Path | None = None) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def small_token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """7 sequences of 16 tokens of upper-case letters: blended at equal weight, it wraps twice an epoch."""
+    root = tmp_path_factory.mktemp("resume_small")
+    text = root / "small.txt"
+    text.write_text("".join(chr(ord("A") + (i * 5) % 26) for i in range(7 * 16)), encoding="utf-8")
+    tokenize_main([str(text), str(root / "small.bin")])
+    return root / "small.bin"
+
+
+def _fit(
+    token_file: Path, root: Path, num_workers: int, ckpt_path: Path | None = None, blend_with: Path | None = None
+) -> list[torch.Tensor]:
+    sources = None if blend_with is None else [{"path": str(token_file)}, {"path": str(blend_with)}]
     dm = UltraScaleDataModule(
-        str(token_file), seq_len=16, micro_batch_size=4, val_fraction=0.0, num_workers=num_workers
+        None if sources else str(token_file),
+        sources=sources,
+        seq_len=16,
+        micro_batch_size=4,
+        val_fraction=0.0,
+        num_workers=num_workers,
     )
     model = _Recorder()
     trainer = L.Trainer(
@@ -90,3 +108,26 @@ def test_resumed_fit_trains_on_the_batches_of_the_uninterrupted_run(
     assert len(resumed) == MAX_STEPS - resume_step
     for step, (got, want) in enumerate(zip(resumed, full[resume_step:], strict=True), start=resume_step):
         assert torch.equal(got, want), f"step {step} trained on other samples after resuming"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resumed_blend_reads_the_batches_of_the_uninterrupted_run(
+    token_file: Path, small_token_file: Path, tmp_path: Path, num_workers: int
+) -> None:
+    """Mid-epoch in the second epoch, where both sources are past a pass boundary of their own."""
+    full = _fit(token_file, tmp_path / "full", num_workers, blend_with=small_token_file)
+    blend_steps = (25 + 7) // 4  # 25 + 7 sequences a blend epoch, micro batch 4
+    assert len(full) == MAX_STEPS
+    small = (torch.cat(full) < ord("a")).any(dim=1)  # upper-case letters come from the small file
+    assert small.tolist() == [False, True] * (2 * MAX_STEPS)  # equal weights: every other sequence
+    resume_step = blend_steps + 3
+    resumed = _fit(
+        token_file,
+        tmp_path / "resumed",
+        num_workers,
+        ckpt_path=tmp_path / "full" / f"step={resume_step}.ckpt",
+        blend_with=small_token_file,
+    )
+    assert len(resumed) == MAX_STEPS - resume_step
+    for step, (got, want) in enumerate(zip(resumed, full[resume_step:], strict=True), start=resume_step):
+        assert torch.equal(got, want), f"step {step} trained on other samples after resuming the blend"

@@ -1,13 +1,17 @@
-"""The LightningDataModule: a token source cut into sequences, sharded by data-parallel rank."""
+"""The LightningDataModule: token sources (one, or a weighted blend) cut into sequences, sharded by dp rank."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.strategies import ParallelStrategy
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 
+from lightning_ultrascale.data.blend import BlendedDataset
 from lightning_ultrascale.data.corpus import load_default_corpus_tokens
 from lightning_ultrascale.data.datasets import MemmapTokenDataset, PackedDataset, max_token_id
 from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex
@@ -18,15 +22,30 @@ from lightning_ultrascale.errors import ConfigError
 DEFAULT_SOURCE = "pydoc"
 
 
+@dataclass(frozen=True)
+class Source:
+    """One token file of the data: its path, its weight in a blend, its name in metrics."""
+
+    path: str
+    weight: float = 1.0
+    name: str = ""
+
+
 class UltraScaleDataModule(L.LightningDataModule):
     """Packed next-token batches ``{"input_ids", "labels"}`` (LongTensor ``[micro_batch_size, seq_len]``).
 
     ``source`` is ``"pydoc"`` (the bundled corpus, :func:`load_default_corpus_tokens`) or a flat
-    token ``.bin`` file (:class:`MemmapTokenDataset`, written by ``ultrascale-tokenize``). The last
-    ``val_fraction`` of the sequences is held out for validation, in order; training shuffles per
-    epoch. Both are sharded with :class:`DataParallelSampler` over the data-parallel coordinates
-    that the strategy reports in ``distributed_sampler_kwargs`` (``UltraScaleStrategy`` reports its
-    dp mesh dim; Lightning's DDP the world); without a parallel strategy there is one dp rank.
+    token ``.bin`` file (:class:`MemmapTokenDataset`, written by ``ultrascale-tokenize``, whose index
+    gives its dtype). ``sources`` blends several token files by weight instead
+    (``[{"path": "a.bin", "weight": 0.7}, {"path": "b.bin", "weight": 0.3}]``, see
+    :mod:`~lightning_ultrascale.data.blend`). The last ``val_fraction`` of each file's sequences is
+    held out for validation, in order; training shuffles a single source per epoch, and reads a
+    blend in its blend order (each source shuffled per pass). Both are sharded with
+    :class:`DataParallelSampler` over the data-parallel coordinates that the strategy reports in
+    ``distributed_sampler_kwargs`` (``UltraScaleStrategy`` reports its dp mesh dim; Lightning's DDP
+    the world); without a parallel strategy there is one dp rank.
+
+    ``tokenizer``: the name the data's index must record (a recipe names its model's tokenizer).
 
     Mid-epoch resume needs no state here: the train loader is a :class:`ResumableDataLoader`,
     which Lightning's fit loop checkpoints and restores itself (see that class for the mechanism),
@@ -41,16 +60,18 @@ class UltraScaleDataModule(L.LightningDataModule):
 
     Raises:
         ConfigError: at construction for a bad ``seq_len``, ``micro_batch_size``, ``dtype``,
-            ``val_fraction``, ``num_workers`` or a missing/ill-sized token file; in ``setup`` when the
-            data cannot fill one global batch for training (or for validation) at this dp size.
+            ``val_fraction``, ``num_workers``, a bad source or blend, or a missing/ill-sized token
+            file; in ``setup`` when the data cannot fill one global batch for training (or for
+            validation) at this dp size.
     """
 
     def __init__(
         self,
-        source: str = DEFAULT_SOURCE,
+        source: str | None = DEFAULT_SOURCE,
         *,
         seq_len: int,
         micro_batch_size: int,
+        sources: Sequence[Mapping[str, Any] | str] | None = None,
         dtype: str | None = None,
         tokenizer: str | None = None,
         val_fraction: float = 0.05,
@@ -67,10 +88,10 @@ class UltraScaleDataModule(L.LightningDataModule):
             raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1); 0 disables validation")
         if num_workers < 0:
             raise ConfigError(f"data.num_workers={num_workers} must be >= 0")
-        self.source = source
+        self.sources = _sources(source, sources)
+        self.source = ", ".join(s.path for s in self.sources)
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size
-        self.dtype = dtype
         self.tokenizer = tokenizer
         self.val_fraction = val_fraction
         self.seed = seed
@@ -78,36 +99,56 @@ class UltraScaleDataModule(L.LightningDataModule):
         self.dp_size, self.dp_rank = 1, 0
         self.train_dataset: Dataset[Any] | None = None
         self.val_dataset: Dataset[Any] | None = None
-        #: The token file's index (None for the bundled corpus and for a .bin without one).
-        self.index: TokenIndex | None = None
-        if source != DEFAULT_SOURCE:
-            # Open once now so a wrong path or dtype fails before any process group or model exists.
-            self.dtype = MemmapTokenDataset(source, seq_len, dtype).dtype
-            self.index = TokenIndex.read(source)
-            self._check_tokenizer()
-
-    def _check_tokenizer(self) -> None:
-        if self.tokenizer is None:
+        self._train_loader: ResumableDataLoader | None = None
+        #: Each token file's dtype and index (None for the bundled corpus and for a .bin without one).
+        self.dtypes: list[str] = []
+        self.indexes: list[TokenIndex | None] = []
+        if source == DEFAULT_SOURCE and sources is None:
+            self.dtype = dtype
             return
-        made_with = self.index.tokenizer if self.index is not None else None
-        if made_with != self.tokenizer:
+        for s in self.sources:
+            # Open now so a wrong path or dtype fails before any process group or model exists.
+            self.dtypes.append(MemmapTokenDataset(s.path, seq_len, dtype).dtype)
+            self.indexes.append(TokenIndex.read(s.path))
+        self.dtype = self.dtypes[0]
+        self._check_tokenizers()
+
+    @property
+    def index(self) -> TokenIndex | None:
+        """The (first) token file's index."""
+        return self.indexes[0] if self.indexes else None
+
+    @property
+    def blended(self) -> bool:
+        return len(self.sources) > 1
+
+    def _check_tokenizers(self) -> None:
+        made_with = [(i.tokenizer, i.tokenizer_hash) if i is not None else None for i in self.indexes]
+        if self.blended and len(set(made_with)) > 1:
+            listed = "; ".join(f"{s.path}: {m[0] if m else 'no index'}" for s, m in zip(self.sources, made_with))
             raise ConfigError(
-                f"data.tokenizer={self.tokenizer!r}, but data.source={self.source} was tokenized with "
-                f"{made_with!r} (its index{' is missing' if made_with is None else ''}); tokenize the corpus "
-                "with that tokenizer (ultrascale-tokenize --tokenizer ... --tokenizer-name ...) or drop data.tokenizer"
+                f"data.sources were tokenized with different tokenizers ({listed}): their ids mean different "
+                "text; tokenize every source with one tokenizer"
+            )
+        if self.tokenizer is not None and (made_with[0] is None or made_with[0][0] != self.tokenizer):
+            found = repr(made_with[0][0]) if made_with[0] is not None else "an unknown one (it has no index)"
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r}, but data.source={self.source} was tokenized with {found}; "
+                "tokenize the corpus with that tokenizer (ultrascale-tokenize --tokenizer ... --tokenizer-name ...) "
+                "or drop data.tokenizer"
             )
 
     @property
     def max_token_id(self) -> int:
         """The largest token id in the data (for a check against the model's vocabulary)."""
-        if self.source == DEFAULT_SOURCE:
+        if not self.dtypes:
             return ByteTokenizer.vocab_size - 1
-        return max_token_id(self.source, self.dtype)
+        return max(max_token_id(s.path, dtype) for s, dtype in zip(self.sources, self.dtypes))
 
     @property
     def vocab_size(self) -> int:
         """The vocabulary the data was tokenized with (its index says; bytes for pydoc), else its largest id + 1."""
-        if self.source == DEFAULT_SOURCE:
+        if not self.dtypes:
             return ByteTokenizer.vocab_size
         return self.index.vocab_size if self.index is not None else self.max_token_id + 1
 
@@ -118,28 +159,29 @@ class UltraScaleDataModule(L.LightningDataModule):
             return int(kwargs["num_replicas"]), int(kwargs["rank"])
         return 1, 0
 
-    def _dataset(self) -> PackedDataset:
-        if self.source == DEFAULT_SOURCE:
-            return PackedDataset(load_default_corpus_tokens(), self.seq_len)
-        return MemmapTokenDataset(self.source, self.seq_len, self.dtype)
+    def _datasets(self) -> list[PackedDataset]:
+        if not self.dtypes:
+            return [PackedDataset(load_default_corpus_tokens(), self.seq_len)]
+        return [MemmapTokenDataset(s.path, self.seq_len, dtype) for s, dtype in zip(self.sources, self.dtypes)]
 
-    def check_fits(self, dp_size: int, dataset: PackedDataset | None = None) -> tuple[int, int]:
+    def check_fits(self, dp_size: int, datasets: list[PackedDataset] | None = None) -> tuple[int, int]:
         """``(train, validation)`` sequences; raises if either cannot fill one global micro-step of ``dp_size`` ranks.
 
         ``UltraScaleStrategy`` calls it before any process group exists (through
         :meth:`~lightning_ultrascale.parallel.dims.DataShape.declared_by`), ``setup`` again.
         """
-        dataset = dataset or self._dataset()
-        n_val = int(len(dataset) * self.val_fraction)
-        n_train = len(dataset) - n_val
+        datasets = datasets or self._datasets()
+        n_val = sum(int(len(d) * self.val_fraction) for d in datasets)
+        n_train = sum(len(d) for d in datasets) - n_val
         global_batch = self.micro_batch_size * dp_size
         sizes = (
             f"data.seq_len={self.seq_len} x data.micro_batch_size={self.micro_batch_size} "
             f"x dp={dp_size} needs {global_batch} sequences of {self.seq_len + 1} tokens a global batch"
         )
         if n_train < global_batch:
+            tokens = sum(len(d.tokens) for d in datasets)
             raise ConfigError(
-                f"data.source={self.source} has {len(dataset.tokens)} tokens, {n_train} training sequences: "
+                f"data.source={self.source} has {tokens} tokens, {n_train} training sequences: "
                 f"{sizes}; lower data.seq_len or data.micro_batch_size, or use more data"
             )
         if self.val_fraction > 0 and n_val < global_batch:
@@ -150,12 +192,20 @@ class UltraScaleDataModule(L.LightningDataModule):
         return n_train, n_val
 
     def setup(self, stage: str) -> None:
-        """Read the dp coordinates, open the source, split train/val and check both fill a global batch."""
+        """Read the dp coordinates, open the sources, split each into train/val and check both fill a global batch."""
         self.dp_size, self.dp_rank = self._dp_coordinates()
-        dataset = self._dataset()
-        n_train, _ = self.check_fits(self.dp_size, dataset)
-        self.train_dataset = Subset(dataset, range(n_train))
-        self.val_dataset = Subset(dataset, range(n_train, len(dataset)))
+        datasets = self._datasets()
+        self.check_fits(self.dp_size, datasets)
+        train, val = [], []
+        for d in datasets:
+            n_train = len(d) - int(len(d) * self.val_fraction)
+            train.append(Subset(d, range(n_train)))
+            val.append(Subset(d, range(n_train, len(d))))
+        if self.blended:
+            self.train_dataset = BlendedDataset(train, [s.weight for s in self.sources], seed=self.seed)
+        else:
+            self.train_dataset = train[0]
+        self.val_dataset = ConcatDataset(val) if self.blended else val[0]
 
     def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> ResumableDataLoader:
         if dataset is None:
@@ -171,11 +221,53 @@ class UltraScaleDataModule(L.LightningDataModule):
         return ResumableDataLoader(dataset, sampler, num_workers=self.num_workers)
 
     def train_dataloader(self) -> ResumableDataLoader:
-        """This dp rank's micro batches of the shuffled training sequences."""
-        return self._loader(self.train_dataset, shuffle=True)
+        """This dp rank's micro batches of the training sequences: shuffled, or in a blend's order."""
+        self._train_loader = self._loader(self.train_dataset, shuffle=not self.blended)
+        return self._train_loader
 
     def val_dataloader(self) -> ResumableDataLoader | list[Any]:
         """This dp rank's micro batches of the held-out sequences, in order (none if ``val_fraction=0``)."""
         if self.val_fraction == 0:
             return []
         return self._loader(self.val_dataset, shuffle=False)
+
+    def tokens_by_source(self) -> dict[str, tuple[int, int]]:
+        """For a blend: each source's training tokens read so far (all ranks) and its pass (1 until it wraps)."""
+        if not self.blended or self._train_loader is None or not isinstance(self.train_dataset, BlendedDataset):
+            return {}
+        position = self._train_loader.state_dict()
+        drawn = self.train_dataset.drawn(position["epoch"], position["consumed_samples"])
+        passes = self.train_dataset.passes(position["epoch"], position["consumed_samples"])
+        return {s.name: (int(n) * self.seq_len, int(p)) for s, n, p in zip(self.sources, drawn, passes)}
+
+
+def _sources(source: str | None, sources: Sequence[Mapping[str, Any] | str] | None) -> list[Source]:
+    """``data.source`` as one source, or ``data.sources`` checked: paths, positive weights, unique names."""
+    if sources is None:
+        if source is None:
+            raise ConfigError("data.source=null and no data.sources: give a token file or a blend")
+        return [Source(source, 1.0, Path(source).stem)]
+    if source not in (None, DEFAULT_SOURCE):
+        raise ConfigError(f"data.source={source} and data.sources are both set; use one (sources for a blend)")
+    if not sources:
+        raise ConfigError("data.sources is empty; give at least one {path: ..., weight: ...}")
+    out = []
+    for i, entry in enumerate(sources):
+        if isinstance(entry, str):  # a bare path: weight 1
+            entry = {"path": entry}
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"data.sources[{i}]={entry!r} must be a path or {{path: ..., weight: ..., name: ...}}")
+        unknown = sorted(set(entry) - {"path", "weight", "name"})
+        if "path" not in entry or unknown:
+            raise ConfigError(
+                f"data.sources[{i}]={dict(entry)} needs a path and may have a weight and a name"
+                + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        weight = float(entry.get("weight", 1.0))
+        if not weight > 0:
+            raise ConfigError(f"data.sources[{i}].weight={weight} must be > 0")
+        out.append(Source(str(entry["path"]), weight, str(entry.get("name") or Path(str(entry["path"])).stem)))
+    names = [s.name for s in out]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"data.sources have the same name twice ({', '.join(names)}); give each a name")
+    return out

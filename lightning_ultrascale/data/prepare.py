@@ -11,7 +11,7 @@ add_special_tokens=False) + eos``, documents back to back in input order. Beside
 (:mod:`.index`). The dtype follows the vocabulary.
 
 Parallelism and memory: the main process reads documents and cuts them into pieces of about
-``chunk_bytes / (2 (workers + 1))`` bytes of text; ``workers`` processes encode pieces, at most
+``min(chunk_bytes / (2 (workers + 1)), 1 MB)`` of text; ``workers`` processes encode pieces, at most
 ``workers + 1`` in flight, and the main process writes their tokens in input order, so the output
 is byte-identical for any ``workers`` and the memory held is a few pieces (a chunk), whatever the
 corpus size.
@@ -39,6 +39,7 @@ from lightning_ultrascale.data.tokenizer import TextTokenizer, load_tokenizer, t
 from lightning_ultrascale.errors import ConfigError
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+_PIECE_BYTES = 1 << 20
 
 _worker_tokenizer: TextTokenizer | None = None
 
@@ -97,7 +98,9 @@ def tokenize_corpus(
     output = Path(output)
     files = corpus_files(inputs)
     dtype = dtype_for_vocabulary(tokenizer.vocab_size)
-    piece_bytes = max(1, chunk_bytes // (2 * (workers + 1)))
+    # Pieces of at most 1 MB of text: enough to amortise a worker's round trip, small enough to keep
+    # both workers busy on a corpus of a few MB.
+    piece_bytes = max(1, min(chunk_bytes // (2 * (workers + 1)), _PIECE_BYTES))
     pieces = _pieces(read_documents(files, text_key), piece_bytes)
     n_tokens = n_documents = 0
     start = time.monotonic()

@@ -79,10 +79,15 @@ class DataParallelSampler(DistributedSampler):
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the permutation; a pending resume position belongs to its epoch only."""
+        """Choose the permutation; a pending resume position belongs to its epoch only.
+
+        A dataset that reads differently per epoch (a blend's sources go on where they stopped)
+        is told too.
+        """
         if epoch != self.epoch:
             self._resume_at = self._consumed = 0
         super().set_epoch(epoch)
+        _tell_epoch(self.dataset, epoch)
 
     def __iter__(self) -> Iterator[int]:
         self.iteration_start, self._resume_at = self._resume_at, 0
@@ -129,6 +134,13 @@ class DataParallelSampler(DistributedSampler):
             )
         self.epoch = int(state_dict["epoch"])
         self._resume_at = self._consumed = consumed
+        _tell_epoch(self.dataset, self.epoch)
+
+
+def _tell_epoch(dataset: Any, epoch: int) -> None:
+    set_epoch = getattr(dataset, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 class ResumableDataLoader(DataLoader):

