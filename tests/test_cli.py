@@ -427,7 +427,8 @@ def test_data_blend_builds_a_weighted_blend_from_the_command_line(tmp_path, monk
     for name in ("web", "code"):
         (tmp_path / f"{name}.txt").write_text(f"{name} text " * 400, encoding="utf-8")
         tokenize_main([str(tmp_path / f"{name}.txt"), str(tmp_path / f"{name}.bin"), "--no-progress"])
-    sources = f"data.sources=[{{path: {tmp_path}/web.bin, weight: 0.7}}, {{path: {tmp_path}/code.bin, weight: 0.3, name: py}}]"
+    web, code = tmp_path / "web.bin", tmp_path / "code.bin"
+    sources = f"data.sources=[{{path: {web}, weight: 0.7}}, {{path: {code}, weight: 0.3, name: py}}]"
     shape = ["data.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=4", "data.val_fraction=0.1"]
     _, _, datamodule = build(_compose("data=blend", sources, *shape))
     assert [(s.name, s.weight) for s in datamodule.sources] == [("web", 0.7), ("py", 0.3)]
