@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from lightning_ultrascale import LlamaModule
 from lightning_ultrascale.cli.plan import check
@@ -109,7 +110,7 @@ def test_strategy_rejects_a_layout_when_the_trainer_is_built():
 def test_unknown_recipe_names_the_valid_ones():
     valid = (
         "deepseek_v2_lite, llama3_405b, llama3_70b, llama3_8b, llama3_8b_fp8, llama_tiny_cpu, "
-        "mixtral_8x7b, moe_tiny_cpu"
+        "mistral_vocab_cpu, mixtral_8x7b, moe_tiny_cpu"
     )
     with pytest.raises(ConfigError, match=rf"recipe='llama9' is unknown; valid: {valid}"):
         hydra_argv(["recipe=llama9"])
@@ -478,6 +479,8 @@ def test_every_recipe_composes_and_its_layout_fits_its_cluster(recipe, monkeypat
     module = LlamaModule(config, kernels=cfg.kernels.name, fused_cross_entropy=cfg.kernels.fused_cross_entropy)
     strategy.validate(module.model_spec, shape, world_size=world)
     assert cfg.data.seq_len <= config.max_seq_len and not dist.is_initialized()
+    if OmegaConf.is_missing(cfg.data, "source"):  # trains on a token file: it names the model's tokenizer
+        assert cfg.data.tokenizer, f"recipe={recipe} trains on data.source=... but names no data.tokenizer"
     # The layout at the recipe's world size, as the planner predicts it: the first and last rank of
     # every stage (past 64 ranks the first, a middle and the last rank: a 405B stage takes ~0.7 s).
     ranks = "stages" if world <= 64 else f"0,{world // 2},{world - 1}"

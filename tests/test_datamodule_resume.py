@@ -28,10 +28,13 @@ class _Recorder(L.LightningModule):
         super().__init__()
         self.embed = torch.nn.Embedding(258, 4)
         self.seen: list[torch.Tensor] = []
+        self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.seen.append(batch["input_ids"].clone())
-        return self.embed(batch["input_ids"]).float().pow(2).mean()
+        loss = self.embed(batch["input_ids"]).float().pow(2).mean()
+        self.losses.append(loss.item())
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -58,7 +61,7 @@ def small_token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _fit(
     token_file: Path, root: Path, num_workers: int, ckpt_path: Path | None = None, blend_with: Path | None = None
-) -> list[torch.Tensor]:
+) -> _Recorder:
     sources = None if blend_with is None else [{"path": str(token_file)}, {"path": str(blend_with)}]
     dm = UltraScaleDataModule(
         None if sources else str(token_file),
@@ -81,7 +84,7 @@ def _fit(
         callbacks=[ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)],
     )
     trainer.fit(model, dm, ckpt_path=ckpt_path)
-    return model.seen
+    return model
 
 
 @pytest.mark.parametrize(
@@ -95,7 +98,7 @@ def _fit(
 def test_resumed_fit_trains_on_the_batches_of_the_uninterrupted_run(
     token_file: Path, tmp_path: Path, resume_step: int, num_workers: int
 ) -> None:
-    full = _fit(token_file, tmp_path / "full", num_workers)
+    full = _fit(token_file, tmp_path / "full", num_workers).seen
     assert len(full) == MAX_STEPS
     assert not torch.equal(full[0], full[STEPS_PER_EPOCH])  # epochs are shuffled differently
 
@@ -104,7 +107,7 @@ def test_resumed_fit_trains_on_the_batches_of_the_uninterrupted_run(
         tmp_path / "resumed",
         num_workers,
         ckpt_path=tmp_path / "full" / f"step={resume_step}.ckpt",
-    )
+    ).seen
     assert len(resumed) == MAX_STEPS - resume_step
     for step, (got, want) in enumerate(zip(resumed, full[resume_step:], strict=True), start=resume_step):
         assert torch.equal(got, want), f"step {step} trained on other samples after resuming"
@@ -115,19 +118,23 @@ def test_a_resumed_blend_reads_the_batches_of_the_uninterrupted_run(
     token_file: Path, small_token_file: Path, tmp_path: Path, num_workers: int
 ) -> None:
     """Mid-epoch in the second epoch, where both sources are past a pass boundary of their own."""
-    full = _fit(token_file, tmp_path / "full", num_workers, blend_with=small_token_file)
+    full_run = _fit(token_file, tmp_path / "full", num_workers, blend_with=small_token_file)
+    full = full_run.seen
     blend_steps = (25 + 7) // 4  # 25 + 7 sequences a blend epoch, micro batch 4
     assert len(full) == MAX_STEPS
     small = (torch.cat(full) < ord("a")).any(dim=1)  # upper-case letters come from the small file
     assert small.tolist() == [False, True] * (2 * MAX_STEPS)  # equal weights: every other sequence
     resume_step = blend_steps + 3
-    resumed = _fit(
+    resumed_run = _fit(
         token_file,
         tmp_path / "resumed",
         num_workers,
         ckpt_path=tmp_path / "full" / f"step={resume_step}.ckpt",
         blend_with=small_token_file,
     )
+    resumed = resumed_run.seen
     assert len(resumed) == MAX_STEPS - resume_step
     for step, (got, want) in enumerate(zip(resumed, full[resume_step:], strict=True), start=resume_step):
         assert torch.equal(got, want), f"step {step} trained on other samples after resuming the blend"
+    # The weights come back too (SGD, no optimizer state): the losses are the same floats.
+    assert resumed_run.losses == full_run.losses[resume_step:]

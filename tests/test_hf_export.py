@@ -152,3 +152,25 @@ def test_a_moe_export_imports_into_ep2_with_the_one_process_first_loss(exported_
             assert (moved.abs() <= cfg.moe.bias_update_rate * (1 + 1e-5)).all()
     fresh = record_run(lambda: LlamaModule(cfg, optim=SGD), data, steps=1)
     assert abs(fresh.losses[0] - one.losses[0]) > 1e-3
+
+
+def _greedy(model: Llama, prompt: list[int], new: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_the_export_carries_the_runs_tokenizer_and_transformers_generates_our_greedy_tokens(exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # The run trained on the bundled corpus: byte ids, bos 256 before every document.
+    tokenizer = AutoTokenizer.from_pretrained(exported / "hf", local_files_only=True)
+    prompt = tokenizer("Help on module", return_tensors="pt").input_ids
+    assert prompt[0].tolist() == [256, *b"Help on module"]
+    hf = AutoModelForCausalLM.from_pretrained(exported / "hf", local_files_only=True).eval()
+    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    new = generated[0, prompt.shape[1] :].tolist()
+    assert new == _greedy(_trained_model(exported / "ckpt").eval(), prompt[0].tolist(), 8)
+    assert tokenizer.decode(new, skip_special_tokens=True) == bytes(i for i in new if i < 256).decode(errors="replace")

@@ -9,6 +9,15 @@ One process holds the whole model; run it with ``torchrun --nproc-per-node N -m
 lightning_ultrascale.cli.export ...`` to give each of N processes 1/N of it. The model's
 architecture comes from the checkpoint (``model_config`` in its hyperparameters, or its named config).
 
+The tokenizer goes with the model: the checkpoint records what its data was tokenized with (the
+datamodule's ``tokenizer_record``: name, content hash, where ``ultrascale-tokenize`` copied its
+files), and export writes it as a Hugging Face tokenizer (:mod:`lightning_ultrascale.data.hf_tokenizer`)
+after checking the files still hash to the record, so ``AutoTokenizer.from_pretrained(OUT)``
+encodes text to the ids the model was trained on; with ``transformers`` installed it proves that on
+probe texts. ``--tokenizer SPEC`` names the files when they moved (a token ``.bin``, its
+``.tokenizer`` directory, a ``tokenizer.json``, a SentencePiece model, or ``byte``; their hash
+must still match), ``--no-tokenizer`` exports the model alone.
+
     ultrascale-export outputs/<run>/checkpoints/last.ckpt exported/
     ultrascale-train model.init_from=hf:exported/ parallel.tp=2 trainer.devices=2    # and back
 """
@@ -17,19 +26,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_ultrascale.checkpoint import check_checkpoint_path, checkpoint_location
+from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_tokenizer
+from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
+from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.hf import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
 from lightning_ultrascale.models.llama import Llama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def checkpoint_config(checkpoint: Path) -> LlamaConfig:
@@ -43,8 +59,108 @@ def checkpoint_config(checkpoint: Path) -> LlamaConfig:
     raise ConfigError(f"{checkpoint} names no model in its hyperparameters (not a LlamaModule checkpoint)")
 
 
-def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "float32") -> None:
-    """Write ``checkpoint``'s model as an HF model directory (every process calls it)."""
+def checkpoint_tokenizer(checkpoint: Path) -> dict[str, Any] | None:
+    """The tokenizer record a checkpoint's datamodule saved (``UltraScaleDataModule.state_dict``), or None."""
+    meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=False)
+    for value in meta.values():
+        if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "hash" in value["tokenizer"]:
+            return value["tokenizer"]
+    return None
+
+
+def _spec_tokenizer(spec: str) -> TextTokenizer:
+    """``--tokenizer``: a token ``.bin`` stands for the tokenizer its index names, anything else is loaded."""
+    if spec.endswith(".bin"):
+        index = TokenIndex.read(spec, "--tokenizer")
+        if index is None:
+            raise ConfigError(f"--tokenizer {spec} has no index; give the tokenizer's own files")
+        if index.tokenizer == ByteTokenizer.name:
+            return ByteTokenizer()
+        return load_tokenizer(tokenizer_dir(spec), index.tokenizer)
+    return load_tokenizer(spec)
+
+
+def resolve_tokenizer(checkpoint: Path, spec: str | None) -> TextTokenizer | None:
+    """The tokenizer to export: ``spec`` or the checkpoint's record, its files checked against the record's hash."""
+    record = checkpoint_tokenizer(checkpoint)
+    if spec is not None:
+        tokenizer = _spec_tokenizer(spec)
+        where = f"--tokenizer {spec}"
+    elif record is None:
+        log.warning(
+            "%s records no tokenizer (its data came from a DataModule other than UltraScaleDataModule, or from a "
+            ".bin without an index): the export has NO tokenizer; give one with --tokenizer",
+            checkpoint,
+        )
+        return None
+    elif record["name"] == ByteTokenizer.name and record["files"] is None:
+        return ByteTokenizer()
+    elif record["files"] is None or not Path(record["files"]).is_dir():
+        raise ConfigError(
+            f"{checkpoint} was trained on data tokenized with {record['name']!r}, whose files were at "
+            f"{record['files']} and are gone; give them with --tokenizer PATH (the token .bin, its .tokenizer "
+            "directory or the tokenizer's files), or export the model alone with --no-tokenizer"
+        )
+    else:
+        tokenizer = load_tokenizer(record["files"], record["name"])
+        where = f"the tokenizer files at {record['files']}"
+    if record is not None and tokenizer_hash(tokenizer.files) != record["hash"]:
+        raise ConfigError(
+            f"{where} hash to {tokenizer_hash(tokenizer.files)[:12]}, but {checkpoint} was trained on data "
+            f"tokenized with {record['name']!r} ({record['hash'][:12]}): another tokenizer would map the model's ids "
+            "to other text; give the files it was trained with"
+        )
+    return tokenizer
+
+
+def write_tokenizer(tokenizer: TextTokenizer, out_dir: Path, config: LlamaConfig) -> None:
+    """Write the HF tokenizer and prove it encodes like ``tokenizer`` (with ``transformers``; else say so)."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={config.vocab_size}"
+        )
+    save_hf_tokenizer(tokenizer, out_dir, config.max_seq_len)
+    try:
+        difference = check_hf_tokenizer(out_dir, tokenizer)
+    except ImportError:
+        log.warning("transformers is not installed: the exported tokenizer was not checked against %s", tokenizer.name)
+        return
+    if difference is not None:
+        raise ConfigError(
+            f"the Hugging Face tokenizer written to {out_dir} does not encode as the training tokenizer "
+            f"{tokenizer.name!r} does: {difference}. Export with --no-tokenizer and ship the tokenizer yourself"
+        )
+
+
+def _on_rank_zero(write: Callable[[], None]) -> None:
+    """Run ``write`` on process 0; every process raises its ConfigError (none waits in a collective for it)."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            write()
+        except ConfigError as err:
+            error = str(err)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+
+
+def export(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float32",
+    tokenizer: str | None = None,
+    with_tokenizer: bool = True,
+) -> TextTokenizer | None:
+    """Write ``checkpoint``'s model, and its tokenizer unless ``with_tokenizer=False``, as an HF directory.
+
+    Every process calls it; the tokenizer is checked on every process before the model is read
+    and written by process 0. Returns the tokenizer written (None without one).
+    """
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
@@ -52,6 +168,9 @@ def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     path = checkpoint_location(checkpoint)
     config = checkpoint_config(path)
     model_class = hf_architecture(config)[1]  # a ConfigError for an MoE without an HF counterpart
+    text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
+    if text_tokenizer is not None:
+        _on_rank_zero(lambda: write_tokenizer(text_tokenizer, Path(out_dir), config))
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Llama(config).state_dict().items()}
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -88,19 +207,29 @@ def export(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             "tie_word_embeddings": config.tie_embeddings,
         }
         (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return text_tokenizer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``ultrascale-export``."""
     parser = argparse.ArgumentParser(prog="ultrascale-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint directory of any layout (e.g. .../checkpoints/last.ckpt)")
     parser.add_argument("out_dir", help="the HF model directory to write")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the exported weights")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--tokenizer",
+        help="the tokenizer when its files moved: a token .bin, its .tokenizer directory, a tokenizer.json, a "
+        "SentencePiece model or byte (default: the one the checkpoint records)",
+    )
+    parser.add_argument("--no-tokenizer", action="store_true", help="export the model alone")
+    args = parser.parse_args(argv)
     if "RANK" in os.environ and not dist.is_initialized():  # started by torchrun
         dist.init_process_group("gloo")
     try:
-        export(args.checkpoint, args.out_dir, args.dtype)
+        tokenizer = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer, not args.no_tokenizer)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            with_tokenizer = f" and its tokenizer {tokenizer.name!r}" if tokenizer is not None else " (no tokenizer)"
+            print(f"exported {args.checkpoint}{with_tokenizer} to {args.out_dir}")
     except ConfigError as err:
         raise SystemExit(f"ultrascale-export: {err}") from None
     finally:

@@ -14,9 +14,9 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 from lightning_ultrascale.data.blend import BlendedDataset
 from lightning_ultrascale.data.corpus import load_default_corpus_tokens
 from lightning_ultrascale.data.datasets import MemmapTokenDataset, PackedDataset, max_token_id
-from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex
+from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
-from lightning_ultrascale.data.tokenizer import ByteTokenizer
+from lightning_ultrascale.data.tokenizer import ByteTokenizer, tokenizer_hash
 from lightning_ultrascale.errors import ConfigError
 
 DEFAULT_SOURCE = "pydoc"
@@ -230,6 +230,41 @@ class UltraScaleDataModule(L.LightningDataModule):
         if self.val_fraction == 0:
             return []
         return self._loader(self.val_dataset, shuffle=False)
+
+    def tokenizer_record(self) -> dict[str, Any] | None:
+        """What the data was tokenized with (name, hash, vocabulary, bos/eos, where its files are); None if unknown.
+
+        Saved in every checkpoint (:meth:`state_dict`): ``ultrascale-export`` writes that tokenizer
+        beside the model, and a resumed run refuses data tokenized with another one.
+        """
+        if not self.dtypes:
+            tok = ByteTokenizer()
+            return {"name": tok.name, "hash": tokenizer_hash(()), "vocab_size": tok.vocab_size, "files": None}
+        index = self.index
+        if index is None:
+            return None
+        files = tokenizer_dir(self.sources[0].path)
+        return {
+            "name": index.tokenizer,
+            "hash": index.tokenizer_hash,
+            "vocab_size": index.vocab_size,
+            "files": str(files.resolve()) if files.is_dir() else None,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"tokenizer": tokenizer_record()}``: the data position itself is the train loader's state."""
+        return {"tokenizer": self.tokenizer_record()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse to resume on data tokenized with another tokenizer than the checkpoint's (its ids mean other text)."""
+        saved, now = state_dict.get("tokenizer"), self.tokenizer_record()
+        if saved is not None and now is not None and saved["hash"] != now["hash"]:
+            raise ConfigError(
+                f"the checkpoint was trained on data tokenized with {saved['name']!r} (tokenizer hash "
+                f"{saved['hash'][:12]}), but data.source={self.source} was tokenized with {now['name']!r} "
+                f"({now['hash'][:12]}): the same ids would mean other text. Tokenize the corpus with the "
+                "checkpoint's tokenizer, or start a new run from its weights (model.init_from)"
+            )
 
     def tokens_by_source(self) -> dict[str, tuple[int, int]]:
         """For a blend: each source's training tokens read so far (all ranks) and its pass (1 until it wraps)."""

@@ -262,3 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"wrote {index.n_tokens:,} tokens of {index.n_documents:,} documents ({index.dtype}, {index.tokenizer}: "
         f"{index.vocab_size:,} ids) to {args.output}"
     )
+
+
+if __name__ == "__main__":
+    main()

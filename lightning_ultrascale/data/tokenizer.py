@@ -105,6 +105,10 @@ class HFTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def token(self, token_id: int) -> str:
+        """The text of a token id (for naming bos/eos)."""
+        return str(self._tokenizer.id_to_token(token_id))
+
     def __getstate__(self) -> dict[str, object]:  # workers rebuild it from its file
         return {**self.__dict__, "_tokenizer": self._tokenizer.to_str()}
 
