@@ -149,34 +149,19 @@ def _on_rank_zero(write: Callable[[], None]) -> None:
         raise ConfigError(error)
 
 
-def export(
-    checkpoint: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    dtype: str = "float32",
-    tokenizer: str | None = None,
-    with_tokenizer: bool = True,
-) -> TextTokenizer | None:
-    """Write ``checkpoint``'s model, and its tokenizer unless ``with_tokenizer=False``, as an HF directory.
+def _read_share(
+    checkpoint: str | os.PathLike[str], path: str, config: LlamaConfig, mine: set[str], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """This process's share of the HF tensors (``mine``: our keys), read from the DCP checkpoint at ``path``.
 
-    Every process calls it; the tokenizer is checked on every process before the model is read
-    and written by process 0. Returns the tokenizer written (None without one).
+    Every process gets a share, so no process holds the whole model.
     """
-    from torch.distributed.checkpoint import load, save
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint import load
 
-    check_checkpoint_path(checkpoint, "CKPT")
-    path = checkpoint_location(checkpoint)
-    config = checkpoint_config(path)
-    model_class = hf_architecture(config)[1]  # a ConfigError for an MoE without an HF counterpart
-    text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
-    if text_tokenizer is not None:
-        _on_rank_zero(lambda: write_tokenizer(text_tokenizer, Path(out_dir), config))
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Llama(config).state_dict().items()}
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = hf_file_tensors(config)
-    ours = sorted({key for key, _ in files.values()})
-    mine = set(ours[rank::world])  # every process a share: no process holds the whole model
+    ours = {key for key, _ in files.values()}
     # A softmax (Mixtral) router's selection bias has no HF tensor: it must be zero (every process checks all).
     biases = [k for k in shapes if k.endswith("router.expert_bias") and k not in ours]
     state = {f"state_dict.model.{k}": torch.empty(shapes[k]) for k in sorted(mine | set(biases))}
@@ -191,7 +176,36 @@ def export(
     for hf, (key, expert) in files.items():
         if key in mine:
             value = state[f"state_dict.model.{key}"]
-            tensors[hf] = (value if expert is None else value[expert]).to(DTYPES[dtype])
+            tensors[hf] = (value if expert is None else value[expert]).to(dtype)
+    return tensors
+
+
+def export(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float32",
+    tokenizer: str | None = None,
+    with_tokenizer: bool = True,
+) -> TextTokenizer | None:
+    """Write ``checkpoint``'s model, and its tokenizer unless ``with_tokenizer=False``, as an HF directory.
+
+    Every process calls it; the tokenizer is checked on every process before the model is read
+    and written by process 0. Returns the tokenizer written (None without one).
+    """
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    check_checkpoint_path(checkpoint, "CKPT")
+    path = checkpoint_location(checkpoint)
+    config = checkpoint_config(path)
+    model_class = hf_architecture(config)[1]  # a ConfigError for an MoE without an HF counterpart
+    text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
+    if text_tokenizer is not None:
+        _on_rank_zero(lambda: write_tokenizer(text_tokenizer, Path(out_dir), config))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    files = hf_file_tensors(config)
+    ours = sorted({key for key, _ in files.values()})
+    tensors = _read_share(checkpoint, path, config, set(ours[rank::world]), DTYPES[dtype])
     owner = {k: i % world for i, k in enumerate(ours)}
     fqn_to_file = {hf: owner[key] + 1 for hf, (key, _) in files.items()}
     writer = HuggingFaceStorageWriter(

@@ -418,6 +418,20 @@ def _precision(node: DictConfig) -> dict[str, Any]:
     return {"plugins": [FP8Precision(fp8, node.precision, emulate=node.get("emulate"))]}
 
 
+def _accumulation(t: DictConfig, shape: Any, strategy: Any) -> dict[str, int]:
+    """``accumulate_grad_batches`` for ``L.Trainer`` when the data sets a global batch (else nothing)."""
+    if shape is None or shape.global_batch_size is None:
+        return {}
+    if "accumulate_grad_batches" in t:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} and data.global_batch_size="
+            f"{shape.global_batch_size} both set the gradient accumulation; valid: one of them "
+            "(data.global_batch_size=null, or drop trainer.accumulate_grad_batches)"
+        )
+    micro_steps = strategy.parallel_dims.grad_accumulation(shape.global_batch_size, shape.micro_batch_size)
+    return {"accumulate_grad_batches": micro_steps}
+
+
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
@@ -439,16 +453,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     )
     t = cfg.trainer
     strategy.validate(module.model_spec, shape, world_size=int(t.devices) * int(t.num_nodes))
-    accumulate: dict[str, int] = {}
-    if shape is not None and shape.global_batch_size is not None:
-        if "accumulate_grad_batches" in t:
-            raise ConfigError(
-                f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} and data.global_batch_size="
-                f"{shape.global_batch_size} both set the gradient accumulation; valid: one of them "
-                "(data.global_batch_size=null, or drop trainer.accumulate_grad_batches)"
-            )
-        micro_steps = strategy.parallel_dims.grad_accumulation(shape.global_batch_size, shape.micro_batch_size)
-        accumulate["accumulate_grad_batches"] = micro_steps
+    accumulate = _accumulation(t, shape, strategy)
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.

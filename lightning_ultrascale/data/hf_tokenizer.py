@@ -150,12 +150,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _sentencepiece_bpe(tokenizer: SentencePieceTokenizer) -> tuple[Any, dict[str, str]]:
-    """A ``tokenizers`` BPE that encodes as the SentencePiece BPE model does (see the module docstring)."""
-    tokenizers = _require("tokenizers", "a SentencePiece tokenizer's export")
-    spm = _require("sentencepiece", "a SentencePiece model")
-    proto = _model_proto(tokenizer.files[0])
-    normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
+def _check_sentencepiece_bpe(path: Path, normalizer: Any, trainer: Any) -> None:
+    """Refuse a SentencePiece model the export cannot rewrite exactly (not BPE, or normalising text)."""
     unsupported = {
         "model_type": trainer.model_type != 2,  # BPE (Llama 2, Mistral); unigram (T5) is not written
         "normalization_rule_name": normalizer.name not in ("identity", ""),
@@ -165,10 +161,19 @@ def _sentencepiece_bpe(tokenizer: SentencePieceTokenizer) -> tuple[Any, dict[str
     }
     if any(unsupported.values()):
         raise ConfigError(
-            f"{tokenizer.files[0]}: export writes SentencePiece BPE models with identity normalization; this model "
+            f"{path}: export writes SentencePiece BPE models with identity normalization; this model "
             f"differs in {', '.join(k for k, v in unsupported.items() if v)}. Export with --no-tokenizer and ship "
             "the tokenizer.model with a tokenizer class of your own"
         )
+
+
+def _sentencepiece_bpe(tokenizer: SentencePieceTokenizer) -> tuple[Any, dict[str, str]]:
+    """A ``tokenizers`` BPE that encodes as the SentencePiece BPE model does (see the module docstring)."""
+    tokenizers = _require("tokenizers", "a SentencePiece tokenizer's export")
+    spm = _require("sentencepiece", "a SentencePiece model")
+    proto = _model_proto(tokenizer.files[0])
+    normalizer, trainer = proto.normalizer_spec, proto.trainer_spec
+    _check_sentencepiece_bpe(tokenizer.files[0], normalizer, trainer)
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer.files[0]))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     vocab = {piece: i for i, piece in enumerate(pieces)}

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,31 +94,14 @@ def tokenize_corpus(
                                    encoder=own)  # fmt: skip
     if encoder.tokenizer is not tokenizer:
         raise ValueError("tokenize_corpus: the encoder runs another tokenizer than the one the index would record")
-    workers = encoder.workers
-    output = Path(output)
-    files = corpus_files(inputs)
-    dtype = dtype_for_vocabulary(tokenizer.vocab_size)
+    output, files, dtype = Path(output), corpus_files(inputs), dtype_for_vocabulary(tokenizer.vocab_size)
     # Pieces of at most 1 MB of text: enough to amortise a worker's round trip, small enough to keep
     # both workers busy on a corpus of a few MB.
-    piece_bytes = max(1, min(chunk_bytes // (2 * (workers + 1)), _PIECE_BYTES))
+    piece_bytes = max(1, min(chunk_bytes // (2 * (encoder.workers + 1)), _PIECE_BYTES))
     pieces = _pieces(read_documents(files, text_key), piece_bytes)
-    n_tokens = n_documents = 0
-    start = time.monotonic()
-    bar = _bar(progress)
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         lengths_file = Path(tmp) / "lengths.bin"
-        with output.open("wb") as out, lengths_file.open("wb") as lengths_out:
-            for tokens, lengths in encoder.map(pieces, dtype):
-                tokens.tofile(out)
-                lengths.tofile(lengths_out)
-                n_tokens += tokens.size
-                n_documents += lengths.size
-                if bar is not None:
-                    seconds = max(time.monotonic() - start, 1e-9)
-                    bar.update(lengths.size)
-                    bar.set_postfix_str(f"{n_documents / seconds:,.0f} docs/s, {n_tokens / seconds:,.0f} tokens/s")
-        if bar is not None:
-            bar.close()
+        n_tokens, n_documents = _write_tokens(encoder.map(pieces, dtype), output, lengths_file, progress)
         if n_documents == 0:
             output.unlink()
             raise ConfigError(f"inputs {', '.join(map(str, inputs))} hold no document: nothing to tokenize")
@@ -138,6 +121,28 @@ def tokenize_corpus(
     _copy_tokenizer(tokenizer, tokenizer_dir(output))
     index.write(output)
     return index
+
+
+def _write_tokens(
+    encoded: Iterable[tuple[np.ndarray, np.ndarray]], output: Path, lengths_file: Path, progress: bool
+) -> tuple[int, int]:
+    """Append each piece's tokens to ``output`` and its document lengths to ``lengths_file``: (tokens, documents)."""
+    n_tokens = n_documents = 0
+    start = time.monotonic()
+    bar = _bar(progress)
+    with output.open("wb") as out, lengths_file.open("wb") as lengths_out:
+        for tokens, lengths in encoded:
+            tokens.tofile(out)
+            lengths.tofile(lengths_out)
+            n_tokens += tokens.size
+            n_documents += lengths.size
+            if bar is not None:
+                seconds = max(time.monotonic() - start, 1e-9)
+                bar.update(lengths.size)
+                bar.set_postfix_str(f"{n_documents / seconds:,.0f} docs/s, {n_tokens / seconds:,.0f} tokens/s")
+    if bar is not None:
+        bar.close()
+    return n_tokens, n_documents
 
 
 class Encoder:
