@@ -149,9 +149,14 @@ class LlamaModule(L.LightningModule):
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights(self.seed)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         assert self.model is not None, "configure_model() builds the model"
-        return self.model(input_ids, position_ids)
+        return self.model(input_ids, position_ids, document_ids=document_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), for TFLOP/s and MFU."""
@@ -176,7 +181,9 @@ class LlamaModule(L.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
         assert self.model is not None, "configure_model() builds the model"
-        loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels)
+        # ``document_ids`` (data.documents=mask): attention stays inside each packed document.
+        loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels,
+                          document_ids=batch.get("document_ids"))  # fmt: skip
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         self._count_loss(loss, labels)

@@ -162,8 +162,8 @@ def _ring_peak_bytes(kernel: str, seq: int) -> int:
     name = dist.group.WORLD.group_name
 
     def step() -> None:
-        out, lse = context_attention._ring_forward(q, k, v, name, "ring", kernel)
-        context_attention._ring_backward(torch.ones_like(out), q, k, v, out, lse, name, "ring", kernel)
+        out, lse = context_attention._ring_forward(q, k, v, None, name, "ring", kernel)
+        context_attention._ring_backward(torch.ones_like(out), q, k, v, out, lse, None, name, "ring", kernel)
 
     return peak_bytes(step, q, k, v)
 
@@ -206,12 +206,13 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
     start, wait = RingExchange.start, RingExchange.wait
     forward, backward = KERNELS["reference"]
 
-    def traced_start(self, *tensors):
+    def traced_start(self, *tensors, **kwargs):
         events.append(f"start {tensors[0].dtype}")
-        return start(self, *tensors)
+        return start(self, *tensors, **kwargs)
 
     def traced_wait(self):
-        events.append("wait")
+        if self._works:
+            events.append("wait")
         wait(self)
 
     def traced_backward(*args):
@@ -219,7 +220,7 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
         return backward(*args)
 
     q, k, v = (torch.randn(1, 2, 8, 8, dtype=dtype, requires_grad=True) for _ in range(3))
-    out = ring_attention(q, k, v, dist.group.WORLD, "ring", "reference")
+    out = ring_attention(q, k, v, dist.group.WORLD, "zigzag_ring", "reference")
     KERNELS["reference"] = (forward, traced_backward)
     RingExchange.start, RingExchange.wait = traced_start, traced_wait
     try:
@@ -231,13 +232,11 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
 
 
 def test_the_gradient_exchange_overlaps_the_next_block_in_the_compute_dtype():
-    events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # rank 1 computes a block at both steps
-    # Step 0: K/V go on, the block, K/V waited; the accumulator leaves (bf16). Step 1: the next
-    # block is computed BEFORE the accumulator sent at step 0 is waited for; the last send brings it home.
-    assert events == [
-        "start torch.bfloat16", "block", "start torch.bfloat16", "wait",
-        "block", "wait", "start torch.bfloat16", "wait",
-    ], events  # fmt: skip
+    events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # zig-zag: a block at both steps
+    # Step 0: K/V go on, the block; the accumulator leaves (bf16); K/V waited. Step 1: the next
+    # block is computed BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last
+    # that needs rank 0's block: its accumulator goes straight home (a direct send, not the ring).
+    assert events == ["start torch.bfloat16", "block", "start torch.bfloat16", "wait", "block", "wait"], events
 
 
 def _attention_pairs(method: str, seq: int) -> int:

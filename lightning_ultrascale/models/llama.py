@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
+from lightning_ultrascale.models.documents import document_attention
 from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
 from lightning_ultrascale.models.shard_init import fill_normal_, local_indices
 from lightning_ultrascale.models.spec import ModelSpec
@@ -316,8 +317,14 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal SDPA of ``q [b, heads, s, d]`` over ``k, v [b, kv_heads, s, d]`` (grouped-query)."""
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Tensor:
+    """Causal SDPA of ``q [b, heads, s, d]`` over ``k, v [b, kv_heads, s, d]`` (grouped-query).
+
+    ``documents``: the window's ``document_ids [b, s]``; attention then stays inside each
+    document (:func:`~lightning_ultrascale.models.documents.document_attention`).
+    """
+    if documents is not None:
+        return document_attention(q, k, v, documents)
     # Expanding kv heads ourselves instead of `enable_gqa=True` keeps every SDPA backend
     # (flash, memory-efficient, cuDNN, CPU) eligible; repeat_interleave is HF's `repeat_kv`
     # order: query head j reads kv head j // n_rep.
@@ -333,7 +340,9 @@ class Attention(nn.Module):
     Head counts are read from the projections' outputs (``view(..., -1, head_dim)``), so the
     module works unchanged when tensor parallelism leaves each rank a slice of the heads.
     ``attention_fn(q, k, v)`` is the attention itself (kv heads not expanded); context
-    parallelism replaces it with ring or all-to-all attention over the sequence's ranks.
+    parallelism replaces it with ring or all-to-all attention over the sequence's ranks. With
+    packed documents it is called ``attention_fn(q, k, v, documents)`` (the window's
+    ``document_ids``, see :mod:`~lightning_ultrascale.models.documents`).
     """
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -346,13 +355,13 @@ class Attention(nn.Module):
         self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
         self.rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = reference.rope
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, k, cos, sin)
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v) if documents is None else self.attention_fn(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -392,8 +401,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None) -> Tensor:
+        # ``documents`` by keyword: the tensor-parallel plan prepares the positional inputs only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -499,9 +509,10 @@ class Llama(nn.Module):
     the result is.
 
     ``position_ids`` only set the RoPE angles (context parallelism passes each rank's positions);
-    attention is always causal over the local sequence. They default to ``0 .. s-1`` with ``s``
-    the length of the first argument, so a stage that receives sequence-sharded hidden states must
-    pass them.
+    attention is causal over the local sequence, and also within documents when ``document_ids``
+    (the whole window's, ``[b, s]``: :mod:`~lightning_ultrascale.models.documents`) are given.
+    Positions default to ``0 .. s-1`` with ``s`` the length of the first argument, so a stage that
+    receives sequence-sharded hidden states must pass them.
 
     The RoPE inverse frequencies are a non-persistent fp32 buffer: not in checkpoints, and
     recomputed by ``init_weights`` (after a meta-device build and ``to_empty``) or ``init_buffers``.
@@ -558,23 +569,37 @@ class Llama(nn.Module):
             elif isinstance(module, Attention):
                 module.rope = kernels.rope
 
-    def forward(self, tokens: Tensor, position_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         """Logits ``[b, s, vocab]``; with ``labels [b, s]`` the mean cross-entropy over those not -100 instead.
 
         With a fused linear cross-entropy kernel the loss never materialises the logits.
         """
         blocks = list(self.layers.keys())
         embed = self.tok_embeddings is not None
+        docs = {"document_ids": document_ids}
         if labels is None:
-            return self.forward_stage(tokens, position_ids, blocks, embed=embed, head=self.output is not None)
+            return self.forward_stage(tokens, position_ids, blocks, embed=embed, head=self.output is not None, **docs)
         assert self.norm is not None and self.output is not None, "a loss needs the final norm and the head"
-        h = self.norm(self.forward_stage(tokens, position_ids, blocks, embed=embed, head=False))
+        h = self.norm(self.forward_stage(tokens, position_ids, blocks, embed=embed, head=False, **docs))
         fused = self.kernels.linear_cross_entropy
         # The head's weight is read inside this forward, where FSDP has gathered it.
         return fused(h, self.output.weight, labels) if fused else reference.cross_entropy(self.output(h), labels)
 
     def forward_stage(
-        self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
+        self,
+        x: Tensor,
+        position_ids: Tensor | None,
+        blocks: Sequence[str],
+        *,
+        embed: bool,
+        head: bool,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Run a part of the model: a pipeline stage (see :mod:`lightning_ultrascale.parallel.pipeline`).
 
@@ -588,7 +613,7 @@ class Llama(nn.Module):
             position_ids = torch.arange(x.shape[1], device=x.device)[None]
         cos, sin = self._rope_angles(position_ids)
         for name in blocks:
-            h = self.layers[name](h, cos, sin)
+            h = self.layers[name](h, cos, sin, documents=document_ids)
         if head:
             h = self.output(self.norm(h))
         return h

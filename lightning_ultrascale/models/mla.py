@@ -228,6 +228,7 @@ class MLAttention(nn.Module):
     ``q, k [b, heads, s, qk_head_dim]`` and ``v [b, heads, s, v_head_dim]`` and must use the
     default scale ``1/sqrt(qk_head_dim)``: YaRN's extra softmax factor is folded into ``q``, so
     context parallelism swaps in ring / all-to-all attention with no MLA-specific argument.
+    ``documents`` (``document_ids [b, s]``) keeps attention inside each packed document.
 
     Example:
         >>> import torch
@@ -269,7 +270,7 @@ class MLAttention(nn.Module):
         self.q_scale = 1.0 if mla.yarn is None else mla.yarn.softmax_factor
         self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         if self.wq is not None:
             q = self.wq(x)
@@ -291,7 +292,7 @@ class MLAttention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         k = torch.cat((k_nope, self.shared_k_rot(k_rot).expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
-        out = self.attention_fn(q, k, v)
+        out = self.attention_fn(q, k, v) if documents is None else self.attention_fn(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

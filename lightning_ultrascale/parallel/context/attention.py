@@ -29,6 +29,7 @@ fp32 reference in plain matmuls, O(block^2) memory: for tests). The ring is one 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ultrascale.models.documents import document_attention, document_mask, memo
 from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
 METHODS = ("ring", "zigzag_ring", "all_to_all")
@@ -85,9 +87,14 @@ def ring_blocks(method: str, rank: int, src: int, local_len: int) -> list[Block]
 # ------------------------------------------------------------------------------------ local kernel
 @dataclass
 class FlopCounter:
-    """Attention score pairs computed (query x key, unmasked), summed: for load-balance checks."""
+    """Work of the ring, summed: score pairs computed (query x key, causal half left out) and K/V blocks sent.
+
+    ``pairs`` is for load-balance checks; ``sends`` counts K/V blocks and dK/dV accumulators a
+    rank sent, so a test can see a ring step between blocks that share no document move nothing.
+    """
 
     pairs: int = 0
+    sends: int = 0
 
 
 #: Set to a FlopCounter to count the work of every local block (tests and benchmarks).
@@ -101,29 +108,50 @@ def _count(q: Tensor, k: Tensor, causal: bool) -> None:
         FLOPS.pairs += pairs * q.shape[0] * q.shape[1]
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Tensor | None = None) -> Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
+        causal_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(causal_mask, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     return s
 
 
-def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """``softmax(q k^T scale) v`` and its log-sum-exp per query row, in fp32 (``[b, h, s, d]`` inputs)."""
+def _finite(lse: Tensor) -> Tensor:
+    # A query row with no key in the block (another document) has lse -inf; exp(s - lse) must be 0, not NaN.
+    return torch.where(torch.isfinite(lse), lse, 0.0)
+
+
+def block_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T scale) v`` and its log-sum-exp per query row, in fp32 (``[b, h, s, d]`` inputs).
+
+    ``mask`` (``[b, 1, sq, sk]``, True: attend) keeps documents apart; a row it masks whole has
+    output 0 and log-sum-exp -inf.
+    """
     _count(q, k, causal)
-    s = _scores(q.float(), k.float(), causal, scale)
+    s = _scores(q.float(), k.float(), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v.float())
+    out = torch.matmul(torch.exp(s - _finite(lse)[..., None]), v.float())
     return out, lse
 
 
 def block_attention_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the GLOBAL output and ``lse`` of its query rows (FlashAttention-2)."""
     delta = (dout * out).sum(-1)
-    s = _scores(q.float(), k.float(), causal, scale)
+    s = _scores(q.float(), k.float(), causal, scale, mask)
     p = torch.exp(s - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta[..., None])
@@ -143,38 +171,68 @@ def _cuda_flash(q: Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
-def _flash_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean mask as the additive bias the fused kernels take (they refuse booleans)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _flash_block(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """One block through torch's fused attention for the device, with its log-sum-exp: O(block) memory.
 
     CPU: the CPU flash kernel; CUDA: FlashAttention-2, or the memory-efficient kernel where flash
-    does not apply (fp32, head size > 256), whose LSE is padded to a multiple of 32 rows.
+    does not apply (fp32, head size > 256, or a document ``mask``, which flash cannot take), whose
+    LSE is padded to a multiple of 32 rows. A row ``mask`` masks whole gets LSE -inf and output 0
+    (the kernels return 0 and 0, or NaN).
     """
     _count(q, k, causal)
     d = max(q.shape[-1], v.shape[-1])
     q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
+    bias = _bias(mask, q.dtype)
     aten = torch.ops.aten
     if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, causal, scale=scale)[:2]
-    elif _cuda_flash(q):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q_, k_, v_, 0.0, causal, attn_mask=bias, scale=scale
+        )[:2]
+    elif _cuda_flash(q) and bias is None:
         out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
     else:
-        out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, None, True, 0.0, causal, scale=scale)[:2]
+        if bias is not None:
+            bias = bias.expand(-1, q.shape[1], -1, -1)
+        out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., : q.shape[-2]]
-    return out[..., : v.shape[-1]].float(), lse.float()
+    out, lse = out[..., : v.shape[-1]].float(), lse.float()
+    if mask is not None:
+        attends = mask.any(-1)
+        lse = torch.where(attends, lse, float("-inf"))
+        out = torch.where(attends[..., None], out, 0.0)
+    return out, lse
 
 
 def _flash_block_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The same kernel's backward, given the GLOBAL output and LSE of the block's query rows."""
     d = max(q.shape[-1], v.shape[-1])
     dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+    bias = _bias(mask, q.dtype)
     aten = torch.ops.aten
     if q.device.type == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_, q_, k_, v_, out_, lse, 0.0, causal, scale=scale
+            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
-    elif _cuda_flash(q):
+    elif _cuda_flash(q) and bias is None:
         # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
         none = torch.empty(0, dtype=torch.int64, device=q.device)
         lengths = (q.shape[-2], k.shape[-2])
@@ -182,17 +240,20 @@ def _flash_block_backward(
             dout_, q_, k_, v_, out_, lse, none, none, *lengths, 0.0, causal, none, none, scale=scale
         )
     else:
+        if bias is not None:
+            bias = bias.expand(-1, q.shape[1], -1, -1)
         padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
         none = torch.empty(0, dtype=torch.int64, device=q.device)
         grads = aten._scaled_dot_product_efficient_attention_backward(
-            dout_, q_, k_, v_, None, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
+            dout_, q_, k_, v_, bias, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
         )
     dq, dk, dv = (g[..., : t.shape[-1]].float() for g, t in zip(grads[:3], (q, k, v)))
     return dq, dk, dv
 
 
-#: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse).
-#: ``"flash"`` is the device's fused kernel (the default); ``"reference"`` the exact fp32 matmuls.
+#: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse);
+#: both take an optional document ``mask``. ``"flash"`` is the device's fused kernel (the
+#: default); ``"reference"`` the exact fp32 matmuls.
 KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor, Tensor]]]] = {
     "flash": (_flash_block, _flash_block_backward),
     "reference": (block_attention, block_attention_backward),
@@ -211,8 +272,121 @@ def _fold(grad: Tensor, n_rep: int) -> Tensor:
     return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
 
 
+# ------------------------------------------------------------------------------------ the ring's plan
+@dataclass(frozen=True)
+class RingPlan:
+    """Which blocks every rank computes at every ring step, and how far each K/V block travels.
+
+    ``blocks[rank][src]``: the :class:`Block` s ``rank`` computes with ``src``'s keys, those whose
+    queries and keys share a document (all of :func:`ring_blocks` without documents).
+    ``last[src]``: the last ring step at which a rank needs ``src``'s K/V: the block is sent on
+    while a rank further along the ring needs it, and its dK/dV accumulator goes home from there.
+    0: nobody else needs it, and it is never sent. Every rank computes the same plan from the
+    whole window's document ids, so senders and receivers agree without a word.
+    """
+
+    blocks: tuple[tuple[tuple[Block, ...], ...], ...]
+    last: tuple[int, ...]
+
+    def holds(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` has the K/V of ``rank - step`` at ``step``."""
+        return self.last[(rank - step) % len(self.last)] >= step
+
+    def sends(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` passes the K/V it holds at ``step`` on to the next rank."""
+        return self.last[(rank - step) % len(self.last)] > step
+
+
+def _chunks(method: str, blk: slice, local_len: int) -> list[int]:
+    """The chunks (of :func:`local_positions`) a block's rows cover: zig-zag ranks hold two."""
+    if method != "zigzag_ring":
+        return [0]
+    half = local_len // 2
+    return [c for c, (lo, hi) in enumerate(((0, half), (half, local_len))) if blk.start < hi and lo < blk.stop]
+
+
+def _document_ranges(documents: Tensor, method: str, size: int) -> list[list[list[tuple[int, int]]]]:
+    """``[rank][chunk][row] = (first, last)`` document id of each chunk of each rank: one host read."""
+    seq_len = documents.shape[1]
+    n_chunks = 2 if method == "zigzag_ring" else 1
+    chunk = seq_len // (size * n_chunks)
+    ends = []
+    for rank in range(size):
+        starts = local_positions(method, seq_len, size, rank)[::chunk][:n_chunks].tolist()
+        ends.append([(s, s + chunk - 1) for s in starts])
+    index = torch.tensor(ends, device=documents.device).flatten()  # [rank, chunk, (first, last)]
+    # Ids never decrease along the window: a chunk's first and last token bound its documents.
+    values = documents.index_select(1, index).T.reshape(size, n_chunks, 2, -1).tolist()
+    return [[list(zip(c[0], c[1])) for c in r] for r in values]
+
+
+def _shares_document(ranges: list[list[list[tuple[int, int]]]], method: str, rank: int, src: int,
+                     blk: Block, local_len: int) -> bool:  # fmt: skip
+    for qc in _chunks(method, blk.q, local_len):
+        for kc in _chunks(method, blk.k, local_len):
+            for (q0, q1), (k0, k1) in zip(ranges[rank][qc], ranges[src][kc]):
+                if max(q0, k0) <= min(q1, k1):
+                    return True
+    return False
+
+
+def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None = None) -> RingPlan:
+    """The :class:`RingPlan` for a window split over ``size`` ranks (with its ``document_ids [b, s]``, if any).
+
+    Example:
+        >>> docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # each rank's half is its own document
+        >>> plan = ring_plan("ring", 2, 4, docs)
+        >>> plan.last, len(plan.blocks[1][0])
+        ((0, 0), 0)
+    """
+    ranges = None if documents is None else _document_ranges(documents, method, size)
+    blocks = []
+    for rank in range(size):
+        row = []
+        for src in range(size):
+            found = ring_blocks(method, rank, src, local_len)
+            if ranges is not None and src != rank:
+                found = [b for b in found if _shares_document(ranges, method, rank, src, b, local_len)]
+            row.append(tuple(found))
+        blocks.append(tuple(row))
+    last = tuple(
+        max(step for step in range(size) if step == 0 or blocks[(src + step) % size][src]) for src in range(size)
+    )
+    return RingPlan(tuple(blocks), last)
+
+
+def _plan(method: str, size: int, local_len: int, documents: Tensor | None) -> RingPlan:
+    if documents is None:
+        return _dense_plan(method, size, local_len)
+    return memo(documents, f"ring_plan/{method}/{size}/{local_len}", lambda d: ring_plan(method, size, local_len, d))
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_plan(method: str, size: int, local_len: int) -> RingPlan:
+    return ring_plan(method, size, local_len)
+
+
+def _block_inputs(
+    blk: Block, q: Tensor, kv: tuple[Tensor, Tensor], n_rep: int, masks: tuple[Tensor, Tensor] | None
+) -> tuple[Tensor, Tensor, Tensor, bool, Tensor | None]:
+    """One block's q, expanded k and v, causal flag and document mask (which then holds the causal part)."""
+    k, v = _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep)
+    if masks is None:
+        return q[:, :, blk.q], k, v, blk.causal, None
+    mask = document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal)
+    return q[:, :, blk.q], k, v, False, mask
+
+
+def _local_documents(documents: Tensor | None, method: str, size: int, rank: int) -> Tensor | None:
+    if documents is None:
+        return None
+    return documents.index_select(1, local_positions(method, documents.shape[1], size, rank).to(documents.device))
+
+
 # ------------------------------------------------------------------------------------ ring attention
-def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str) -> tuple[Tensor, Tensor]:
+def _ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor]:
     """This rank's attention output (in q's dtype) and its fp32 log-sum-exp over the whole ring."""
     block_forward = KERNELS[kernel][0]
     ring = RingExchange(_resolve_process_group(group_name))
@@ -220,6 +394,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str,
     n_rep = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     length = q.shape[-2]
+    plan = _plan(method, size, length, documents)
+    mine = _local_documents(documents, method, size, rank)
     # Laid out [b, s, heads, d_v] in memory: the output projection reads it as [b, s, heads x d_v]
     # without a copy. (d_v is v's head size, which MLA makes differ from q's and k's.)
     b, h, s = q.shape[:3]
@@ -228,70 +404,137 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str,
     kv = (k.contiguous(), v.contiguous())
     for step in range(size):
         src = (rank - step) % size
-        incoming = ring.start(*kv) if step < size - 1 else None  # overlaps the compute below
-        for blk in ring_blocks(method, rank, src, length):
-            o, block_lse = block_forward(
-                q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
-                blk.causal, scale,
-            )  # fmt: skip
+        # The next block: sent on if a rank further along needs ours, received if we (or one after us) need it.
+        incoming = _start(ring, *kv, send=plan.sends(rank, step), recv=plan.sends(rank - 1, step))
+        theirs = _local_documents(documents, method, size, src)
+        for blk in plan.blocks[rank][src] if plan.holds(rank, step) else ():
+            masks = None if mine is None or theirs is None else (mine, theirs)
+            q_, k_, v_, causal, mask = _block_inputs(blk, q, kv, n_rep, masks)
+            o, block_lse = block_forward(q_, k_, v_, causal, scale, mask)
             # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
             old = lse[:, :, blk.q]
             merged = torch.logaddexp(old, block_lse)
             out[:, :, blk.q] = (
-                out[:, :, blk.q] * torch.exp(old - merged)[..., None] + o * torch.exp(block_lse - merged)[..., None]
+                out[:, :, blk.q] * torch.exp(old - _finite(merged))[..., None]
+                + o * torch.exp(block_lse - _finite(merged))[..., None]
             )
             lse[:, :, blk.q] = merged
-        if incoming is not None:
-            ring.wait()
+        ring.wait()
+        if incoming:
             kv = (incoming[0], incoming[1])
     return out.to(q.dtype), lse
 
 
 def _ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    documents: Tensor | None,
+    group_name: str,
+    method: str,
+    kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV. The K/V blocks go round again; each block's dK/dV accumulator travels with it.
 
-    An accumulator moves on after the step that adds to it and is waited for only after the next
-    step's compute (its transfer overlaps that compute); it travels in the compute dtype (q's) and
-    is summed in fp32 on each rank.
+    An accumulator moves on with its block after the step that adds to it and is waited for only
+    after the next step's compute (its transfer overlaps that compute); from the last rank that
+    needs the block (:class:`RingPlan`; the rank before its owner when every rank needs it) it
+    goes home. It travels in the compute dtype (q's) and is summed in fp32 on each rank.
     """
-    block_backward = KERNELS[kernel][1]
     group = _resolve_process_group(group_name)
     kv_ring, grad_ring = RingExchange(group), RingExchange(group)
     rank, size = kv_ring.rank, kv_ring.size
-    n_rep = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    length = q.shape[-2]
-    dout = dout.float()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    plan = _plan(method, size, q.shape[-2], documents)
+    mine = _local_documents(documents, method, size, rank)
+    grads = _BlockGrads(q, out, lse, dout, KERNELS[kernel][1], q.shape[1] // k.shape[1])
+    # The accumulators' shapes and dtype, for a receive.
+    template = (
+        torch.empty(k.shape, dtype=q.dtype, device=k.device),
+        torch.empty(v.shape, dtype=q.dtype, device=v.device),
+    )
     kv = (k.contiguous(), v.contiguous())
     arriving: list[Tensor] = []
+    done: dict[int, tuple[Tensor, Tensor]] = {}  # complete accumulators, by the block they belong to
     for step in range(size):
         src = (rank - step) % size
-        incoming = kv_ring.start(*kv) if step < size - 1 else None
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for blk in ring_blocks(method, rank, src, length):
-            gq, gk, gv = block_backward(
-                q[:, :, blk.q], _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep),
-                out[:, :, blk.q], lse[:, :, blk.q], dout[:, :, blk.q], blk.causal, scale,
-            )  # fmt: skip
-            dq[:, :, blk.q] += gq
-            dk[:, :, blk.k] += _fold(gk, n_rep)
-            dv[:, :, blk.k] += _fold(gv, n_rep)
-        if step > 0:  # this block's accumulator, sent by the previous rank after its last step
-            grad_ring.wait()
-            dk, dv = dk + arriving[0].float(), dv + arriving[1].float()
-        if size == 1:  # home already
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        # Every accumulator moves on, size times in all: the last move brings it home.
-        arriving = grad_ring.start(dk.to(q.dtype), dv.to(q.dtype))
-        if incoming is not None:
-            kv_ring.wait()
+        incoming = _start(kv_ring, *kv, send=plan.sends(rank, step), recv=plan.sends(rank - 1, step))
+        moving = None
+        if plan.holds(rank, step):
+            masks = None if mine is None else (mine, _local_documents(documents, method, size, src))
+            dk, dv = grads(plan.blocks[rank][src], kv, masks)
+            if step > 0:  # this block's accumulator, sent by the previous rank after its step
+                grad_ring.wait()
+                dk, dv = dk + arriving[0].float(), dv + arriving[1].float()
+            if plan.sends(rank, step):
+                moving = (dk.to(q.dtype), dv.to(q.dtype))
+            else:
+                done[src] = (dk, dv)
+        grad_ring.wait()  # our send of the step before
+        arriving = _start(grad_ring, *(moving or template), send=moving is not None, recv=plan.sends(rank - 1, step))
+        kv_ring.wait()
+        if incoming:
             kv = (incoming[0], incoming[1])
     grad_ring.wait()
-    return dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype)
+    dk, dv = _send_home(done, plan, rank, group, template)
+    return grads.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _BlockGrads:
+    """Runs the backward of one ring step's blocks: adds into ``dq``, returns the step's dK/dV in fp32."""
+
+    def __init__(self, q: Tensor, out: Tensor, lse: Tensor, dout: Tensor, kernel: Callable[..., Any], n_rep: int):
+        self.q, self.out, self.lse, self.dout = q, out, lse, dout.float()
+        self.kernel, self.n_rep = kernel, n_rep
+        self.scale = 1.0 / math.sqrt(q.shape[-1])
+        self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def __call__(
+        self, blocks: tuple[Block, ...], kv: tuple[Tensor, Tensor], masks: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor]:
+        dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
+        dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
+        for blk in blocks:
+            q, k, v, causal, mask = _block_inputs(blk, self.q, kv, self.n_rep, masks)
+            gq, gk, gv = self.kernel(
+                q, k, v, self.out[:, :, blk.q], self.lse[:, :, blk.q], self.dout[:, :, blk.q], causal, self.scale, mask
+            )
+            self.dq[:, :, blk.q] += gq
+            dk[:, :, blk.k] += _fold(gk, self.n_rep)
+            dv[:, :, blk.k] += _fold(gv, self.n_rep)
+        return dk, dv
+
+
+def _start(ring: RingExchange, *tensors: Tensor, send: bool, recv: bool) -> list[Tensor]:
+    """``ring.start`` where there is something to move (counted in :data:`FLOPS`)."""
+    if not (send or recv):
+        return []
+    if FLOPS is not None and send:
+        FLOPS.sends += 1
+    return ring.start(*tensors, send=send, recv=recv)
+
+
+def _send_home(
+    done: dict[int, tuple[Tensor, Tensor]], plan: RingPlan, rank: int, group: dist.ProcessGroup,
+    template: tuple[Tensor, Tensor],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Each complete accumulator to its block's owner; returns this rank's own dK/dV (fp32)."""
+    size = len(plan.last)
+    ops, own = [], done.pop(rank, None)
+    for src, (dk, dv) in sorted(done.items()):
+        peer = dist.get_global_rank(group, src)
+        ops += [dist.P2POp(dist.isend, t.to(template[0].dtype).contiguous(), peer, group) for t in (dk, dv)]
+    if own is None:  # ours comes back from the last rank that needed it
+        peer = dist.get_global_rank(group, (rank + plan.last[rank]) % size)
+        received = [torch.empty_like(t) for t in template]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for t in received]
+    if FLOPS is not None:
+        FLOPS.sends += len(done)
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return own if own is not None else (received[0].float(), received[1].float())
 
 
 def _resolve_process_group(name: str) -> dist.ProcessGroup:
@@ -304,13 +547,15 @@ def _resolve_process_group(name: str) -> dist.ProcessGroup:
 # block outputs per layer, or O(block^2) scores with the reference kernel).
 @torch.library.custom_op("ultrascale::ring_attention", mutates_args=())
 def _ring_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, group_name: str, method: str, kernel: str
 ) -> tuple[Tensor, Tensor]:
-    return _ring_forward(q, k, v, group_name, method, kernel)
+    return _ring_forward(q, k, v, documents, group_name, method, kernel)
 
 
 @_ring_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str) -> tuple[Tensor, Tensor]:
+def _(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, group_name: str, method: str, kernel: str
+) -> tuple[Tensor, Tensor]:
     b, h, s = q.shape[:3]
     out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
     return out, q.new_empty(b, h, s, dtype=torch.float32)
@@ -318,62 +563,96 @@ def _(q: Tensor, k: Tensor, v: Tensor, group_name: str, method: str, kernel: str
 
 @torch.library.custom_op("ultrascale::ring_attention_backward", mutates_args=())
 def _ring_attention_backward_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    documents: Tensor | None,
+    group_name: str,
+    method: str,
+    kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _ring_backward(dout, q, k, v, out, lse, group_name, method, kernel)
+    return _ring_backward(dout, q, k, v, out, lse, documents, group_name, method, kernel)
 
 
 @_ring_attention_backward_op.register_fake
 def _(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, group_name: str, method: str, kernel: str
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    documents: Tensor | None,
+    group_name: str,
+    method: str,
+    kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, group_name, method, kernel = inputs
+    q, k, v, documents, group_name, method, kernel = inputs
     ctx.save_for_backward(q, k, v, *output)
+    ctx.documents = documents  # integers, no gradient: held as they are
     ctx.settings = (group_name, method, kernel)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse = ctx.saved_tensors
-    return (*_ring_attention_backward_op(dout, q, k, v, out, lse, *ctx.settings), None, None, None)
+    grads = _ring_attention_backward_op(dout, q, k, v, out, lse, ctx.documents, *ctx.settings)
+    return (*grads, None, None, None, None)
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, method: str = "zigzag_ring", kernel: str = "flash"
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    method: str = "zigzag_ring",
+    kernel: str = "flash",
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this rank's queries over the whole sequence spread on ``group``.
 
     ``q``: ``[b, heads, local_len, head_dim]``; ``k``, ``v``: ``[b, kv_heads, local_len, head_dim]``
     (``v``'s head size may differ: MLA's does), the local part of the sequence laid out by
-    :func:`local_positions` for ``method``; ``kernel``: a name in :data:`KERNELS`.
+    :func:`local_positions` for ``method``; ``kernel``: a name in :data:`KERNELS`; ``documents``:
+    the WHOLE window's ``document_ids [b, cp x local_len]`` (every rank has them): attention stays
+    inside documents, and blocks that share none are neither computed nor sent (:class:`RingPlan`).
     """
-    return _ring_attention_op(q, k, v, group.group_name, method, kernel)[0]
+    return _ring_attention_op(q, k, v, documents, group.group_name, method, kernel)[0]
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """All-to-all attention: heads scattered, the (contiguously split) sequence gathered, then back."""
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, documents: Tensor | None = None
+) -> Tensor:
+    """All-to-all attention: heads scattered, the (contiguously split) sequence gathered, then back.
+
+    ``documents``: the whole window's ``document_ids``; the gathered sequence is the whole window.
+    """
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:
         # Fewer kv heads than ranks: give every query head its kv head before scattering heads.
         n_rep = q.shape[1] // k.shape[1]
         k, v = _expand(k, n_rep), _expand(v, n_rep)
     q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (q, k, v))
-    n_rep = q.shape[1] // k.shape[1]
-    out = F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep), is_causal=True)
+    if documents is not None:
+        out = document_attention(q, k, v, documents)
+    else:
+        n_rep = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep), is_causal=True)
     return all_to_all(out, scatter_dim=2, gather_dim=1, group=group)
 
 
-def attention_fn(
-    method: str, group: dist.ProcessGroup, kernel: str = "flash"
-) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """The ``Attention.attention_fn`` that context parallelism installs for ``method``."""
+def attention_fn(method: str, group: dist.ProcessGroup, kernel: str = "flash") -> Callable[..., Tensor]:
+    """The ``Attention.attention_fn(q, k, v, documents=None)`` that context parallelism installs for ``method``."""
     if method == "all_to_all":
-        return lambda q, k, v: ulysses_attention(q, k, v, group)
-    return lambda q, k, v: ring_attention(q, k, v, group, method, kernel)
+        return lambda q, k, v, documents=None: ulysses_attention(q, k, v, group, documents)
+    return lambda q, k, v, documents=None: ring_attention(q, k, v, group, method, kernel, documents)

@@ -22,14 +22,18 @@ class RingExchange:
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self._works: list[dist.Work] = []
 
-    def start(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Send ``tensors`` onwards; return the buffers the previous rank's tensors will land in."""
-        received = [torch.empty_like(t) for t in tensors]
+    def start(self, *tensors: torch.Tensor, send: bool = True, recv: bool = True) -> list[torch.Tensor]:
+        """Send ``tensors`` onwards; return the buffers the previous rank's tensors will land in.
+
+        ``send=False`` keeps them (the next rank needs none); ``recv=False`` expects nothing (an
+        empty list). Both sides must agree, as the ring's plan makes them.
+        """
+        received = [torch.empty_like(t) for t in tensors] if recv else []
         ops = []
-        for t, r in zip(tensors, received):
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self._next, self.group))
-            ops.append(dist.P2POp(dist.irecv, r, self._prev, self.group))
-        self._works = dist.batch_isend_irecv(ops)
+        if send:
+            ops += [dist.P2POp(dist.isend, t.contiguous(), self._next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
         return received
 
     def wait(self) -> None:

@@ -51,9 +51,10 @@ class StageModule(nn.Module):
             self.add_module(spec.final_norm, model.get_submodule(spec.final_norm))
             self.add_module(spec.head, model.get_submodule(spec.head))
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
         model = self.__dict__["_model"]
-        out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last)
+        docs = {} if document_ids is None else {"document_ids": document_ids}
+        out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last, **docs)
         pop = getattr(model, "pop_aux_loss", None)
         aux = pop(self.block_names) if pop is not None else None
         if aux is not None and self._tracking:

@@ -126,10 +126,14 @@ class PipelineStep(StepRunner):
         holds_last = pipeline.n_stages - 1 in pipeline.local
         target = labels if holds_last else None
         schedule = self._torch_schedule()
+        # Every stage gets the positions and document ids of its microbatch (split with the tokens).
+        kwargs = {"position_ids": position_ids}
+        if batch.get("document_ids") is not None:
+            kwargs["document_ids"] = batch["document_ids"]
         if train:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
-            schedule.eval(*args, target=target, losses=losses, position_ids=position_ids)
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
         loss = torch.zeros((), device=tokens.device)
         if holds_last:
             loss = torch.stack([_value(x) for x in losses]).sum()

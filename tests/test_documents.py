@@ -1,0 +1,139 @@
+"""Packed documents stay apart: positions restart, attention never crosses a document, in every attention path."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from llama_runs import DEEPSEEK_V3_TINY
+
+from lightning_ultrascale.models import build_model
+from lightning_ultrascale.models.documents import document_attention, document_mask, memo
+from lightning_ultrascale.parallel.context import attention as context_attention
+from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
+from lightning_ultrascale.testing import run_workers
+
+LENGTHS = [[5, 9, 1, 17, 3, 13], [48]]  # two windows of 48 tokens: six documents, and one
+
+
+def _documents(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
+def _positions(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+
+
+# ----------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("model", ["llama_tiny", "moe_tiny", DEEPSEEK_V3_TINY], ids=["llama", "moe", "mla"])
+def test_a_packed_window_gives_each_document_the_losses_it_has_alone(model):
+    net = build_model(model, seed=0)
+    tokens = torch.randint(0, net.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    logits = net(tokens, _positions(LENGTHS), document_ids=_documents(LENGTHS))
+    packed = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view(2, -1)
+    worst = 0.0
+    for row, lengths in enumerate(LENGTHS):
+        start = 0
+        for n in lengths:
+            alone = net(tokens[row : row + 1, start : start + n])
+            losses = F.cross_entropy(alone[0, :-1], tokens[row, start + 1 : start + n], reduction="none")
+            if n > 1:
+                mine = packed[row, start : start + n - 1]
+                worst = max(worst, ((mine - losses).abs() / losses.abs()).max().item())
+            start += n
+    # The same float32 arithmetic on other shapes: measured 2.4e-7 relative.
+    assert worst < 1e-5
+    # And it is not what the plain causal window computes: the mask changes every later document.
+    plain = net(tokens, _positions(LENGTHS))
+    assert not torch.allclose(plain[0, 5:], logits[0, 5:], atol=1e-3)
+
+
+def test_the_mask_is_causal_and_within_documents():
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    mask = document_mask(docs, docs, causal=True)[0, 0]
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
+         [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    )  # fmt: skip
+    assert torch.equal(mask.int(), expected)
+
+
+def test_host_values_are_computed_once_per_tensor_and_never_reused_for_another():
+    calls = []
+    a = torch.tensor([[0, 0, 1]])
+    assert memo(a, "k", lambda t: calls.append(1) or t.sum().item()) == 1
+    assert memo(a, "k", lambda t: calls.append(1) or -1) == 1
+    assert len(calls) == 1
+    del a
+    b = torch.tensor([[0, 1, 2]])  # may reuse a's address: a new object, a new value
+    assert memo(b, "k", lambda t: t.sum().item()) == 3
+
+
+# ----------------------------------------------------------------------------- context parallel
+def _cp_attention(method: str, kernel: str, lengths: list[list[int]], v_dim: int) -> tuple[float, int, int]:
+    """Max error of this rank's output and q/k/v gradients against one process; its pairs and sends."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    b, seq = len(lengths), sum(lengths[0])
+    q = torch.randn(b, 4, seq, 8, generator=gen)
+    k = torch.randn(b, 2, seq, 8, generator=gen)
+    v = torch.randn(b, 2, seq, v_dim, generator=gen)
+    dout = torch.randn(b, 4, seq, v_dim, generator=gen)
+    docs = _documents(lengths)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    document_attention(*full, docs).backward(dout)
+    index = local_positions("ring" if method == "all_to_all" else method, seq, cp, rank)
+    mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    context_attention.FLOPS = FlopCounter()
+    try:
+        out = attention_fn(method, dist.group.WORLD, kernel)(*mine, docs)
+        out.backward(dout[:, :, index])
+        counted = context_attention.FLOPS
+    finally:
+        context_attention.FLOPS = None
+    expected = document_attention(*(t.detach() for t in full), docs)[:, :, index]
+    errors = [(out - expected).abs().max()] + [(m.grad - f.grad[:, :, index]).abs().max() for m, f in zip(mine, full)]
+    return max(e.item() for e in errors), counted.pairs, counted.sends
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize(
+    "method,kernel",
+    [("ring", "flash"), ("ring", "reference"), ("zigzag_ring", "flash"), ("zigzag_ring", "reference"),
+     ("all_to_all", "flash")],
+)  # fmt: skip
+def test_context_parallel_attention_keeps_documents_apart(method, kernel, cp):
+    lengths = [[5, 9, 1, 17, 3, 13, 16], [64]]
+    for v_dim in (8, 6):  # MLA's value heads are narrower than its query/key heads
+        results = run_workers(_cp_attention, cp, method, kernel, lengths, v_dim)
+        # fp32 against one process's SDPA: measured 1.9e-6 absolute on values of order 1.
+        assert max(e for e, _, _ in results) < 1e-5, results
+
+
+def test_a_ring_step_between_blocks_that_share_no_document_sends_and_computes_nothing():
+    # Each rank's quarter of both windows is its own documents: no rank needs another's keys.
+    aligned = [[16, 16, 16, 16], [8, 8, 16, 16, 16]]
+    plan = ring_plan("ring", 4, 16, _documents(aligned))
+    assert plan.last == (0, 0, 0, 0)
+    assert all(not plan.blocks[r][s] for r in range(4) for s in range(4) if r != s)
+    results = run_workers(_cp_attention, 4, "ring", "flash", aligned, 8)
+    assert max(e for e, _, _ in results) < 1e-5
+    # Only the diagonal block is computed (forward pairs: 4 heads x 2 windows x 16 x 16, the
+    # document mask applied inside it), and nothing is sent, forward or backward.
+    assert [(p, s) for _, p, s in results] == [(4 * 2 * 16 * 16, 0)] * 4
+    # One document across the whole window: every rank needs every earlier block, as without documents.
+    one = ring_plan("ring", 4, 16, _documents([[64], [64]]))
+    assert one == ring_plan("ring", 4, 16) and one.last == (3, 2, 1, 0)
+
+
+def test_zigzag_skips_the_blocks_of_other_documents():
+    # Zig-zag rank r holds chunks r and 7 - r of 8: with documents of one chunk (8 tokens) each,
+    # a rank needs no other rank's keys.
+    chunked = [[8] * 8]
+    plan = ring_plan("zigzag_ring", 4, 16, _documents(chunked))
+    assert plan.last == (0, 0, 0, 0)
+    results = run_workers(_cp_attention, 4, "zigzag_ring", "flash", chunked, 8)
+    assert max(e for e, _, _ in results) < 1e-5 and all(s == 0 for _, _, s in results)
+    # Documents of two chunks (16 tokens): rank r's first chunk shares one with its neighbour only.
+    paired = ring_plan("zigzag_ring", 4, 16, _documents([[16] * 4]))
+    dense = ring_plan("zigzag_ring", 4, 16)
+    assert sum(map(len, sum(paired.blocks, ()))) < sum(map(len, sum(dense.blocks, ())))
