@@ -23,7 +23,14 @@ sequence:
    (16 B per parameter: fp32 weights, gradients and AdamW moments, replicated over cp) fit a
    per-rank budget, rounded down to a multiple of 2 cp.
 
-Byte counts only: 4 processes on 2 cores say nothing about speed, so no timings are reported.
+5. Packed documents (``data.documents=mask``) on a corpus of short documents (lengths drawn from
+   an exponential law of mean 64 tokens, one seed): tokens/s of one forward and backward with
+   and without the mask, side by side in the same workers (alternating, median of the repeats),
+   with the busiest rank's score pairs and the K/V blocks and accumulators it sends. The ring
+   skips blocks that share no document; the mask itself costs what the kernel makes it cost.
+
+Sections 1-4 are byte counts: 4 processes on 2 cores say little about speed. Section 5 reports
+tokens/s because the point of skipping is time; read its ratios, not its absolute numbers.
 
     python benchmarks/context.py            # ~15 s on 2 CPU cores
     python benchmarks/context.py --quick    # shorter sequences, for the test suite
@@ -36,6 +43,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -68,6 +77,8 @@ PARTS = ("attention", "loss", "other")
 #: (cp, method); cp=1 is the plain model (the plugin leaves it untouched).
 LAYOUTS = [(1, "none"), *((cp, m) for cp in (2, 4) for m in context_attention.METHODS)]
 BUDGET_BYTES = 64 * 2**20
+DOC_MEAN = 64  # mean document length of section 5's corpus
+DOC_LAYOUTS = [(1, "none"), (2, "ring"), (2, "zigzag_ring"), (2, "all_to_all"), (4, "zigzag_ring")]
 STATE_BYTES_PER_PARAM = 16
 
 
@@ -127,11 +138,18 @@ class SentBytes:
 
     def patches(self) -> contextlib.ExitStack:
         start, all_to_all = context_comm.RingExchange.start, context_comm._all_to_all
+        send_home = context_attention._send_home
 
-        def counted_start(ring: context_comm.RingExchange, *tensors: Tensor) -> list[Tensor]:
+        def counted_start(ring: context_comm.RingExchange, *tensors: Tensor, send: bool, recv: bool) -> list[Tensor]:
             self.calls += 1
-            self.bytes += sum(_nbytes(t) for t in tensors)  # all to the next rank
-            return start(ring, *tensors)
+            self.bytes += sum(_nbytes(t) for t in tensors) if send else 0  # all to the next rank
+            return start(ring, *tensors, send=send, recv=recv)
+
+        def counted_send_home(done: dict[int, Any], plan: Any, rank: int, *args: Any) -> Any:
+            away = [grads for src, grads in done.items() if src != rank]  # the accumulators that go home
+            self.calls += bool(away)
+            self.bytes += sum(_nbytes(t) for grads in away for t in grads)  # fp32 here: the compute dtype
+            return send_home(done, plan, rank, *args)
 
         def counted_all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> Tensor:
             chunks = x.chunk(dist.get_world_size(group), dim=scatter_dim)
@@ -142,6 +160,7 @@ class SentBytes:
         stack = contextlib.ExitStack()
         stack.enter_context(mock.patch.object(context_comm.RingExchange, "start", counted_start))
         stack.enter_context(mock.patch.object(context_comm, "_all_to_all", counted_all_to_all))
+        stack.enter_context(mock.patch.object(context_attention, "_send_home", counted_send_home))
         return stack
 
 
@@ -187,9 +206,101 @@ def _within(saved: SavedForBackward, part: str, fn: Any) -> Any:
     return attention
 
 
+# ----------------------------------------------------------------------------- packed documents
+def short_documents(seq_len: int, batch: int) -> tuple[Tensor, Tensor]:
+    """``(document_ids, position_ids)`` ``[batch, seq_len]`` of windows packed with short documents."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(batch):
+        lengths = (torch.empty(seq_len).exponential_(1 / DOC_MEAN, generator=gen).long() + 1).tolist()
+        ids = torch.repeat_interleave(torch.arange(seq_len), torch.tensor(lengths))[:seq_len]
+        rows.append(ids)
+    docs = torch.stack(rows)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    index = torch.arange(seq_len).expand_as(docs)
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    return docs, index - first
+
+
+def documents_worker(cp: int, method: str, seq_len: int, repeats: int) -> dict[str, Any]:
+    """Seconds per forward + backward with and without the document mask; this rank's pairs and sends."""
+    model = build_model(dataclasses.replace(MODEL, max_seq_len=seq_len), seed=0)
+    plugin = ContextParallel(cp, "zigzag_ring" if method == "none" else method)
+    if cp > 1:
+        dims = ParallelDims(cp=cp)
+        plugin.apply(model, Layout(dims, build_mesh(dims, "cpu")))
+    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    docs, positions = short_documents(seq_len, BATCH)
+    plain = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    batches = {"plain": plain, "mask": {**plain, "position_ids": positions, "document_ids": docs}}
+    batches = {k: plugin.shard_batch(b) if cp > 1 else b for k, b in batches.items()}
+    seconds: dict[str, list[float]] = {"plain": [], "mask": []}
+    counts: dict[str, dict[str, int]] = {}
+    for repeat in range(repeats + 1):  # the first is a warm-up
+        for name in ("plain", "mask") if repeat % 2 else ("mask", "plain"):
+            b = batches[name]
+            context_attention.FLOPS = FlopCounter()
+            if cp > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            logits = model(b["input_ids"], b.get("position_ids"), document_ids=b.get("document_ids"))
+            F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten()).backward()
+            if cp > 1:
+                dist.barrier()
+            if repeat:
+                seconds[name].append(time.perf_counter() - start)
+            counts[name] = {"pairs": context_attention.FLOPS.pairs, "sends": context_attention.FLOPS.sends}
+            context_attention.FLOPS = None
+            model.zero_grad(set_to_none=True)
+    return {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "counts": counts}
+
+
+def documents(seq_len: int, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for cp, method in DOC_LAYOUTS:
+        ranks = run_workers(documents_worker, cp, cp, method, seq_len, repeats, timeout_s=600)
+        row: dict[str, Any] = {"cp": cp, "method": method, "seq_len": seq_len, "batch": BATCH}
+        for name in ("plain", "mask"):
+            busiest = max(ranks, key=lambda r: r["counts"][name]["pairs"])
+            row[name] = {
+                "tokens_per_s": BATCH * seq_len / max(r["seconds"][name] for r in ranks),
+                "score_pairs_busiest_rank": busiest["counts"][name]["pairs"],
+                "sends_per_rank": [r["counts"][name]["sends"] for r in ranks],
+            }
+        row["mask_over_plain"] = row["mask"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        rows.append(row)
+    return rows
+
+
+def print_documents(rows: list[dict[str, Any]]) -> None:
+    seq_len = rows[0]["seq_len"]
+    print(f"\nPacked short documents (mean {DOC_MEAN} tokens), S={seq_len}, b={BATCH}: one forward + backward")
+    print(f"{'layout':<19} {'tokens/s plain':>14} {'masked':>9} {'x':>6} {'pairs plain':>12} {'masked':>10} "
+          f"{'sends plain':>14} {'masked':>14}")  # fmt: skip
+    for r in rows:
+        p, m = r["plain"], r["mask"]
+        print(
+            f"{_label(r['cp'], r['method']):<19} {p['tokens_per_s']:>14,.0f} {m['tokens_per_s']:>9,.0f} "
+            f"{r['mask_over_plain']:>6.2f} {p['score_pairs_busiest_rank']:>12,} {m['score_pairs_busiest_rank']:>10,} "
+            f"{p['sends_per_rank']!s:>14} {m['sends_per_rank']!s:>14}"
+        )
+    print(
+        "(pairs: score pairs the busiest rank computes in the ring's blocks (cp=1 and all_to_all run SDPA: not"
+        "\n counted); sends: K/V blocks and dK/dV accumulators each rank sends, all layers. The mask runs SDPA"
+        "\n with a boolean mask on CPU, slower per pair than the causal kernel; the ring gains by the blocks it skips)"
+    )
+
+
 # ----------------------------------------------------------------------------- formulas (pure)
-def expected_sent_per_layer(method: str, cp: int, seq_len: int) -> dict[str, int]:
-    """The playbook's bytes one rank sends per attention layer, forward and backward."""
+def expected_sent_per_layer(method: str, cp: int, seq_len: int, rank: int = 0) -> dict[str, int]:
+    """The playbook's bytes ``rank`` sends per attention layer, forward and backward.
+
+    Zig-zag: every rank needs every block, so each goes round the whole ring (the playbook's
+    volume). Contiguous ring: rank ``r``'s block is needed by ranks ``r+1 .. cp-1`` only, so it
+    travels no further: rank ``r < cp-1`` passes ``r + 1`` blocks on (and their accumulators in
+    backward), the last rank none, and it sends the ``cp - 1`` finished accumulators home.
+    """
     local = BATCH * (seq_len // cp) * MODEL.head_dim * FP32  # one head of the local block
     if method == "all_to_all":
         kv_heads = MODEL.n_kv_heads if MODEL.n_kv_heads % cp == 0 else MODEL.n_heads
@@ -197,6 +308,10 @@ def expected_sent_per_layer(method: str, cp: int, seq_len: int) -> dict[str, int
         each_way = tensors * (cp - 1) // cp
         return {"forward": each_way, "backward": each_way}
     kv = 2 * MODEL.n_kv_heads * local
+    if method == "ring":
+        passed = rank + 1 if rank < cp - 1 else 0
+        home = cp - 1 if rank == cp - 1 else 0
+        return {"forward": passed * kv, "backward": passed * 2 * kv + home * kv}
     # Backward: the K/V blocks go round again, and the fp32 dK/dV accumulators a full circle home.
     return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv}
 
@@ -244,18 +359,22 @@ def comm(runs: dict[tuple[int, str], Any], seq_lens: tuple[int, ...]) -> list[di
         if cp == 1:
             continue
         for i, seq_len in enumerate(seq_lens):
-            expected = expected_sent_per_layer(method, cp, seq_len)
+            expected = [expected_sent_per_layer(method, cp, seq_len, r) for r in range(cp)]
             row: dict[str, Any] = {"cp": cp, "method": method, "seq_len": seq_len}
             for phase in ("forward", "backward"):
-                sent = {ranks[0][i][phase]["bytes"]}
-                assert {r[i][phase]["bytes"] for r in ranks} == sent, f"{method} cp={cp}: ranks send different bytes"
-                total = sent.pop()
-                assert total % MODEL.n_layers == 0, f"{method} cp={cp} {phase}: {total} B over {MODEL.n_layers} layers"
+                sent = [r[i][phase]["bytes"] for r in ranks]
+                assert all(b % MODEL.n_layers == 0 for b in sent), f"{method} cp={cp} {phase}: {sent} B"
+                per_rank = [b // MODEL.n_layers for b in sent]
+                wanted = [e[phase] for e in expected]
+                worst = max(range(cp), key=per_rank.__getitem__)  # the rank that sends most
                 row[phase] = {
-                    "calls_per_layer": ranks[0][i][phase]["calls"] / MODEL.n_layers,
-                    "bytes_per_layer": total // MODEL.n_layers,
-                    "expected_bytes_per_layer": expected[phase],
-                    "ratio": total / MODEL.n_layers / expected[phase],
+                    "calls_per_layer": ranks[worst][i][phase]["calls"] / MODEL.n_layers,
+                    "bytes_per_layer": per_rank[worst],
+                    "expected_bytes_per_layer": wanted[worst],
+                    "per_rank_bytes_per_layer": per_rank,
+                    "expected_per_rank": wanted,
+                    # 1 exactly when every rank sends what its formula says.
+                    "ratio": 1.0 if per_rank == wanted else sum(per_rank) / max(sum(wanted), 1) + 1e-3,
                 }
             rows.append(row)
     return rows
@@ -312,7 +431,7 @@ def print_tables(acts: Any, sent: Any, balance: Any, longest: Any, seq_lens: tup
         "\n input) and LSE. all_to_all: SDPA's expanded k, v, and a copy of its out for wo)"
     )
 
-    print(f"\nBytes each rank sends per attention layer, S={top} (measured; every rank the same)")
+    print(f"\nBytes the busiest rank sends per attention layer, S={top} (measured; every rank checked)")
     print(f"{'layout':<19} {'calls f+b':>9} {'forward':>10} {'expected':>10} {'backward':>10} {'expected':>10} "
           f"{'ratio (all S)':>13}")  # fmt: skip
     for cp, method in LAYOUTS[1:]:
@@ -326,7 +445,9 @@ def print_tables(acts: Any, sent: Any, balance: Any, longest: Any, seq_lens: tup
             f"{f'{min(ratios):.3f}-{max(ratios):.3f}':>13}"
         )
     print(
-        "(ring: forward (cp-1) KV, backward (cp-1) KV + cp fp32 dK+dV; all_to_all: q, k, v, out each (cp-1)/cp,"
+        "(zigzag_ring: forward (cp-1) KV, backward (cp-1) KV + cp fp32 dK+dV; ring: a block goes only as far as a"
+        "\n rank needs it, so rank r < cp-1 passes r+1 blocks and the last rank sends cp-1 dK+dV home;"
+        "\n all_to_all: q, k, v, out each (cp-1)/cp,"
         f"\n k and v at {MODEL.n_kv_heads} kv heads where cp divides them, else expanded to {MODEL.n_heads} heads)"
     )
 
@@ -364,6 +485,8 @@ def main() -> None:
     balance = load_balance(runs, len(seq_lens) - 1, seq_lens[-1])
     longest = longest_sequences(acts)
     print_tables(acts, sent, balance, longest, seq_lens)
+    docs = documents(256 if args.quick else 4096, 2 if args.quick else 5)
+    print_documents(docs)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -379,6 +502,7 @@ def main() -> None:
         "comm": sent,
         "load_balance": balance,
         "longest_seq_len": longest,
+        "documents": docs,
     }
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {args.out}")

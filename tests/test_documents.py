@@ -117,9 +117,9 @@ def test_a_ring_step_between_blocks_that_share_no_document_sends_and_computes_no
     assert all(not plan.blocks[r][s] for r in range(4) for s in range(4) if r != s)
     results = run_workers(_cp_attention, 4, "ring", "flash", aligned, 8)
     assert max(e for e, _, _ in results) < 1e-5
-    # Only the diagonal block is computed (forward pairs: 4 heads x 2 windows x 16 x 16, the
-    # document mask applied inside it), and nothing is sent, forward or backward.
-    assert [(p, s) for _, p, s in results] == [(4 * 2 * 16 * 16, 0)] * 4
+    # Only the causal diagonal block is computed (forward pairs: 4 heads x 2 windows x 16 x 17 / 2),
+    # and nothing is sent, forward or backward.
+    assert [(p, s) for _, p, s in results] == [(4 * 2 * 16 * 17 // 2, 0)] * 4
     # One document across the whole window: every rank needs every earlier block, as without documents.
     one = ring_plan("ring", 4, 16, _documents([[64], [64]]))
     assert one == ring_plan("ring", 4, 16) and one.last == (3, 2, 1, 0)
@@ -134,6 +134,19 @@ def test_zigzag_skips_the_blocks_of_other_documents():
     results = run_workers(_cp_attention, 4, "zigzag_ring", "flash", chunked, 8)
     assert max(e for e, _, _ in results) < 1e-5 and all(s == 0 for _, _, s in results)
     # Documents of two chunks (16 tokens): rank r's first chunk shares one with its neighbour only.
+    def pairs(plan):
+        return sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) for row in plan.blocks for bs in row for b in bs)
+
     paired = ring_plan("zigzag_ring", 4, 16, _documents([[16] * 4]))
-    dense = ring_plan("zigzag_ring", 4, 16)
-    assert sum(map(len, sum(paired.blocks, ()))) < sum(map(len, sum(dense.blocks, ())))
+    assert pairs(paired) <= pairs(ring_plan("zigzag_ring", 4, 16)) / 2
+
+
+def test_a_block_shrinks_to_the_rows_and_keys_of_the_document_it_shares():
+    # Ring cp2 over 32 tokens: one document of 6 tokens spans the boundary at 16 (10..21).
+    docs = _documents([[10, 12, 10]])
+    plan = ring_plan("ring", 2, 16, docs)
+    (block,) = plan.blocks[1][0]
+    # Rank 1's rows 0..5 (tokens 16..21) against rank 0's keys 10..15: 6 x 6 instead of 16 x 16.
+    assert (block.q, block.k) == (slice(0, 6), slice(10, 16))
+    results = run_workers(_cp_attention, 2, "ring", "flash", [[10, 12, 10]], 8)
+    assert max(e for e, _, _ in results) < 1e-5

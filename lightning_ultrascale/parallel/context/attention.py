@@ -195,13 +195,14 @@ def _flash_block(
     aten = torch.ops.aten
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q_, k_, v_, 0.0, causal, attn_mask=bias, scale=scale
+            q_, k_, v_, 0.0, causal and bias is None, attn_mask=bias, scale=scale
         )[:2]
     elif _cuda_flash(q) and bias is None:
         out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
     else:
         if bias is not None:
             bias = bias.expand(-1, q.shape[1], -1, -1)
+        causal = causal and bias is None  # a mask holds the causal part
         out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., : q.shape[-2]]
     out, lse = out[..., : v.shape[-1]].float(), lse.float()
@@ -230,7 +231,7 @@ def _flash_block_backward(
     aten = torch.ops.aten
     if q.device.type == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=bias, scale=scale
+            dout_, q_, k_, v_, out_, lse, 0.0, causal and bias is None, attn_mask=bias, scale=scale
         )
     elif _cuda_flash(q) and bias is None:
         # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
@@ -244,6 +245,7 @@ def _flash_block_backward(
             bias = bias.expand(-1, q.shape[1], -1, -1)
         padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
         none = torch.empty(0, dtype=torch.int64, device=q.device)
+        causal = causal and bias is None
         grads = aten._scaled_dot_product_efficient_attention_backward(
             dout_, q_, k_, v_, bias, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
         )
@@ -297,41 +299,29 @@ class RingPlan:
         return self.last[(rank - step) % len(self.last)] > step
 
 
-def _chunks(method: str, blk: slice, local_len: int) -> list[int]:
-    """The chunks (of :func:`local_positions`) a block's rows cover: zig-zag ranks hold two."""
-    if method != "zigzag_ring":
-        return [0]
-    half = local_len // 2
-    return [c for c, (lo, hi) in enumerate(((0, half), (half, local_len))) if blk.start < hi and lo < blk.stop]
+def _shrink(blk: Block, mine: Tensor, theirs: Tensor) -> Block | None:
+    """The part of an off-diagonal block whose queries and keys share a document; None if none do.
 
-
-def _document_ranges(documents: Tensor, method: str, size: int) -> list[list[list[tuple[int, int]]]]:
-    """``[rank][chunk][row] = (first, last)`` document id of each chunk of each rank: one host read."""
-    seq_len = documents.shape[1]
-    n_chunks = 2 if method == "zigzag_ring" else 1
-    chunk = seq_len // (size * n_chunks)
-    ends = []
-    for rank in range(size):
-        starts = local_positions(method, seq_len, size, rank)[::chunk][:n_chunks].tolist()
-        ends.append([(s, s + chunk - 1) for s in starts])
-    index = torch.tensor(ends, device=documents.device).flatten()  # [rank, chunk, (first, last)]
-    # Ids never decrease along the window: a chunk's first and last token bound its documents.
-    values = documents.index_select(1, index).T.reshape(size, n_chunks, 2, -1).tolist()
-    return [[list(zip(c[0], c[1])) for c in r] for r in values]
-
-
-def _shares_document(ranges: list[list[list[tuple[int, int]]]], method: str, rank: int, src: int,
-                     blk: Block, local_len: int) -> bool:  # fmt: skip
-    for qc in _chunks(method, blk.q, local_len):
-        for kc in _chunks(method, blk.k, local_len):
-            for (q0, q1), (k0, k1) in zip(ranges[rank][qc], ranges[src][kc]):
-                if max(q0, k0) <= min(q1, k1):
-                    return True
-    return False
+    ``mine``/``theirs``: the document ids of this rank's and the source's local rows ``[b, len]``
+    (on the CPU). Rows and columns outside the shared documents would be masked whole: the block
+    shrinks to the smallest slices holding the others (over the batch), and its kernel call with it.
+    """
+    q_docs, k_docs = mine[:, blk.q], theirs[:, blk.k]
+    rows = torch.stack([torch.isin(q, k) for q, k in zip(q_docs, k_docs)]).any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    cols = torch.stack([torch.isin(k, q) for q, k in zip(q_docs, k_docs)]).any(0).nonzero().flatten()
+    q0, k0 = blk.q.start or 0, blk.k.start or 0
+    return Block(
+        slice(q0 + int(rows[0]), q0 + int(rows[-1]) + 1), slice(k0 + int(cols[0]), k0 + int(cols[-1]) + 1), blk.causal
+    )
 
 
 def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None = None) -> RingPlan:
     """The :class:`RingPlan` for a window split over ``size`` ranks (with its ``document_ids [b, s]``, if any).
+
+    With documents, an off-diagonal block is cut to the rows and columns that share a document
+    (:func:`_shrink`) or dropped; the diagonal blocks stay whole (each token sees itself).
 
     Example:
         >>> docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # each rank's half is its own document
@@ -339,14 +329,18 @@ def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None =
         >>> plan.last, len(plan.blocks[1][0])
         ((0, 0), 0)
     """
-    ranges = None if documents is None else _document_ranges(documents, method, size)
+    local = None
+    if documents is not None:
+        cpu = documents.cpu()  # one device read per micro-batch (the plan is memoised)
+        local = [_local_documents(cpu, method, size, rank) for rank in range(size)]
     blocks = []
     for rank in range(size):
         row = []
         for src in range(size):
             found = ring_blocks(method, rank, src, local_len)
-            if ranges is not None and src != rank:
-                found = [b for b in found if _shares_document(ranges, method, rank, src, b, local_len)]
+            if local is not None and src != rank:
+                shrunk = (_shrink(b, local[rank], local[src]) for b in found)
+                found = [b for b in shrunk if b is not None]
             row.append(tuple(found))
         blocks.append(tuple(row))
     last = tuple(
@@ -369,12 +363,11 @@ def _dense_plan(method: str, size: int, local_len: int) -> RingPlan:
 def _block_inputs(
     blk: Block, q: Tensor, kv: tuple[Tensor, Tensor], n_rep: int, masks: tuple[Tensor, Tensor] | None
 ) -> tuple[Tensor, Tensor, Tensor, bool, Tensor | None]:
-    """One block's q, expanded k and v, causal flag and document mask (which then holds the causal part)."""
+    """One block's q, expanded k and v, causal flag and document mask (which then holds the causal part too)."""
     k, v = _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep)
     if masks is None:
         return q[:, :, blk.q], k, v, blk.causal, None
-    mask = document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal)
-    return q[:, :, blk.q], k, v, False, mask
+    return q[:, :, blk.q], k, v, blk.causal, document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal)
 
 
 def _local_documents(documents: Tensor | None, method: str, size: int, rank: int) -> Tensor | None:
