@@ -61,13 +61,15 @@ def run_tiny_llama(
     model: str | LlamaConfig = "llama_tiny",
     precision_plugin: Any = None,
     module_kwargs: dict[str, Any] | None = None,
+    data_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> RunRecord:
     """Train a Llama on the bundled corpus; ``plugins=None`` is the plain one-device reference.
 
     ``dp`` (default: ``world_size``) is the number of data-parallel ranks sharing the global batch.
     ``precision_plugin``: a Lightning precision plugin (e.g. ``FP8Precision``), given to the Trainer.
-    ``module_kwargs``: more arguments of the ``LlamaModule`` (e.g. ``kernels``).
+    ``module_kwargs``: more arguments of the ``LlamaModule`` (e.g. ``kernels``); ``data_kwargs``: of the
+    ``UltraScaleDataModule`` (e.g. ``source``, ``documents``).
     """
     if precision_plugin is not None:
         trainer_kwargs["plugins"] = [precision_plugin]
@@ -75,7 +77,7 @@ def run_tiny_llama(
     strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
     return record_run(
         lambda: LlamaModule(model, optim=optim, **(module_kwargs or {})),
-        lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=micro, seed=0),
+        lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=micro, seed=0, **(data_kwargs or {})),
         steps=steps,
         accumulate_grad_batches=accumulate,
         strategy=strategy,

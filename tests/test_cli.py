@@ -574,7 +574,7 @@ def test_a_model_of_other_sizes_trains_on_the_bundled_corpus(tmp_path):
 # ------------------------------------------------------------------------ a user's own DataModule
 #: The default data node with its target swapped for a class of tests/user_datamodule.py, and the
 #: keys that class does not take dropped.
-NOT_TAKEN = ["~data.source", "~data.val_fraction", "~data.num_workers"]
+NOT_TAKEN = ["~data.source", "~data.val_fraction", "~data.num_workers", "~data.documents", "~data.mask_eos_loss"]
 USER_DATA = ["data._target_=user_datamodule.CountingTokens", *NOT_TAKEN]
 UNSHAPED_DATA = ["data._target_=user_datamodule.UnshapedTokens", *NOT_TAKEN, "~data.seed"]
 

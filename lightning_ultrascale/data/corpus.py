@@ -22,8 +22,20 @@ def load_default_corpus_tokens() -> torch.Tensor:
         >>> tokens.dtype, tokens.ndim, int(tokens[0]) == ByteTokenizer.bos_id
         (torch.int64, 1, True)
     """
+    return load_default_corpus_documents()[0]
+
+
+def load_default_corpus_documents() -> tuple[torch.Tensor, np.ndarray]:
+    """:func:`load_default_corpus_tokens` and its documents' start offsets (int64, the end last, as ``docs.npy``).
+
+    Example:
+        >>> tokens, starts = load_default_corpus_documents()
+        >>> int(starts[0]), int(starts[-1]) == len(tokens), bool((tokens[starts[:-1]] == ByteTokenizer.bos_id).all())
+        (0, True, True)
+    """
     from pydoc_data.topics import topics
 
     tok = ByteTokenizer()
     documents = [np.asarray(tok.encode(topics[key]), dtype=np.int64) for key in sorted(topics)]
-    return torch.from_numpy(np.concatenate(documents))
+    starts = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    return torch.from_numpy(np.concatenate(documents)), starts

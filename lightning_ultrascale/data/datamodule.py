@@ -12,8 +12,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from lightning_ultrascale.data.blend import BlendedDataset
-from lightning_ultrascale.data.corpus import load_default_corpus_tokens
-from lightning_ultrascale.data.datasets import MemmapTokenDataset, PackedDataset, max_token_id
+from lightning_ultrascale.data.corpus import load_default_corpus_documents
+from lightning_ultrascale.data.datasets import MemmapTokenDataset, PackedDataset, check_documents, max_token_id
 from lightning_ultrascale.data.index import TOKEN_DTYPES, TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, tokenizer_hash
@@ -34,7 +34,7 @@ class Source:
 class UltraScaleDataModule(L.LightningDataModule):
     """Packed next-token batches ``{"input_ids", "labels"}`` (LongTensor ``[micro_batch_size, seq_len]``).
 
-    ``source`` is ``"pydoc"`` (the bundled corpus, :func:`load_default_corpus_tokens`) or a flat
+    ``source`` is ``"pydoc"`` (the bundled corpus, :func:`load_default_corpus_documents`) or a flat
     token ``.bin`` file (:class:`MemmapTokenDataset`, written by ``ultrascale-tokenize``, whose index
     gives its dtype). ``sources`` blends several token files by weight instead
     (``[{"path": "a.bin", "weight": 0.7}, {"path": "b.bin", "weight": 0.3}]``, see
@@ -47,6 +47,17 @@ class UltraScaleDataModule(L.LightningDataModule):
 
     ``tokenizer``: the name the data's index must record (a recipe names its model's tokenizer).
 
+    Args:
+        documents: ``"concat"`` (default): documents meet at their bos/eos inside a window and
+            attention is plain causal, the fastest fused kernel on every device (GPT and Llama 2
+            pretrain so). ``"mask"``: batches also carry ``position_ids`` and ``document_ids``
+            (``[micro_batch_size, seq_len]``): attention never crosses a document and positions
+            restart at each one, as the Llama 3 paper trains; it matters most for many short
+            documents and long context. A token file needs its ``docs.npy`` (``ultrascale-tokenize``
+            writes it).
+        mask_eos_loss: ignore the label of each document's last token, which predicts the next
+            document's first (eos -> bos); with either ``documents``, and needs the ``docs.npy`` too.
+
     Mid-epoch resume needs no state here: the train loader is a :class:`ResumableDataLoader`,
     which Lightning's fit loop checkpoints and restores itself (see that class for the mechanism),
     so ``trainer.fit(model, dm, ckpt_path=...)`` continues with the next unseen global batch.
@@ -57,12 +68,17 @@ class UltraScaleDataModule(L.LightningDataModule):
         >>> batch = next(iter(dm.train_dataloader()))
         >>> batch["input_ids"].shape, batch["labels"].dtype
         (torch.Size([4, 128]), torch.int64)
+        >>> dm = UltraScaleDataModule(seq_len=128, micro_batch_size=4, documents="mask")
+        >>> dm.setup("fit")
+        >>> sorted(next(iter(dm.train_dataloader())))
+        ['document_ids', 'input_ids', 'labels', 'position_ids']
 
     Raises:
         ConfigError: at construction for a bad ``seq_len``, ``micro_batch_size``, ``dtype``,
-            ``val_fraction``, ``num_workers``, a bad source or blend, or a missing/ill-sized token
-            file; in ``setup`` when the data cannot fill one global batch for training (or for
-            validation) at this dp size.
+            ``val_fraction``, ``num_workers``, ``documents``, a bad source or blend, a missing/ill-sized
+            token file, or missing/damaged document starts that ``documents``/``mask_eos_loss`` need;
+            in ``setup`` when the data cannot fill one global batch for training (or for validation)
+            at this dp size.
     """
 
     def __init__(
@@ -77,6 +93,8 @@ class UltraScaleDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         seed: int = 0,
         num_workers: int = 0,
+        documents: str = "concat",
+        mask_eos_loss: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
@@ -88,14 +106,14 @@ class UltraScaleDataModule(L.LightningDataModule):
             raise ConfigError(f"data.val_fraction={val_fraction} must be in [0, 1); 0 disables validation")
         if num_workers < 0:
             raise ConfigError(f"data.num_workers={num_workers} must be >= 0")
+        check_documents(documents)
         self.sources = _sources(source, sources)
         self.source = ", ".join(s.path for s in self.sources)
-        self.seq_len = seq_len
-        self.micro_batch_size = micro_batch_size
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.tokenizer = tokenizer
         self.val_fraction = val_fraction
-        self.seed = seed
-        self.num_workers = num_workers
+        self.seed, self.num_workers = seed, num_workers
+        self.documents, self.mask_eos_loss = documents, mask_eos_loss
         self.dp_size, self.dp_rank = 1, 0
         self.train_dataset: Dataset[Any] | None = None
         self.val_dataset: Dataset[Any] | None = None
@@ -108,7 +126,7 @@ class UltraScaleDataModule(L.LightningDataModule):
             return
         for s in self.sources:
             # Open now so a wrong path or dtype fails before any process group or model exists.
-            self.dtypes.append(MemmapTokenDataset(s.path, seq_len, dtype).dtype)
+            self.dtypes.append(MemmapTokenDataset(s.path, seq_len, dtype, documents, mask_eos_loss).dtype)
             self.indexes.append(TokenIndex.read(s.path))
         self.dtype = self.dtypes[0]
         self._check_tokenizers()
@@ -160,9 +178,11 @@ class UltraScaleDataModule(L.LightningDataModule):
         return 1, 0
 
     def _datasets(self) -> list[PackedDataset]:
+        options = {"documents": self.documents, "mask_eos_loss": self.mask_eos_loss}
         if not self.dtypes:
-            return [PackedDataset(load_default_corpus_tokens(), self.seq_len)]
-        return [MemmapTokenDataset(s.path, self.seq_len, dtype) for s, dtype in zip(self.sources, self.dtypes)]
+            tokens, starts = load_default_corpus_documents()
+            return [PackedDataset(tokens, self.seq_len, starts, **options)]
+        return [MemmapTokenDataset(s.path, self.seq_len, d, **options) for s, d in zip(self.sources, self.dtypes)]
 
     def check_fits(self, dp_size: int, datasets: list[PackedDataset] | None = None) -> tuple[int, int]:
         """``(train, validation)`` sequences; raises if either cannot fill one global micro-step of ``dp_size`` ranks.

@@ -419,17 +419,9 @@ def _ring_forward(
 
 
 def _ring_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    documents: Tensor | None,
-    group_name: str,
-    method: str,
-    kernel: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    documents: Tensor | None, group_name: str, method: str, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dQ, dK, dV. The K/V blocks go round again; each block's dK/dV accumulator travels with it.
 
     An accumulator moves on with its block after the step that adds to it and is waited for only

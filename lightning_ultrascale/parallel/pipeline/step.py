@@ -127,9 +127,8 @@ class PipelineStep(StepRunner):
         target = labels if holds_last else None
         schedule = self._torch_schedule()
         # Every stage gets the positions and document ids of its microbatch (split with the tokens).
-        kwargs = {"position_ids": position_ids}
-        if batch.get("document_ids") is not None:
-            kwargs["document_ids"] = batch["document_ids"]
+        kwargs = {"position_ids": position_ids, "document_ids": batch.get("document_ids")}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
