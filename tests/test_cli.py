@@ -646,6 +646,21 @@ def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
 
 
 # ------------------------------------------------------------------------ bad input before any process group
+def test_masked_documents_on_a_token_file_without_document_starts_are_refused(tmp_path, monkeypatch):
+    from lightning_ultrascale.data.index import documents_path
+    from lightning_ultrascale.data.prepare import tokenize_corpus
+    from lightning_ultrascale.data.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "c.txt").write_text("a document of its own " * 2000)
+    tokenize_corpus([tmp_path / "c.txt"], tmp_path / "c.bin", load_tokenizer("byte"))
+    documents_path(tmp_path / "c.bin").unlink()  # a file from before the index carried document starts
+    cfg = _compose("data=tokens", f"data.source={tmp_path / 'c.bin'}", "data.documents=mask", "data.seq_len=64")
+    with pytest.raises(ConfigError, match=r"data\.documents=mask .*ultrascale-tokenize.*data\.documents=concat"):
+        build(cfg)
+    assert not dist.is_initialized()
+
+
 def test_a_checkpoint_copy_without_its_meta_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
     partial = tmp_path / "last.ckpt"

@@ -1,6 +1,7 @@
 """The GPU tier: what only a CUDA GPU can check. Run it there with ``pytest -m gpu``; skipped elsewhere.
 
-The CUDA context-parallel kernel against the exact reference, FP8 blockwise tensor-core GEMMs
+The CUDA context-parallel kernel against the exact reference, packed-document attention (the
+variable-length kernel and a masked ring block) against the CPU reference, FP8 blockwise tensor-core GEMMs
 against their emulation, the Triton kernels at Llama 3's hidden sizes, NCCL collectives on the
 root device, and one bf16 training step of llama3_1b that prints its MFU and peak memory.
 """
@@ -34,6 +35,53 @@ def nccl():
     dist.init_process_group("nccl", rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ packed documents
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_document_attention_on_cuda_equals_the_cpu_reference(dtype):
+    # bf16: FlashAttention's variable-length kernel; fp32: SDPA with the boolean mask.
+    from lightning_ultrascale.models.documents import document_attention, uses_varlen
+
+    lengths = [[100, 3, 700, 1, 220], [1024]]
+    docs = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 1024, 128, generator=g) for n in (8, 2, 2))
+    dout = torch.randn(2, 8, 1024, 128, generator=g)
+    cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+    document_attention(*cpu, docs).backward(dout)
+    gpu = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    assert uses_varlen(gpu[0]) == (dtype == torch.bfloat16)
+    out = document_attention(*gpu, docs.cuda())
+    out.backward(dout.to("cuda", dtype))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert relative_error(out.float().cpu(), document_attention(*(t.detach() for t in cpu), docs)) < tol
+    for got, want in zip(gpu, cpu):
+        assert relative_error(got.grad.float().cpu(), want.grad) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_masked_ring_block_on_cuda_equals_the_reference(dtype):
+    # The memory-efficient kernel with a document bias, and a row the mask leaves empty.
+    from lightning_ultrascale.models.documents import document_mask
+    from lightning_ultrascale.parallel.context.attention import KERNELS
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 256, 128, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    dout = torch.randn(2, 8, 256, 128, device="cuda", generator=g)
+    docs_q = torch.repeat_interleave(torch.tensor([3, 4]), torch.tensor([100, 156]))[None].expand(2, -1).cuda()
+    docs_k = torch.repeat_interleave(torch.tensor([2, 3]), torch.tensor([200, 56]))[None].expand(2, -1).cuda()
+    mask = document_mask(docs_q, docs_k, causal=False)
+    (fast, fast_bwd), (ref, ref_bwd) = KERNELS["flash"], KERNELS["reference"]
+    out, lse = fast(q, k, v, False, 128**-0.5, mask)
+    out_ref, lse_ref = ref(q, k, v, False, 128**-0.5, mask)
+    assert torch.isinf(lse[:, :, 100:]).all() and (out[:, :, 100:] == 0).all()  # document 4 is not here
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert relative_error(out, out_ref) < tol and relative_error(lse[:, :, :100], lse_ref[:, :, :100]) < tol
+    rows = slice(0, 100)  # backward with the rows' (finite) global LSE
+    args = (q[:, :, rows], k, v, out_ref[:, :, rows], lse_ref[:, :, rows], dout[:, :, rows], False, 128**-0.5)
+    for got, want in zip(fast_bwd(*args, mask[:, :, rows]), ref_bwd(*args, mask[:, :, rows])):
+        assert relative_error(got, want) < tol
 
 
 # ------------------------------------------------------------------------------------ context parallel kernel
