@@ -286,9 +286,9 @@ def print_documents(rows: list[dict[str, Any]]) -> None:
             f"{p['sends_per_rank']!s:>14} {m['sends_per_rank']!s:>14}"
         )
     print(
-        "(pairs: score pairs the busiest rank computes in the ring's blocks (cp=1 and all_to_all run SDPA: not"
-        "\n counted); sends: K/V blocks and dK/dV accumulators each rank sends, all layers. The mask runs SDPA"
-        "\n with a boolean mask on CPU, slower per pair than the causal kernel; the ring gains by the blocks it skips)"
+        "(pairs: score pairs the busiest rank computes in the ring's blocks (cp=1 and all_to_all run SDPA tile by"
+        "\n tile: not counted); sends: K/V blocks and dK/dV accumulators each rank sends, all layers. Masked, attention"
+        "\n runs in tiles cut at document starts and the ring drops or shrinks blocks that share no document)"
     )
 
 

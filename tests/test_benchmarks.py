@@ -87,9 +87,9 @@ def test_committed_context_run_skips_the_blocks_packed_documents_leave_empty():
         assert row["plain"]["tokens_per_s"] > 0 and row["mask"]["tokens_per_s"] > 0
         if method in ("ring", "zigzag_ring"):
             # Mean 64-token documents in 1024- to 2048-token chunks: off-diagonal blocks shrink to the few
-            # documents that straddle a boundary; what stays is the diagonal blocks (measured 0.25-0.50x).
+            # documents that straddle a boundary, diagonal blocks to tiles (measured 0.04-0.08x).
             plain, masked = row["plain"]["score_pairs_busiest_rank"], row["mask"]["score_pairs_busiest_rank"]
-            assert masked < 0.6 * plain, (cp, method, masked, plain)
+            assert masked < 0.2 * plain, (cp, method, masked, plain)
             assert all(m <= p for m, p in zip(row["mask"]["sends_per_rank"], row["plain"]["sends_per_rank"]))
 
 

@@ -12,8 +12,8 @@ from llama_runs import DEEPSEEK_V3_TINY, MOE_TINY, SGD, run_tiny_llama
 from lightning_ultrascale import ContextParallel, ExpertParallel, PipelineParallel, Recompute, TensorParallel
 from lightning_ultrascale.data.prepare import tokenize_corpus
 from lightning_ultrascale.data.tokenizer import load_tokenizer
-from lightning_ultrascale.models import build_model
-from lightning_ultrascale.models.documents import document_attention, document_mask, memo
+from lightning_ultrascale.models import build_model, documents
+from lightning_ultrascale.models.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
 from lightning_ultrascale.testing import run_workers
@@ -30,9 +30,17 @@ def _positions(lengths: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
 
 
+@pytest.fixture(params=[None, 4], ids=["whole", "tiles-of-4"])
+def tiles(request, monkeypatch):
+    """The default tile (the tests' windows fit in one), and tiles of 4 rows: many kernel calls per window."""
+    if request.param is not None:
+        monkeypatch.setattr(documents, "MIN_TILE", request.param)
+    return request.param
+
+
 # ----------------------------------------------------------------------------- one process
 @pytest.mark.parametrize("model", ["llama_tiny", "moe_tiny", DEEPSEEK_V3_TINY], ids=["llama", "moe", "mla"])
-def test_a_packed_window_gives_each_document_the_losses_it_has_alone(model):
+def test_a_packed_window_gives_each_document_the_losses_it_has_alone(model, tiles):
     net = build_model(model, seed=0)
     tokens = torch.randint(0, net.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     logits = net(tokens, _positions(LENGTHS), document_ids=_documents(LENGTHS))
@@ -62,6 +70,14 @@ def test_the_mask_is_causal_and_within_documents():
          [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
     )  # fmt: skip
     assert torch.equal(mask.int(), expected)
+
+
+def test_tiles_cut_at_document_starts_and_start_their_keys_at_their_first_document():
+    docs = _documents([[3, 5, 2, 6], [8, 8]])  # starts at 3, 8, 10 (row 0) and 8 (row 1)
+    assert document_tiles(docs, min_rows=1) == [(0, 3, 0), (3, 8, 0), (8, 10, 8), (10, 16, 8)]
+    # Row 1's document 0 runs to 8: the tile from 3 needs keys from 0. From 8 on, rows agree.
+    assert document_tiles(docs, min_rows=4) == [(0, 8, 0), (8, 16, 8)]
+    assert document_tiles(docs, min_rows=100) == [(0, 16, 0)]
 
 
 def test_host_values_are_computed_once_per_tensor_and_never_reused_for_another():
@@ -103,13 +119,16 @@ def _cp_attention(method: str, kernel: str, lengths: list[list[int]], v_dim: int
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("tile", [None, 4], ids=["whole", "tiles-of-4"])
 @pytest.mark.parametrize(
     "method,kernel",
     [("ring", "flash"), ("ring", "reference"), ("zigzag_ring", "flash"), ("zigzag_ring", "reference"),
      ("all_to_all", "flash")],
 )  # fmt: skip
-def test_context_parallel_attention_keeps_documents_apart(method, kernel, cp):
-    lengths = [[5, 9, 1, 17, 3, 13, 16], [64]]
+def test_context_parallel_attention_keeps_documents_apart(method, kernel, tile, cp, monkeypatch):
+    if tile is not None:
+        monkeypatch.setattr(documents, "MIN_TILE", tile)  # the forked ranks inherit it
+    lengths = [[5, 9, 1, 17, 3, 13, 16], [30, 34]]
     for v_dim in (8, 6):  # MLA's value heads are narrower than its query/key heads
         results = run_workers(_cp_attention, cp, method, kernel, lengths, v_dim)
         # fp32 against one process's SDPA: measured 1.9e-6 absolute on values of order 1.
@@ -140,6 +159,7 @@ def test_zigzag_skips_the_blocks_of_other_documents():
     assert plan.last == (0, 0, 0, 0)
     results = run_workers(_cp_attention, 4, "zigzag_ring", "flash", chunked, 8)
     assert max(e for e, _, _ in results) < 1e-5 and all(s == 0 for _, _, s in results)
+
     # Documents of two chunks (16 tokens): rank r's first chunk shares one with its neighbour only.
     def pairs(plan):
         return sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) for row in plan.blocks for bs in row for b in bs)
@@ -216,3 +236,11 @@ def test_the_mask_changes_what_is_trained(masked_references, short_documents):
     plain = run_tiny_llama(SGD, steps=1, data_kwargs={"source": short_documents, "val_fraction": 0.0})
     masked = masked_references["llama"].losses[0]
     assert abs(plain.losses[0] - masked) > 1e-3 * abs(masked)
+
+
+@pytest.mark.parametrize("layout", ["one-process", "cp2-ring"])
+def test_tiled_attention_trains_as_the_whole_window(masked_references, short_documents, layout, monkeypatch):
+    monkeypatch.setattr(documents, "MIN_TILE", 8)  # ~8 tiles per 64-token window, in every rank (forked)
+    plugins, world_size = (None, 1) if layout == "one-process" else (lambda: [ContextParallel(2, "ring")], 2)
+    run = run_tiny_llama(SGD, plugins, world_size, dp=1, steps=3, data_kwargs=_masked(short_documents))
+    assert_parity(run, masked_references["llama"], rtol=1e-5)

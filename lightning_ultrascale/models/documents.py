@@ -17,7 +17,9 @@ Kernels, one code path choosing by device (:func:`document_attention`):
   format of Megatron and TransformerEngine): the batch is flattened to one token stream and cut at
   every document start (``cu_seqlens``), so masked pairs are never computed. It needs a
   half-precision input; fp32 takes SDPA with a boolean mask (the memory-efficient kernel).
-* CPU: SDPA with a boolean ``[b, 1, s, s]`` mask (FlexAttention has no CPU backward in torch 2.13).
+* elsewhere: SDPA with a boolean mask, tile by tile (:func:`document_tiles`: tiles cut at document
+  starts, so the pairs between tiles, all masked, are never computed; FlexAttention has no CPU
+  backward in torch 2.13).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def document_mask(doc_q: Tensor, doc_k: Tensor, causal: bool) -> Tensor:
-    """``[b, 1, sq, sk]`` booleans, True where query ``i`` may attend to key ``j``: same document (and ``j <= i``).
+def document_mask(doc_q: Tensor, doc_k: Tensor, causal: bool, offset: int = 0) -> Tensor:
+    """``[b, 1, sq, sk]`` booleans, True where query ``i`` may attend to key ``j``: same document (and causal).
 
-    ``causal`` compares local indices, so it is right for a block whose query and key rows are
-    the same stretch of the window (a diagonal block); an off-diagonal ring block, wholly after its
-    keys, passes ``causal=False``.
+    ``causal`` lets query ``i`` see key ``j`` when ``j <= i + offset``: ``offset`` is how many rows
+    the keys start before the queries (0 for a block whose queries and keys are the same stretch of
+    the window). An off-diagonal ring block, wholly after its keys, passes ``causal=False``.
 
     Example:
         >>> docs = torch.tensor([[0, 0, 1, 1]])
@@ -46,8 +48,39 @@ def document_mask(doc_q: Tensor, doc_k: Tensor, causal: bool) -> Tensor:
     mask = doc_q[:, None, :, None] == doc_k[:, None, None, :]
     if causal:
         sq, sk = doc_q.shape[-1], doc_k.shape[-1]
-        mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=doc_q.device).tril()
+        mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=doc_q.device).tril(offset)
     return mask
+
+
+#: The fewest query rows a tile holds (:func:`document_tiles`): fewer, larger kernel calls.
+MIN_TILE = 128
+
+
+def document_tiles(document_ids: Tensor, min_rows: int | None = None) -> list[tuple[int, int, int]]:
+    """``(start, stop, key_start)`` tiles of a window: query rows ``start:stop`` need keys ``key_start:stop`` only.
+
+    Tiles are cut at document starts (of any row of the batch) once they hold ``min_rows`` rows
+    (default :data:`MIN_TILE`);
+    a tile's keys begin where the document of its first row begins (the earliest over the batch).
+    Attention within documents is then block-diagonal: the pairs between documents of different
+    tiles are never computed. Ids must not decrease along the window (as the data makes them).
+
+    Example:
+        >>> document_tiles(torch.tensor([[0] * 200 + [1] * 100 + [2] * 300]))
+        [(0, 200, 0), (200, 600, 200)]
+    """
+    min_rows = MIN_TILE if min_rows is None else min_rows
+    docs = document_ids.cpu().contiguous()
+    seq = docs.shape[1]
+    cuts = [*document_starts(docs).any(0).nonzero().flatten().tolist()[1:], seq]
+    tiles, start = [], 0
+    for cut in cuts:
+        if cut - start >= min_rows or cut == seq:
+            first = docs[:, start : start + 1].contiguous()
+            key_start = int(torch.searchsorted(docs, first).min())
+            tiles.append((start, cut, key_start))
+            start = cut
+    return tiles
 
 
 def document_starts(document_ids: Tensor) -> Tensor:
@@ -120,5 +153,10 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) ->
     if uses_varlen(q) and v.shape[-1] == q.shape[-1]:
         return _varlen_attention(q, k, v, document_ids)
     k, v = _expand_kv(q, k, v)
-    mask = document_mask(document_ids, document_ids, causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # Tile by tile (document_tiles): the masked pairs between tiles are never computed.
+    outs = []
+    for start, stop, key_start in memo(document_ids, "tiles", document_tiles):
+        keys = slice(key_start, stop)
+        mask = document_mask(document_ids[:, start:stop], document_ids[:, keys], True, start - key_start)
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], attn_mask=mask))
+    return torch.cat(outs, dim=2)

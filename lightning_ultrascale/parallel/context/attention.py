@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ultrascale.models.documents import document_attention, document_mask, memo
+from lightning_ultrascale.models.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
 METHODS = ("ring", "zigzag_ring", "all_to_all")
@@ -64,7 +64,11 @@ def local_positions(method: str, seq_len: int, cp: int, rank: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Block:
-    """One local attention call: query rows ``q`` against key rows ``k`` (slices), causal or not."""
+    """One local attention call: query rows ``q`` against key rows ``k`` (slices), causal or not.
+
+    Causal compares local rows: query row ``i`` sees key row ``j <= i`` (the local order is the
+    window's order, zig-zag included). Without documents a causal block's slices are equal.
+    """
 
     q: slice
     k: slice
@@ -101,16 +105,21 @@ class FlopCounter:
 FLOPS: FlopCounter | None = None
 
 
-def _count(q: Tensor, k: Tensor, causal: bool) -> None:
+def _count(blk: Block, q: Tensor) -> None:
+    """Add a block's score pairs (causal: key ``j`` for query ``i`` when ``j <= i + offset``) to :data:`FLOPS`."""
     if FLOPS is not None:
-        n = q.shape[-2] * k.shape[-2]
-        pairs = n - (q.shape[-2] * (q.shape[-2] - 1)) // 2 if causal else n
+        rows, cols = blk.q.stop - blk.q.start, blk.k.stop - blk.k.start
+        if blk.causal:
+            offset = blk.q.start - blk.k.start
+            pairs = int(torch.clamp(torch.arange(rows) + offset + 1, 0, cols).sum())
+        else:
+            pairs = rows * cols
         FLOPS.pairs += pairs * q.shape[0] * q.shape[1]
 
 
 def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Tensor | None = None) -> Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
+    if causal and mask is None:  # a document mask holds the causal part, with the block's offset
         causal_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(causal_mask, float("-inf"))
     if mask is not None:
@@ -131,7 +140,6 @@ def block_attention(
     ``mask`` (``[b, 1, sq, sk]``, True: attend) keeps documents apart; a row it masks whole has
     output 0 and log-sum-exp -inf.
     """
-    _count(q, k, causal)
     s = _scores(q.float(), k.float(), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - _finite(lse)[..., None]), v.float())
@@ -188,7 +196,6 @@ def _flash_block(
     LSE is padded to a multiple of 32 rows. A row ``mask`` masks whole gets LSE -inf and output 0
     (the kernels return 0 and 0, or NaN).
     """
-    _count(q, k, causal)
     d = max(q.shape[-1], v.shape[-1])
     q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
     bias = _bias(mask, q.dtype)
@@ -321,7 +328,8 @@ def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None =
     """The :class:`RingPlan` for a window split over ``size`` ranks (with its ``document_ids [b, s]``, if any).
 
     With documents, an off-diagonal block is cut to the rows and columns that share a document
-    (:func:`_shrink`) or dropped; the diagonal blocks stay whole (each token sees itself).
+    (:func:`_shrink`) or dropped, and the diagonal block is cut into tiles at document starts
+    (:func:`~lightning_ultrascale.models.documents.document_tiles`).
 
     Example:
         >>> docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # each rank's half is its own document
@@ -338,7 +346,9 @@ def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None =
         row = []
         for src in range(size):
             found = ring_blocks(method, rank, src, local_len)
-            if local is not None and src != rank:
+            if local is not None and src == rank:  # the diagonal, tile by tile within documents
+                found = [Block(slice(a, b), slice(k, b), True) for a, b, k in document_tiles(local[rank])]
+            elif local is not None:
                 shrunk = (_shrink(b, local[rank], local[src]) for b in found)
                 found = [b for b in shrunk if b is not None]
             row.append(tuple(found))
@@ -367,7 +377,8 @@ def _block_inputs(
     k, v = _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep)
     if masks is None:
         return q[:, :, blk.q], k, v, blk.causal, None
-    return q[:, :, blk.q], k, v, blk.causal, document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal)
+    mask = document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal, blk.q.start - blk.k.start)
+    return q[:, :, blk.q], k, v, blk.causal, mask
 
 
 def _local_documents(documents: Tensor | None, method: str, size: int, rank: int) -> Tensor | None:
@@ -403,6 +414,7 @@ def _ring_forward(
         for blk in plan.blocks[rank][src] if plan.holds(rank, step) else ():
             masks = None if mine is None or theirs is None else (mine, theirs)
             q_, k_, v_, causal, mask = _block_inputs(blk, q, kv, n_rep, masks)
+            _count(blk, q)
             o, block_lse = block_forward(q_, k_, v_, causal, scale, mask)
             # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
             old = lse[:, :, blk.q]
