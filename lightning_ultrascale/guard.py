@@ -25,6 +25,7 @@ from lightning_ultrascale.utils.comm import collective_device
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
+    from lightning_ultrascale.parallel.step import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +134,16 @@ class GuardedSteps(ModelParallelStrategy):
 
     guard: NonFiniteGuard
     layout: Layout
+    step: StepRunner
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def guarded() -> Any:
             result = closure()
             assert self.lightning_module is not None
-            self.guard.check(optimizer, self.lightning_module.trainer.global_step, self._name_of)
+            trainer = self.lightning_module.trainer
+            self.step.finish_step(optimizer, trainer.accumulate_grad_batches)  # exact token weighting
+            self.guard.check(optimizer, trainer.global_step, self._name_of)
             return result
 
         return super().optimizer_step(optimizer, guarded, model, **kwargs)

@@ -319,7 +319,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         with self.step.backward_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return super().backward(self.step.weighted(closure_loss), optimizer, *args, **kwargs)
 
     @override
     def setup_precision_plugin(self) -> None:

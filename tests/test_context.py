@@ -38,7 +38,7 @@ from lightning_ultrascale.parallel.context.comms import RingExchange
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
-from lightning_ultrascale.utils.loss import token_weight
+from lightning_ultrascale.utils.loss import TokenNormaliser
 from lightning_ultrascale.utils.memory import peak_bytes
 
 
@@ -346,9 +346,12 @@ def _weighted_losses() -> float:
     if rank == 1:
         labels[0, 2:] = -100
     loss = torch.tensor(1.0 if rank == 0 else 4.0)
-    scaled = loss * token_weight(labels, dist.group.WORLD)
+    norm = TokenNormaliser()
+    scaled = loss * norm.weight(labels)
     dist.all_reduce(scaled)
-    return float(scaled) / 2  # what the gradient average over the ranks sees
+    averaged = scaled / 2  # what the gradient average over the ranks sees
+    norm.finish([averaged], dist.group.WORLD, accumulate=1)  # after the step's last backward
+    return float(averaged)
 
 
 def test_loss_is_weighted_by_each_ranks_labelled_tokens():

@@ -402,8 +402,10 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None) -> Tensor:
-        # ``documents`` by keyword: the tensor-parallel plan prepares the positional inputs only.
-        h = x + self.attention(self.attention_norm(x), cos, sin, documents=documents)
+        # ``documents`` by keyword (the tensor-parallel plan prepares the positional inputs only),
+        # and only when given: an attention of one's own keeps its (x, cos, sin).
+        docs = {} if documents is None else {"documents": documents}
+        h = x + self.attention(self.attention_norm(x), cos, sin, **docs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -612,8 +614,10 @@ class Llama(nn.Module):
             # From the input, not from h: under sequence parallelism h holds a sequence shard.
             position_ids = torch.arange(x.shape[1], device=x.device)[None]
         cos, sin = self._rope_angles(position_ids)
+        # Only with documents: a block wrapped or replaced by code of one's own keeps its (x, cos, sin).
+        docs = {} if document_ids is None else {"documents": document_ids}
         for name in blocks:
-            h = self.layers[name](h, cos, sin, documents=document_ids)
+            h = self.layers[name](h, cos, sin, **docs)
         if head:
             h = self.output(self.norm(h))
         return h

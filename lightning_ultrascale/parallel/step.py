@@ -5,9 +5,9 @@ every path:
 
 - the batch this rank sees (the Layout's batch transforms: context parallelism keeps its tokens);
 - the plugins' step contexts (loss parallel) around forward and backward;
-- token weighting: each rank's loss is weighted by its share of the labelled tokens of the
-  ``dp x cp`` ranks, so the gradient average is the mean over every labelled token
-  (``utils/loss.py``);
+- token weighting: each micro-step's loss is weighted by its labelled fraction and the step's
+  gradients are rescaled after its last backward, so they are the mean over every labelled token
+  of the global batch, across ``dp x cp`` ranks and accumulation micro-steps (``utils/loss.py``);
 - gradient synchronisation: the data-parallel engines' ``no_sync`` on accumulation micro-steps;
 - checkpoint options (a pipeline's stages keep parameters on some ranks only: sharded checkpoints).
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lightning_ultrascale.utils.loss import token_weight
+from lightning_ultrascale.utils.loss import TokenNormaliser
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
@@ -41,6 +41,8 @@ class StepRunner:
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
+        self.tokens = TokenNormaliser()
+        self._weight: torch.Tensor | None = None
 
     @property
     def layout(self) -> Layout:
@@ -55,14 +57,14 @@ class StepRunner:
         args, kwargs = self._transform(args, kwargs)
         with self.layout.step_context():
             output = lightning_step(*args, **kwargs)
-        weight = self.token_weight(batch_and_index(args, kwargs)[0])
-        if weight is None:
-            return output
-        if isinstance(output, torch.Tensor):
-            return output * weight.to(output.dtype)
-        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-            return {**output, "loss": output["loss"] * weight.to(output["loss"].dtype)}
+        # Applied in backward (:meth:`weighted`): the loss Lightning shows and hands callbacks stays the mean.
+        self._weight = self.token_weight(batch_and_index(args, kwargs)[0])
         return output
+
+    def weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward on: weighted by its micro-step's labelled fraction (``utils/loss.py``)."""
+        weight, self._weight = self._weight, None
+        return loss if weight is None else loss * weight.to(loss.dtype)
 
     def validation_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         args, kwargs = self._transform(args, kwargs)
@@ -83,11 +85,15 @@ class StepRunner:
         """Called when fitting starts."""
 
     def token_weight(self, batch: Any) -> torch.Tensor | None:
-        """This rank's share of the labelled tokens of the ``dp x cp`` ranks (1.0 when all hold as many)."""
-        group = self.layout.mesh["dp_cp"]
-        if group.size() == 1 or not isinstance(batch, dict) or not isinstance(batch.get("labels"), torch.Tensor):
+        """This micro-step's labelled fraction (1.0 when every token is labelled); :meth:`finish_step` completes it."""
+        if not isinstance(batch, dict) or not isinstance(batch.get("labels"), torch.Tensor):
             return None
-        return token_weight(batch["labels"], group.get_group())
+        return self.tokens.weight(batch["labels"])
+
+    def finish_step(self, optimizer: torch.optim.Optimizer, accumulate: int) -> None:
+        """After the step's last backward: gradients become the mean over every labelled token of the global batch."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.tokens.finish(grads, self.layout.mesh["dp_cp"].get_group(), accumulate)
 
     def _transform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "batch" in kwargs:

@@ -86,7 +86,14 @@ class ParityRecorder(L.Callback):
         self._loss_sum = self._loss_sum + loss.detach().float().cpu()
         if trainer.fit_loop._should_accumulate():
             return
-        step_loss = trainer.strategy.reduce(self._loss_sum.to(pl_module.device), reduce_op="mean")
+        metrics = getattr(pl_module, "_step_metrics", None) or {}
+        if "train/loss" in metrics:
+            # The module's own loss of the step: every labelled token of the global batch once
+            # (a mean of rank means is not that when ranks hold unequal labelled tokens), plus
+            # the balancing losses it trains with, per token.
+            step_loss = metrics["train/loss"] + metrics.get("train/aux_loss", 0.0)
+        else:
+            step_loss = trainer.strategy.reduce(self._loss_sum.to(pl_module.device), reduce_op="mean")
         self.record.losses.append(float(step_loss))
         self._loss_sum = torch.zeros(())
 

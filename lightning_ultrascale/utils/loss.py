@@ -1,13 +1,22 @@
-"""Token weighting: every labelled token of a global batch counts once, however the batch is split.
+"""Token weighting: every labelled token of a step's global batch counts once, however the batch is split.
 
-A rank's loss is the mean over its own labelled tokens (labels != -100), and gradients are
-averaged over the ``dp x cp`` ranks. The average of per-rank means is the mean over all tokens
-only if every rank holds as many labelled tokens: true for packed data, false with padding or
-ignored labels, or when context parallelism gives one rank the ignored tail of a sequence.
-Weighting each rank's loss by ``n_rank x ranks / n_total`` makes the average exact.
+A micro-batch's loss is the mean over its labelled tokens (labels != -100); gradients are averaged
+over the ``dp x cp`` ranks and, by Lightning, over the accumulation micro-steps. That average of
+means is the mean over all tokens only when every rank and micro-step holds as many labelled
+tokens: true for packed data, false with padding, ignored labels (``data.mask_eos_loss``), or when
+context parallelism gives one rank the ignored tail of a sequence.
+
+:class:`TokenNormaliser` makes it exact without looking ahead: each micro-step's loss is weighted
+by its labelled fraction ``n / L`` (``L`` its label slots), which turns the averaged gradient into
+``sum of token gradients / (ranks x micro-steps x L)``; after the step's last backward the
+gradients are multiplied by ``ranks x micro-steps x L / N`` with ``N`` the step's labelled tokens
+over every rank and micro-step (one all-reduce of two numbers per optimizer step). Both factors
+are exactly 1 when every token is labelled, so packed runs are bit for bit what they were.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -15,12 +24,46 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
-def token_weight(labels: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``n_local x |group| / n_total`` labelled tokens, for the ranks of ``group`` (a collective).
+class TokenNormaliser:
+    """The step's gradient as the mean over every labelled token of its global batch (see the module docstring).
 
-    Exactly 1.0 when every rank holds as many labelled tokens.
+    Example:
+        >>> norm = TokenNormaliser()
+        >>> float(norm.weight(torch.tensor([[1, -100, 2, 3]])))  # 3 of 4 slots labelled
+        0.75
+        >>> grad = torch.ones(2)
+        >>> norm.finish([grad], group=None, accumulate=1)  # one rank, one micro-step: x 4 / 3
+        >>> grad.tolist()
+        [1.3333333730697632, 1.3333333730697632]
     """
-    count = (labels != IGNORE_INDEX).sum().to(torch.float32)
-    total = count.clone()
-    dist.all_reduce(total, group=group)
-    return count * dist.get_world_size(group) / total.clamp(min=1)
+
+    def __init__(self) -> None:
+        self._labelled: torch.Tensor | None = None
+        self._slots = 0
+
+    def weight(self, labels: torch.Tensor) -> torch.Tensor:
+        """This micro-step's factor on its mean loss: its labelled tokens over the step's label slots."""
+        n = (labels != IGNORE_INDEX).sum().to(torch.float64)
+        if self._labelled is None:
+            self._labelled, self._slots = n, labels.numel()
+        else:
+            self._labelled = self._labelled + n
+        return (n / self._slots).to(torch.float32)
+
+    def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:
+        """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token."""
+        if self._labelled is None:
+            return
+        counts = torch.stack((self._labelled, torch.tensor(float(self._slots), dtype=torch.float64)))
+        counts = counts.to(self._labelled.device)
+        self._labelled, self._slots = None, 0
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        factor = accumulate * counts[1] / counts[0].clamp(min=1)
+        for grad in grads:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.mul_(factor.to(local.dtype))
+
+    def reset(self) -> None:
+        """Forget the counts of a step that did not finish (a skipped step)."""
+        self._labelled, self._slots = None, 0
