@@ -29,7 +29,10 @@ contiguous rows (one grouped GEMM, ``torch._grouped_mm``, or a loop). An optiona
 ``capacity_factor`` keeps at most ``ceil(factor * S * k / E)`` tokens of each sequence (``S`` its
 length) per expert, the first ones in position order (GShard's rule, per sequence so that drops are
 the same in every layout: micro-batching, pipelining and context parallelism change what a rank
-sees of a batch, never a sequence), and counts the rest as dropped. Expert parallelism replaces the
+sees of a batch, never a sequence), and counts the rest as dropped. A "sequence" is the packed window
+the sampler delivers, with or without document masking (``data.documents=mask``): the sequence-wise
+loss and the capacity count per window, as Megatron and DeepSeek-V3 do, not per document, so the
+statistics do not depend on where documents fall. Expert parallelism replaces the
 local :class:`Dispatcher` by one that moves tokens to the ranks holding their experts
 (``parallel/expert/``).
 
