@@ -560,33 +560,17 @@ def _(
 
 @torch.library.custom_op("ultrascale::ring_attention_backward", mutates_args=())
 def _ring_attention_backward_op(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    documents: Tensor | None,
-    group_name: str,
-    method: str,
-    kernel: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    documents: Tensor | None, group_name: str, method: str, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _ring_backward(dout, q, k, v, out, lse, documents, group_name, method, kernel)
 
 
-@_ring_attention_backward_op.register_fake
+@_ring_attention_backward_op.register_fake  # the op's schema again, as torch.library needs
 def _(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    documents: Tensor | None,
-    group_name: str,
-    method: str,
-    kernel: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    documents: Tensor | None, group_name: str, method: str, kernel: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
