@@ -115,3 +115,11 @@ def test_plan_check_refuses_bad_layouts_and_ranks_with_the_runs_message():
         main(["--check", "parallel.tp=3", "--world-size", "6"])
     with pytest.raises(SystemExit, match=r"--ranks 0,9: ranks \[9\] are outside the job's 0..7"):
         main(["--check", "--world-size", "8", "--ranks", "0,9"])
+
+
+def test_plan_of_a_data_node_without_a_sequence_length_names_what_it_needs():
+    from lightning_ultrascale.cli.plan import main
+
+    # A DataModule of one's own need not declare seq_len; the planner cannot price a step without it.
+    with pytest.raises(SystemExit, match=r"ultrascale-plan: data.seq_len=None: the planner prices .*positive integers"):
+        main(["~data.seq_len", "--world-size", "8"])

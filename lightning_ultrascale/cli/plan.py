@@ -130,13 +130,17 @@ def workload(cfg: DictConfig) -> Any:
         precision = "bf16-mixed"
     kernels = cfg.get("kernels") or {}
     fused = bool(kernels.get("fused_cross_entropy")) or kernels.get("name", "reference") != "reference"
-    return Workload(
-        _model_config(cfg.model),
-        seq_len=int(cfg.data.seq_len),
-        global_batch_size=int(cfg.data.global_batch_size),
-        precision=precision,
-        fused_cross_entropy=fused,
-    )
+    shape = {}
+    for key in ("seq_len", "global_batch_size"):
+        value = cfg.data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            # A data node of one's own (data._target_=...) may not declare them: the planner needs both.
+            raise ConfigError(
+                f"data.{key}={value!r}: the planner prices a step of data.seq_len tokens x data.global_batch_size "
+                f"sequences; give both as positive integers (e.g. data.{key}={8192 if key == 'seq_len' else 256})"
+            )
+        shape[key] = value
+    return Workload(_model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused)
 
 
 def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:

@@ -164,11 +164,14 @@ class UltraScaleDataModule(L.LightningDataModule):
         return max(max_token_id(s.path, dtype) for s, dtype in zip(self.sources, self.dtypes))
 
     @property
-    def vocab_size(self) -> int:
-        """The vocabulary the data was tokenized with (its index says; bytes for pydoc), else its largest id + 1."""
+    def vocab_size(self) -> int | None:
+        """The vocabulary the data was tokenized with (its index says; bytes for pydoc); None without an index.
+
+        A ``.bin`` without an index does not say: its largest id is checked instead (:attr:`max_token_id`).
+        """
         if not self.dtypes:
             return ByteTokenizer.vocab_size
-        return self.index.vocab_size if self.index is not None else self.max_token_id + 1
+        return self.index.vocab_size if self.index is not None else None
 
     def _dp_coordinates(self) -> tuple[int, int]:
         strategy = getattr(self.trainer, "strategy", None)
