@@ -64,15 +64,17 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _hf_directory(init_from: str | None) -> str | None:
-    """``"hf:DIR"`` -> ``DIR`` (checked now, before any process group)."""
+def _hf_directory(init_from: str | None, config: LlamaConfig) -> str | None:
+    """``"hf:DIR"`` -> ``DIR``, checked before any process group: an HF directory of ``config``'s architecture."""
     if init_from is None:
         return None
     if not init_from.startswith("hf:"):
         raise ConfigError(f"model.init_from={init_from!r}; valid: hf:<directory of an HF model>, or null")
     from lightning_ultrascale.models.hf import hf_directory_config
 
-    hf_directory_config(init_from[3:])
+    wrong = hf_directory_config(init_from[3:]).architecture_differences(config)
+    if wrong:
+        raise ConfigError(f"model.init_from={init_from} is another architecture: {', '.join(wrong)}")
     return init_from[3:]
 
 
@@ -117,7 +119,7 @@ class LlamaModule(L.LightningModule):
         self._warned_unfused = False
         self.optim = optim or OptimConfig()
         self.seed = seed
-        self.init_from = _hf_directory(init_from)
+        self.init_from = _hf_directory(init_from, self.config)
         self.model: Llama | None = None
         #: What the MoE blocks counted over the last optimizer step's global batch (MoE models):
         #: tokens per expert ``[MoE blocks, experts]``, tokens dropped, auxiliary losses' sum.
