@@ -43,8 +43,17 @@ def _interrupted_vs_uninterrupted(
 
 @pytest.mark.parametrize(
     ("stage", "replicate", "tp", "world_size"),
-    [(0, 1, 1, 2), (1, 1, 1, 2), (2, 1, 1, 2), (3, 1, 1, 2), (3, 2, 1, 4), (0, 1, 2, 2), (3, 1, 2, 4), (1, 1, 2, 4),
-     (2, 1, 2, 4)],
+    [
+        (0, 1, 1, 2),
+        (1, 1, 1, 2),
+        (2, 1, 1, 2),
+        (3, 1, 1, 2),
+        (3, 2, 1, 4),
+        (0, 1, 2, 2),
+        (3, 1, 2, 4),
+        (1, 1, 2, 4),
+        (2, 1, 2, 4),
+    ],
 )
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, stage, replicate, tp, world_size):
     # Weights, AdamW states, LR schedule and data position all restored: bit-identical here.

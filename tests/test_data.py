@@ -109,9 +109,7 @@ def test_memmap_dataset_pickles_by_path_not_by_content(tmp_path: Path) -> None:
 
 def test_missing_token_file_names_option_value_and_remedy(tmp_path: Path) -> None:
     missing = tmp_path / "nope.bin"
-    with pytest.raises(
-        ConfigError, match=rf"data\.source={missing}.*ultrascale-tokenize.*data\.source=pydoc"
-    ):
+    with pytest.raises(ConfigError, match=rf"data\.source={missing}.*ultrascale-tokenize.*data\.source=pydoc"):
         MemmapTokenDataset(missing, seq_len=8)
     with pytest.raises(ConfigError, match=r"data\.source="):
         UltraScaleDataModule(str(missing), seq_len=8, micro_batch_size=2)  # fails at construction
@@ -192,12 +190,7 @@ def test_resume_position_carries_over_to_another_dp_size() -> None:
         s = DataParallelSampler(range(40), 2, num_replicas=2, rank=r)
         s.load_state_dict(state)
         resumed.append(list(s))
-    merged = [
-        i
-        for step in range(len(resumed[0]) // 2)
-        for r in range(2)
-        for i in resumed[r][2 * step : 2 * step + 2]
-    ]
+    merged = [i for step in range(len(resumed[0]) // 2) for r in range(2) for i in resumed[r][2 * step : 2 * step + 2]]
     assert merged == single[12:]
 
 
@@ -205,9 +198,7 @@ def test_loader_state_counts_batches_handed_out_not_indices_prefetched_by_worker
     data = PackedDataset(torch.arange(401), seq_len=4)  # 100 sequences
     sampler = DataParallelSampler(data, micro_batch_size=2, num_replicas=2, rank=0, seed=3)
     loader = ResumableDataLoader(data, sampler, num_workers=2)
-    reference = [
-        b["input_ids"] for b in ResumableDataLoader(data, DataParallelSampler(data, 2, 2, 0, seed=3))
-    ]
+    reference = [b["input_ids"] for b in ResumableDataLoader(data, DataParallelSampler(data, 2, 2, 0, seed=3))]
     it = iter(loader)
     seen = [next(it)["input_ids"] for _ in range(5)]
     assert sampler.state_dict()["consumed_samples"] > 5 * 4  # the workers have read ahead
@@ -294,9 +285,7 @@ def test_datamodule_too_small_for_one_global_batch_names_the_options(tmp_path: P
     path, _ = _write_corpus(tmp_path)  # ~50 tokens
     dm = UltraScaleDataModule(str(path), seq_len=8, micro_batch_size=4, val_fraction=0.0)
     dm.trainer = SimpleNamespace(strategy=_DPStrategy(dp_size=2, dp_rank=0))  # type: ignore[assignment]
-    with pytest.raises(
-        ConfigError, match=r"data\.seq_len=8 x data\.micro_batch_size=4 x dp=2 needs 8 sequences"
-    ):
+    with pytest.raises(ConfigError, match=r"data\.seq_len=8 x data\.micro_batch_size=4 x dp=2 needs 8 sequences"):
         dm.setup("fit")
     dm = UltraScaleDataModule(str(path), seq_len=8, micro_batch_size=1, val_fraction=0.1)
     with pytest.raises(ConfigError, match=r"data\.val_fraction=0\.1 holds out 0 sequences"):

@@ -27,9 +27,7 @@ def test_sizes_must_be_positive_integers(size):
 
 
 def test_tp_must_divide_heads_and_kv_heads():
-    with pytest.raises(
-        ConfigError, match=r"parallel.tp=3 must divide n_heads=8 of model m; valid: 1, 2, 4, 8"
-    ):
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 must divide n_heads=8 of model m; valid: 1, 2, 4, 8"):
         ParallelDims(tp=3).validate_model(SPEC)
     with pytest.raises(ConfigError, match=r"parallel.tp=8 must divide n_kv_heads=4 .* valid: 1, 2, 4"):
         ParallelDims(tp=8).validate_model(SPEC)
@@ -39,9 +37,7 @@ def test_tp_must_divide_heads_and_kv_heads():
 def test_pp_cannot_exceed_layers_and_ep_must_divide_experts():
     with pytest.raises(ConfigError, match=r"parallel.pp=5 exceeds n_layers=4"):
         ParallelDims(pp=5).validate_model(SPEC)
-    with pytest.raises(
-        ConfigError, match=r"parallel.ep=3 must divide n_experts=8 of model m; valid: 1, 2, 4, 8"
-    ):
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide n_experts=8 of model m; valid: 1, 2, 4, 8"):
         ParallelDims(dp_shard=6, ep=3).validate_model(SPEC)
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the data-parallel ranks .* = 1 x 2 x 1 = 2"):
         ParallelDims(dp_shard=2, ep=4).validate(world_size=2)
