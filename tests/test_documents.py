@@ -219,6 +219,11 @@ MASKED_LAYOUTS = {
     "cp2-all-to-all": ("llama", lambda: [ContextParallel(2, "all_to_all")], 2),
     "mla-cp2": ("mla", lambda: [ContextParallel(2, "zigzag_ring")], 2),
     "ep2xcp2": ("moe", lambda: [ExpertParallel(2), ContextParallel(2)], 2),
+    # The ids through compositions: full windows beside sharded heads, microbatched V-schedules.
+    "cp2xtp2": ("llama", lambda: [ContextParallel(2), TensorParallel(2)], 4),
+    "cp2xpp2": ("llama", lambda: [ContextParallel(2), PipelineParallel(2, "1f1b", 2)], 4),
+    "pp2-zbv": ("llama", lambda: [PipelineParallel(2, "zbv", 4)], 2),
+    "pp2-dualpipev": ("llama", lambda: [PipelineParallel(2, "dualpipev", 4)], 2),
 }
 # Gradient accumulation with ignored separator labels: micro-batches hold unequal labelled tokens,
 # so only a normaliser over the whole step (not a mean of micro-batch means) matches one process.
