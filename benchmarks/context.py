@@ -61,6 +61,7 @@ from torch import Tensor  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from lightning_ultrascale import ContextParallel, build_model, get_model_config  # noqa: E402
+from lightning_ultrascale.data.datasets import document_positions  # noqa: E402
 from lightning_ultrascale.parallel.context import attention as context_attention  # noqa: E402
 from lightning_ultrascale.parallel.context import comms as context_comm  # noqa: E402
 from lightning_ultrascale.parallel.context.attention import FlopCounter  # noqa: E402
@@ -212,15 +213,10 @@ def short_documents(seq_len: int, batch: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(batch):
-        lengths = (torch.empty(seq_len).exponential_(1 / DOC_MEAN, generator=gen).long() + 1).tolist()
-        ids = torch.repeat_interleave(torch.arange(seq_len), torch.tensor(lengths))[:seq_len]
-        rows.append(ids)
-    docs = torch.stack(rows)
-    starts = torch.ones_like(docs, dtype=torch.bool)
-    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-    index = torch.arange(seq_len).expand_as(docs)
-    first = torch.where(starts, index, 0).cummax(dim=1).values
-    return docs, index - first
+        lengths = torch.empty(seq_len).exponential_(1 / DOC_MEAN, generator=gen).long() + 1
+        starts = lengths.cumsum(0).numpy()
+        rows.append(document_positions(starts[starts < seq_len], seq_len))  # what the data gives a window
+    return torch.stack([r["document_ids"] for r in rows]), torch.stack([r["position_ids"] for r in rows])
 
 
 def documents_worker(cp: int, method: str, seq_len: int, repeats: int) -> dict[str, Any]:

@@ -130,7 +130,7 @@ def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | 
 
 
 class GuardedSteps(ModelParallelStrategy):
-    """The strategy's part: check between backward and the optimizer step (its ``guard``)."""
+    """The strategy's part between backward and the optimizer step: token weighting, then the ``guard``'s check."""
 
     guard: NonFiniteGuard
     layout: Layout

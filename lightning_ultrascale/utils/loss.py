@@ -63,7 +63,3 @@ class TokenNormaliser:
         for grad in grads:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             local.mul_(factor.to(local.dtype))
-
-    def reset(self) -> None:
-        """Forget the counts of a step that did not finish (a skipped step)."""
-        self._labelled, self._slots = None, 0

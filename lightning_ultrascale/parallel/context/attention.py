@@ -199,17 +199,17 @@ def _flash_block(
     d = max(q.shape[-1], v.shape[-1])
     q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
     bias = _bias(mask, q.dtype)
+    causal = causal and mask is None  # a document mask holds the causal part, with the block's offset
     aten = torch.ops.aten
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q_, k_, v_, 0.0, causal and bias is None, attn_mask=bias, scale=scale
+            q_, k_, v_, 0.0, causal, attn_mask=bias, scale=scale
         )[:2]
     elif _cuda_flash(q) and bias is None:
         out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
     else:
         if bias is not None:
             bias = bias.expand(-1, q.shape[1], -1, -1)
-        causal = causal and bias is None  # a mask holds the causal part
         out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., : q.shape[-2]]
     out, lse = out[..., : v.shape[-1]].float(), lse.float()
@@ -235,10 +235,11 @@ def _flash_block_backward(
     d = max(q.shape[-1], v.shape[-1])
     dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
     bias = _bias(mask, q.dtype)
+    causal = causal and mask is None  # as in the forward
     aten = torch.ops.aten
     if q.device.type == "cpu":
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_, q_, k_, v_, out_, lse, 0.0, causal and bias is None, attn_mask=bias, scale=scale
+            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     elif _cuda_flash(q) and bias is None:
         # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
@@ -252,7 +253,6 @@ def _flash_block_backward(
             bias = bias.expand(-1, q.shape[1], -1, -1)
         padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
         none = torch.empty(0, dtype=torch.int64, device=q.device)
-        causal = causal and bias is None
         grads = aten._scaled_dot_product_efficient_attention_backward(
             dout_, q_, k_, v_, bias, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
         )

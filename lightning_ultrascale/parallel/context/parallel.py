@@ -35,7 +35,8 @@ from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
-#: Batch entries cut along the sequence (dim 1).
+#: Batch entries cut along the sequence (dim 1). ``document_ids`` stay whole: ring and all-to-all
+#: attention read every rank's documents from them (see ``attention.py``: the ring's plan).
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids")
 
 
