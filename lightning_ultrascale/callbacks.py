@@ -236,7 +236,8 @@ class TrainingMetrics(L.Callback):
         return (expected, k) if expected is not None else None
 
     def _log_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        states = model_state_bytes(pl_module, trainer.optimizers)
+        measure = getattr(trainer.strategy, "model_state_bytes", None)
+        states = measure() if measure is not None else model_state_bytes(pl_module, trainer.optimizers)
         mib = 2**20
         metrics = {"memory/params_mib": states.params / mib, "memory/grads_mib": states.grads / mib}
         if states.optimizer_states:

@@ -55,6 +55,15 @@ def parameter_names(module: nn.Module) -> dict[nn.Parameter, list[str]]:
     return names
 
 
+def optimizer_names(module: nn.Module, syncs: Sequence[GradientSync]) -> dict[nn.Parameter, list[str]]:
+    """:func:`parameter_names`, plus a parameter's names for the tensor the optimizer steps in its place (a master)."""
+    names = parameter_names(module)
+    for sync in syncs:
+        for param, alias in sync.optimizer_aliases().items():
+            names[alias] = names[param]  # type: ignore[index]
+    return names
+
+
 def named_optimizer_state(module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync]) -> dict[str, Any]:
     """``optimizer``'s state in the one format: ``state.<name>.<key>`` and ``param_groups.<name>.<hyperparameter>``.
 
@@ -62,7 +71,7 @@ def named_optimizer_state(module: nn.Module, optimizer: Optimizer, syncs: Sequen
     optimizer in place; :func:`load_named_optimizer_state` does the rest.
     """
     initialize_state(optimizer)
-    names = parameter_names(module)
+    names = optimizer_names(module, syncs)
     out: dict[str, Any] = {}
     handled: set[int] = set()
     for sync in syncs:
@@ -83,7 +92,7 @@ def load_named_optimizer_state(
     module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync], loaded: dict[str, Any]
 ) -> None:
     """After ``dcp.load`` into :func:`named_optimizer_state`'s dict: hyperparameters and non-tensor state."""
-    names = parameter_names(module)
+    names = optimizer_names(module, syncs)
     handled: set[int] = set()
     for sync in syncs:
         sync.load_named_optimizer_state(loaded, names)
@@ -312,6 +321,32 @@ class LayoutCheckpoints(ModelParallelStrategy):
         super().on_train_end()
         self.finish_checkpoint()
 
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict, with the fp32 master weights in place of bf16 ones (``bf16-mixed``, ZeRO 0-2).
+
+        A checkpoint holds what the optimizer steps, so a run resumes exactly, and an fp32 run
+        (or any layout) loads it as its own weights.
+        """
+        state = super().lightning_module_state_dict()
+        masters = self._master_state()
+        if not masters:
+            return state
+        if not self._save_distributed_checkpoint:
+            if any(not isinstance(m, torch.Tensor) for m in masters.values()):
+                raise ConfigError(
+                    f"{self.parallel_dims.describe()}: the fp32 master weights are sharded across ranks; save them "
+                    "with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
+                )
+            masters = {k: (m.full_tensor() if isinstance(m, DTensor) else m).detach().cpu() for k, m in masters.items()}
+        state.update({k: v for k, v in masters.items() if k in state})
+        return state
+
+    def _master_state(self) -> dict[str, Any]:
+        assert self.model is not None
+        names = parameter_names(self.model)
+        return {k: v for sync in self.layout.grad_syncs for k, v in sync.master_state(names).items()}
+
     def _shards_optimizer(self) -> bool:
         return any(sync.optimizer_shards() for sync in self.layout.grad_syncs)
 
@@ -353,19 +388,37 @@ class LayoutCheckpoints(ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):
             if any(isinstance(p, DTensor) for p in self.model.parameters()):
+                if self._master_state():
+                    raise ConfigError(
+                        f"ckpt_path={path} is a single-file checkpoint, which loads tensor-parallel layouts only "
+                        "without master weights (bf16-mixed at ZeRO 0-2 keeps them): save with "
+                        "save_distributed_checkpoint=True (the default) and resume from that directory"
+                    )
                 return super().load_checkpoint(path, weights_only=weights_only)
             checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-            self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+            weights = checkpoint.pop("state_dict")
+            self.model.load_state_dict(weights, strict=strict)
+            # The masters (bf16-mixed, ZeRO 0-2) take the file's full precision.
+            values = {p: weights[n[0]] for p, n in parameter_names(self.model).items() if n[0] in weights}
+            for sync in self.layout.grad_syncs:
+                sync.load_masters(values)
             for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
                 optimizer.load_state_dict(state)
             return checkpoint
         # DCP loads into the tensors of a template, in place, each rank its own chunks.
         syncs = self.layout.grad_syncs
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        # fp32 master weights (bf16-mixed, ZeRO 0-2) are loaded in place of the bf16 parameters.
+        masters = {k: v for k, v in self._master_state().items() if k in state["state_dict"]}
+        live = {k: state["state_dict"][k] for k in masters}
+        state["state_dict"].update(masters)
         for idx, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{idx}"] = named_optimizer_state(self.model, optimizer, syncs)
         dcp_load(state, checkpoint_id=path)
+        state["state_dict"].update(live)
         self.model.load_state_dict(state["state_dict"], strict=strict)
+        for sync in syncs:
+            sync.load_masters()
         for idx, optimizer in enumerate(self.optimizers):
             load_named_optimizer_state(self.model, optimizer, syncs, state[f"optimizer_{idx}"])
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.

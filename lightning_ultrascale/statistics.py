@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lightning_ultrascale.utils.memory import ModelStateBytes
+from lightning_ultrascale.utils.memory import ModelStateBytes, model_state_bytes
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.dims import ParallelDims
@@ -51,6 +51,19 @@ class LayoutStatistics(ModelParallelStrategy):
         for sync in self.layout.grad_syncs:
             grads.update(sync.reduced_gradients() or {})
         return grads or None
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's fp32 master copy where the layout keeps one (``bf16-mixed``, ZeRO 0-2; a collective)."""
+        masters: dict[nn.Parameter, torch.Tensor] = {}
+        for sync in self.layout.grad_syncs:
+            masters.update(sync.master_weights())
+        return masters
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """This rank's parameters, gradients and optimizer states, engines' gradient buckets included."""
+        assert self.lightning_module is not None
+        held = [t for sync in self.layout.grad_syncs for t in sync.grad_buffers()]
+        return model_state_bytes(self.lightning_module, self.optimizers, extra_grad_buffers=held)
 
     def expected_model_state_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes | None:
         """The playbook's per-rank model state for this layout: each engine's formula for its share."""

@@ -333,7 +333,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
             float(clip_val),
             plan.across,
             plan.groups_of,
-            uncounted=[model.get_parameter(name) for name in plan.skip],
+            uncounted=[self.layout.stepped(model.get_parameter(name)) for name in plan.skip],
         )
 
     def describe(self) -> str:

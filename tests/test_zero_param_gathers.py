@@ -179,12 +179,12 @@ def _gathered(precision: str) -> tuple[set[torch.dtype], int, int]:
 
 @pytest.mark.parametrize(
     ("precision", "dtype"),
-    [("32-true", torch.float32), ("bf16-mixed", torch.float32), ("bf16-true", torch.bfloat16)],
+    [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16)],
 )
 def test_zero12_gathers_parameters_in_their_own_dtype(precision, dtype):
     param_dtypes, gathered_bytes, n_params = run_workers(_gathered, 2, precision)[0]
-    # bf16-mixed: Lightning keeps fp32 parameters (autocast casts per op), so 4 bytes move; once
-    # parameters are bf16 (bf16-true) the gather moves 2. Padding: under N=2 ranks at most one element
-    # per bucket (two buckets: the weight-decayed parameters and the others).
+    # bf16-mixed: bf16 weights on the device (their fp32 masters are the optimizer's shards), so 2
+    # bytes move, as under bf16-true; fp32 moves 4. Padding: under N=2 ranks at most one element per
+    # bucket (two buckets: the weight-decayed parameters and the others).
     assert param_dtypes == {dtype}
     assert n_params * dtype.itemsize <= gathered_bytes <= (n_params + 2) * dtype.itemsize

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -171,6 +172,14 @@ class Layout:
     def model_parts(self, model: nn.Module) -> list[nn.Module]:
         """The modules whose ``forward`` a step calls: the pipeline stages if there are any, else the model."""
         return list(self.parts) if self.parts is not None else [model]
+
+    def stepped(self, param: nn.Parameter) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: itself, or its fp32 master (``bf16-mixed``, ZeRO 0)."""
+        for sync in self.grad_syncs:
+            alias = sync.optimizer_aliases().get(param)
+            if alias is not None:
+                return alias
+        return param
 
     def declare_gradient_group(self, name: str, dims: tuple[str, ...], params: set[str] | frozenset[str]) -> None:
         """Reduce the gradients of ``params`` (names) over ``dims`` instead of the default data dims."""

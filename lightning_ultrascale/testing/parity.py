@@ -65,6 +65,8 @@ class RunRecord:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: The parameters when training started (the fp32 masters where kept): ``params - initial`` is the update.
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
     #: Final persistent buffers (e.g. MoE routing biases), and how far apart the ranks' copies are.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     buffer_spread: dict[str, float] = field(default_factory=dict)
@@ -104,13 +106,22 @@ class ParityRecorder(L.Callback):
         grads = {n: reduced.get(p, p.grad) for n, p in pl_module.named_parameters()}
         self.record.grads.append(_whole_model({n: _full(g) for n, g in grads.items() if g is not None}))
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record.initial = _stepped(trainer, pl_module)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Callbacks run before the strategy's on_train_end: a sharded optimizer's gathers may be in flight.
         getattr(trainer.strategy, "wait_for_parameters", lambda: None)()
-        self.record.params = _whole_model({n: _full(p) for n, p in pl_module.named_parameters()})
+        self.record.params = _stepped(trainer, pl_module)
         persistent = pl_module.state_dict().keys()
         buffers = {n: _full(b) for n, b in pl_module.named_buffers() if n in persistent}
         self.record.buffers = _whole_model(buffers, self.record.buffer_spread)
+
+
+def _stepped(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """The whole model's parameters as the optimizer steps them: the fp32 masters of bf16 weights where kept."""
+    masters = getattr(trainer.strategy, "master_weights", dict)()
+    return _whole_model({n: _full(masters.get(p, p)) for n, p in pl_module.named_parameters()})
 
 
 def record_run(

@@ -27,7 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ModelStateBytes", "format_bytes", "model_state_bytes", "peak_bytes", "playbook_model_state_bytes"]
+__all__ = [
+    "ModelStateBytes",
+    "format_bytes",
+    "layout_model_state_bytes",
+    "model_state_bytes",
+    "peak_bytes",
+    "playbook_model_state_bytes",
+]
 
 
 def format_bytes(n: float) -> str:
@@ -118,10 +125,11 @@ def model_state_bytes(
 
     DTensors (FSDP2 and tensor-parallel parameters, their gradients and Adam states) count their
     local shard. Tensors sharing a storage count once, in any category where they appear first:
-    parameters (the model's and the optimizer's), then ``extra_grad_buffers`` (flat gradient
-    buckets of a data-parallel engine whose ``.grad`` are views into them), then ``.grad``, then
-    every tensor in ``optimizer.state``
-    (``exp_avg``, ``exp_avg_sq``, ``step`` when it is a tensor, ...) of ``optimizer``, which may
+    parameters (the model's, then the optimizer's: one in storage no model parameter holds is the
+    fp32 master copy of bf16 weights and counts as optimizer state, as the playbook counts it),
+    then ``extra_grad_buffers`` (flat gradient buckets of a data-parallel engine), then ``.grad``,
+    then every tensor in ``optimizer.state`` (``exp_avg``, ``exp_avg_sq``, ``step`` when it is a
+    tensor, ...) of ``optimizer``, which may
     also be a list of optimizers (``trainer.optimizers``).
 
     Example:
@@ -138,25 +146,37 @@ def model_state_bytes(
     else:
         optimizers = list(optimizer)
     count = _StorageCounter()
+    model_params = list(model.parameters())
     # The optimizer's own parameters too: a sharded optimizer (ZeRO-1/2) updates flat shards that
     # view the model's parameter buffers (counted once) and holds the reduced gradients on them.
-    params = [*model.parameters(), *(p for opt in optimizers for group in opt.param_groups for p in group["params"])]
-    param_bytes = count(params)
+    # One in storage of its own is a master copy (fp32 weights under bf16 ones): optimizer state.
+    optimizer_params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    param_bytes = count(model_params)
+    master_bytes = count(optimizer_params)
+    params = [*model_params, *optimizer_params]
     grad_bytes = count(extra_grad_buffers) + count(p.grad for p in params if p.grad is not None)
-    opt_bytes = count(_optimizer_tensors(optimizers))
+    opt_bytes = master_bytes + count(_optimizer_tensors(optimizers))
     return ModelStateBytes(params=param_bytes, grads=grad_bytes, optimizer_states=opt_bytes)
 
 
 def playbook_model_state_bytes(
-    n_params: int, stage: int, dp: int, k_optimizer: int | None = None, mixed_precision: bool = True
+    n_params: int,
+    stage: int,
+    dp: int,
+    k_optimizer: int | None = None,
+    mixed_precision: bool = True,
+    grad_bytes: int | None = None,
+    weight_bytes: int | None = None,
 ) -> ModelStateBytes:
     """The playbook's per-rank model-state memory for ZeRO ``stage`` on ``dp`` ranks.
 
     ``mixed_precision=True``: bf16 params and grads (2Ψ each) and ``k_optimizer``Ψ of fp32 state
     (default 12: master weights, Adam m and v); ``False``: fp32 params and grads (4Ψ each) and
-    ``k_optimizer``Ψ of state (default 8: Adam m and v; 4 for SGD with momentum). Stage 1 divides
-    the optimizer part by ``dp``, stage 2 also the gradients, stage 3 also the parameters (module
-    docstring has the table).
+    ``k_optimizer``Ψ of state (default 8: Adam m and v; 4 for SGD with momentum). ``grad_bytes``
+    and ``weight_bytes`` override the bytes per parameter of the gradients (4: an fp32 gradient
+    buffer under bf16 weights) and of the weights. Stage 1 divides the optimizer part by ``dp``,
+    stage 2 also the gradients, stage 3 also the parameters (module docstring has the table);
+    a divided part is rounded up (a rank holds whole elements).
 
     Example:
         >>> playbook_model_state_bytes(10**9, stage=0, dp=8).total     # 16 bytes per parameter
@@ -169,13 +189,62 @@ def playbook_model_state_bytes(
     if dp < 1:
         raise ValueError(f"dp={dp} must be >= 1")
     param_b, grad_b, default_k = (2, 2, 12) if mixed_precision else (4, 4, 8)
+    param_b = param_b if weight_bytes is None else weight_bytes
+    grad_b = grad_b if grad_bytes is None else grad_bytes
     opt_b = default_k if k_optimizer is None else k_optimizer
     params, grads, opt = param_b * n_params, grad_b * n_params, opt_b * n_params
     return ModelStateBytes(
-        params=params // dp if stage >= 3 else params,
-        grads=grads // dp if stage >= 2 else grads,
-        optimizer_states=opt // dp if stage >= 1 else opt,
+        params=-(-params // dp) if stage >= 3 else params,
+        grads=-(-grads // dp) if stage >= 2 else grads,
+        optimizer_states=-(-opt // dp) if stage >= 1 else opt,
     )
+
+
+#: The precisions whose model state :func:`layout_model_state_bytes` knows (Lightning's names).
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def layout_model_state_bytes(
+    n_params: int, stage: int, dp: int, precision: str, reduce_dtype: str = "fp32", k_optimizer: int | None = None
+) -> ModelStateBytes:
+    """Per-rank model state of ``n_params`` parameters as our ZeRO engines hold them: the one formula.
+
+    The engines' logged expectation, ``benchmarks/zero.py`` and the planner all call this. Bytes
+    per parameter before the stage divides them (``ZeRO``'s table), AdamW by default:
+
+    ==================  ==========================  ================  ===========================
+    precision           weights                     gradients         optimizer state (default k)
+    ==================  ==========================  ================  ===========================
+    ``32-true``         4 (their own master)        4                 8: Adam's m and v
+    ``bf16-mixed`` 0-2  2 (bf16)                    4 or 2 [1]_       12: fp32 master + m + v
+    ``bf16-mixed`` 3    4: FSDP2's sharded fp32     4 [2]_            8: m and v
+                        parameter is the master
+    ``bf16-true``       2 (no master copy)          2                 4: m and v in bf16
+    ==================  ==========================  ================  ===========================
+
+    ``k_optimizer`` overrides the last column (what the optimizer holds per parameter, the
+    master included: 8 for SGD with momentum under ``bf16-mixed``).
+
+    .. [1] ``reduce_dtype="fp32"`` (default): the fp32 buffer that accumulates micro-steps, is
+       reduced and is the masters' gradient (Megatron's main gradients); ``"bf16"``: bf16 buckets
+       (the playbook's 2Ψ), plus, from the end of backward to the end of the optimizer step, the
+       fp32 copy the masters step with (4Ψ, divided like the optimizer state): a transient this
+       count leaves out, as it leaves out buckets in flight.
+    .. [2] FSDP2 keeps sharded gradients in the sharded parameters' dtype, fp32.
+
+    Example:
+        >>> layout_model_state_bytes(10**9, stage=1, dp=8, precision="bf16-mixed", reduce_dtype="bf16")
+        ModelStateBytes(params=2000000000, grads=2000000000, optimizer_states=1500000000, total=5500000000)
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} has no model-state formula; valid: {', '.join(PRECISIONS)}")
+    if precision == "32-true" or (precision == "bf16-mixed" and stage == 3):
+        return playbook_model_state_bytes(n_params, stage, dp, k_optimizer=k_optimizer, mixed_precision=False)
+    if precision == "bf16-true":
+        k = 4 if k_optimizer is None else k_optimizer
+        return playbook_model_state_bytes(n_params, stage, dp, k_optimizer=k, mixed_precision=True)
+    grad_b = 4 if reduce_dtype == "fp32" else 2
+    return playbook_model_state_bytes(n_params, stage, dp, k_optimizer=k_optimizer, grad_bytes=grad_b)
 
 
 def peak_bytes(fn: Callable[[], object], *inputs: torch.Tensor) -> int:

@@ -12,6 +12,12 @@ registration order.
 
 Gradients live in the flat bucket buffers (``param.grad`` is a view), so reducing a bucket costs
 no extra copy after the first gradient of a step, and model-state accounting sees one buffer.
+
+Main gradients. Under ``bf16-mixed`` the parameters are bf16 and the optimizer steps their fp32
+master copies (``master.py``). With an fp32 reduction the buckets are fp32 *main gradients*
+(Megatron's name): each bf16 gradient autograd produces is added into its fp32 slice and dropped
+(``param.grad`` stays ``None``), so micro-steps accumulate in fp32 and the reduced bucket is the
+masters' gradient with no copy.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +51,8 @@ class GradBucket:
 class _AllReduceBucket(GradBucket):
     # The tensor on the wire when the reduction runs in another dtype than the gradients.
     wire: torch.Tensor | None = None
+    # The fp32 copy of a reduced bf16 bucket the master weights step with (until the step is done).
+    main: torch.Tensor | None = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -81,6 +89,12 @@ def _like_param(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
+
+
+def _drain(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Add ``param``'s gradient into its main-gradient slice ``view`` (fp32) and drop it."""
+    view.add_(_local(_like_param(param.grad, param)))
+    param.grad = None
 
 
 def _dtype_and_device(param: nn.Parameter) -> Hashable:
@@ -142,6 +156,9 @@ class GradientBuckets(abc.ABC):
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.sync = True
+        #: fp32 main-gradient buffers under bf16 parameters (module docstring): every gradient is
+        #: added into its bucket and dropped, instead of living in it as ``param.grad``.
+        self.main_grads = False
         self.buckets: list[GradBucket] = []
         self._slot: dict[nn.Parameter, tuple[GradBucket, int]] = {}
         self._next = 0
@@ -168,8 +185,8 @@ class GradientBuckets(abc.ABC):
         """Give ``bucket`` its flat gradient buffer and the per-parameter views into it."""
 
     @abc.abstractmethod
-    def _launch(self, bucket: GradBucket) -> dist.Work:
-        """Start the bucket's asynchronous reduction (all-ranks, index order)."""
+    def _launch(self, bucket: GradBucket) -> dist.Work | None:
+        """Start the bucket's asynchronous reduction (all-ranks, index order); ``None``: nothing to wait for."""
 
     @abc.abstractmethod
     def _complete(self) -> None:
@@ -188,7 +205,9 @@ class GradientBuckets(abc.ABC):
         if bucket.grad_buffer is None:
             self._allocate_grads(bucket)
         view = bucket.grad_views[i]
-        if not _holds(param.grad, view):
+        if self.main_grads:
+            _drain(param, view)
+        elif not _holds(param.grad, view):
             # First gradient since zero_grad(set_to_none=True) or since the bucket was freed:
             # move it into the bucket so later micro-steps accumulate in place there.
             grad = _like_param(param.grad, param)
@@ -211,6 +230,16 @@ class GradientBuckets(abc.ABC):
         self._callback_queued = False
         if self.sync:
             for bucket in self.buckets:
+                if self.main_grads:
+                    # Gradients a pipeline's weight-only backward assigned without a hook are added
+                    # too; parameters without one have nothing to add (their slices hold zeros).
+                    if bucket.grad_buffer is None:
+                        self._allocate_grads(bucket)
+                    for p, view in zip(bucket.params, bucket.grad_views):
+                        if p.grad is not None:
+                            _drain(p, view)
+                    bucket.ready = len(bucket.params)
+                    continue
                 if bucket.ready == len(bucket.params):
                     continue
                 # Parameters that took no part in this backward are still reduced on every rank
@@ -263,6 +292,11 @@ class GradientBuckets(abc.ABC):
 class BucketedAllReduce(GradientBuckets):
     """Average the gradients of ``params`` over ``group`` in buckets, overlapped with backward.
 
+    ``masters``: the fp32 master copy of each (bf16) parameter, which the optimizer steps instead
+    (``bf16-mixed``): after the reduction each master's ``.grad`` is its bucket's slice in fp32
+    (the bucket itself under an fp32 ``reduce_dtype``, a copy under bf16, dropped after the step),
+    and :meth:`after_step` copies the updated masters into the parameters.
+
     Example:
         >>> reducer = BucketedAllReduce(model.parameters(), mesh["dp_cp"].get_group())  # doctest: +SKIP
         >>> loss.backward()  # gradients are averaged over the group when this returns  # doctest: +SKIP
@@ -276,6 +310,7 @@ class BucketedAllReduce(GradientBuckets):
         group: dist.ProcessGroup,
         bucket_bytes: int,
         reduce_dtype: torch.dtype | None = None,
+        masters: Mapping[nn.Parameter, nn.Parameter] | None = None,
     ) -> None:
         managed = [p for p in params if p.requires_grad]
         super().__init__(managed)
@@ -283,6 +318,8 @@ class BucketedAllReduce(GradientBuckets):
         self.group_size = dist.get_world_size(group)
         # bf16 gradients summed in fp32: a transient fp32 copy per bucket buys exact sums.
         self.reduce_dtype = reduce_dtype
+        self.masters = masters
+        self.main_grads = masters is not None and reduce_dtype == torch.float32
         buckets = []
         for members in plan_buckets(managed, bucket_bytes):
             offsets = [0, *itertools.accumulate(_local(p).numel() for p in members)]
@@ -292,14 +329,17 @@ class BucketedAllReduce(GradientBuckets):
     def _allocate_grads(self, bucket: GradBucket) -> None:
         # Allocated lazily: the plugin is applied while parameters are still on the meta device.
         first = bucket.params[0]
-        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        dtype = torch.float32 if self.main_grads else first.dtype
+        bucket.grad_buffer = torch.zeros(bucket.numel, dtype=dtype, device=first.device)
         bucket.grad_views = [
             bucket.grad_buffer[o : o + _local(p).numel()].view_as(_local(p))
             for p, o in zip(bucket.params, bucket.offsets)
         ]
 
-    def _launch(self, bucket: GradBucket) -> dist.Work:
+    def _launch(self, bucket: GradBucket) -> dist.Work | None:
         assert isinstance(bucket, _AllReduceBucket) and bucket.grad_buffer is not None
+        if self.group_size == 1:  # one data rank (master weights still need the buckets)
+            return None
         wire = bucket.grad_buffer
         if self.reduce_dtype is not None and wire.dtype != self.reduce_dtype:
             wire = bucket.wire = wire.to(self.reduce_dtype)
@@ -309,10 +349,45 @@ class BucketedAllReduce(GradientBuckets):
 
     def _complete(self) -> None:
         for bucket in self.buckets:
-            assert isinstance(bucket, _AllReduceBucket) and bucket.work is not None
-            bucket.work.wait()
-            bucket.work = None
+            assert isinstance(bucket, _AllReduceBucket)
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
             if bucket.wire is not None:
                 assert bucket.grad_buffer is not None
                 bucket.grad_buffer.copy_(bucket.wire)
                 bucket.wire = None
+            if self.masters is not None:
+                self._to_masters(bucket)
+
+    def _to_masters(self, bucket: _AllReduceBucket) -> None:
+        """The reduced bucket becomes the masters' fp32 gradients."""
+        assert self.masters is not None and bucket.grad_buffer is not None
+        if bucket.grad_buffer.dtype == torch.float32:
+            source = bucket.grad_buffer
+        else:  # bf16 buckets: the optimizer's fp32 copy lives until the step is done
+            source = bucket.main = bucket.grad_buffer.float()
+        for p, offset in zip(bucket.params, bucket.offsets):
+            master = self.masters[p]
+            view = source[offset : offset + _local(p).numel()].view_as(_local(p))
+            if not _holds(master.grad, view):
+                master.grad = _grad_in(view, master)
+
+    def after_step(self) -> None:
+        """After the optimizer stepped the masters: copy them into the parameters, start the next step's gradients.
+
+        The buckets are zeroed (the next backward accumulates into them), the fp32 copies of bf16
+        buckets dropped: gradients do not accumulate across optimizer steps.
+        """
+        assert self.masters is not None
+        with torch.no_grad():
+            params = list(self.masters)
+            torch._foreach_copy_([_local(p) for p in params], [_local(self.masters[p]) for p in params])
+            for bucket in self.buckets:
+                assert isinstance(bucket, _AllReduceBucket)
+                if bucket.grad_buffer is not None:
+                    bucket.grad_buffer.zero_()
+                if bucket.main is not None:
+                    bucket.main = None
+                    for p in bucket.params:
+                        self.masters[p].grad = None

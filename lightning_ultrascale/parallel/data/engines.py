@@ -41,10 +41,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import require_spec
-from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, GradientBuckets
+from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, GradientBuckets, _local
+from lightning_ultrascale.parallel.data.master import MASTER_PRECISION, to_bf16_with_masters
 from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout
-from lightning_ultrascale.utils.memory import ModelStateBytes, playbook_model_state_bytes
+from lightning_ultrascale.utils.memory import ModelStateBytes, layout_model_state_bytes
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,10 +60,11 @@ class GradientSync:
 
     stage: ClassVar[int] = 0
 
-    def __init__(self, group: GradientGroup, layout: Layout, mesh: DeviceMesh) -> None:
+    def __init__(self, group: GradientGroup, layout: Layout, mesh: DeviceMesh, reduce_dtype: str = "fp32") -> None:
         self.group = group
         self.layout = layout
         self.mesh = mesh
+        self.reduce_dtype = reduce_dtype
         #: Checkpoint key of this engine's sharded state: one per pipeline part and group.
         self.key = layout.part_name if group.params is None else f"{layout.part_name}.{group.name}"
         self.params: list[nn.Parameter] = []
@@ -105,18 +107,44 @@ class GradientSync:
         return None
 
     def expected_bytes(self, n_params: int, k_optimizer: int) -> ModelStateBytes:
-        """The playbook's per-rank model state of ``n_params`` parameters under this stage, fp32 form.
+        """The per-rank model state of ``n_params`` parameters under this stage and the run's precision.
 
-        fp32 is the right form for ``32-true`` and for ``bf16-mixed`` under stages 0-2 too: there
-        Lightning's autocast casts weights per op and keeps no bf16 copy of them.
+        ``k_optimizer``: the optimizer's bytes per parameter (an fp32 master included). The one
+        formula, :func:`~lightning_ultrascale.utils.memory.layout_model_state_bytes`.
         """
-        return playbook_model_state_bytes(
-            n_params, stage=self.stage, dp=self.mesh.size(), k_optimizer=k_optimizer, mixed_precision=False
+        return layout_model_state_bytes(
+            n_params, self.stage, self.mesh.size(), self.layout.precision, self.reduce_dtype, k_optimizer
         )
 
     def held(self) -> list[torch.Tensor]:
         """Its parameters and what it puts in the optimizer for them."""
-        return [*self.params, *self.optimizer_shards()]
+        return [*self.params, *self.optimizer_shards(), *self.optimizer_aliases().values()]
+
+    def optimizer_aliases(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Parameter -> the whole tensor the optimizer steps in its place (its fp32 master, ZeRO-0 ``bf16-mixed``)."""
+        return {}
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Gradient memory this engine holds that no ``.grad`` shows (for model-state accounting)."""
+        return []
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's whole fp32 master where it keeps one (a collective at ZeRO 1-2; for tests and tools)."""
+        return {}
+
+    def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        """The fp32 masters by parameter name, for the checkpoint's ``state_dict`` in place of the bf16 weights.
+
+        Values are live tensors (or chunks of them): ``dcp.load`` into them fills the masters;
+        :meth:`load_masters` then rounds them into the parameters.
+        """
+        return {}
+
+    def load_masters(self, values: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
+        """Make the bf16 parameters the rounded masters (after a checkpoint load; every rank).
+
+        ``values``: whole fp32 values by parameter (a single-file checkpoint) the masters take first.
+        """
 
     def remove(self) -> None:
         """Detach from the parameters (the model can be parallelised again)."""
@@ -125,10 +153,14 @@ class GradientSync:
 class _BucketEngine(GradientSync, abc.ABC):
     """Stages 0-2: a bucketed reducer bound to the group's parameters, over its flattened data ranks."""
 
-    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int) -> None:
-        super().__init__(group, layout, layout.mesh.over(group.dims))
+    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, reduce_dtype: str) -> None:
+        super().__init__(group, layout, layout.mesh.over(group.dims), reduce_dtype)
         self.bucket_bytes = bucket_bytes
         self.reducer: GradientBuckets | None = None
+        #: bf16 weights on the device, fp32 masters in the optimizer (``master.py``).
+        self.keeps_masters = layout.precision == MASTER_PRECISION
+        self.masters: dict[nn.Parameter, nn.Parameter] = {}
+        self._handles: list[Any] = []  # optimizer hooks
 
     @abc.abstractmethod
     def _make_reducer(self, model: nn.Module) -> GradientBuckets:
@@ -137,7 +169,9 @@ class _BucketEngine(GradientSync, abc.ABC):
     def bind(self, model: nn.Module) -> None:
         super().bind(model)
         self.remove()
-        if self.mesh.size() > 1:
+        if self.keeps_masters:
+            to_bf16_with_masters(self.params, self.masters)
+        if self.mesh.size() > 1 or self.keeps_masters:  # masters step through the buckets at any size
             self.reducer = self._make_reducer(model)
 
     @contextlib.contextmanager
@@ -150,6 +184,9 @@ class _BucketEngine(GradientSync, abc.ABC):
             self.reducer.reduce_now()
 
     def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
@@ -160,24 +197,89 @@ class AllReduceEngine(_BucketEngine):
 
     stage = 0
 
-    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, reduce_dtype: str) -> None:
-        super().__init__(group, layout, bucket_bytes)
-        self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
-
     def _make_reducer(self, model: nn.Module) -> GradientBuckets:
-        return BucketedAllReduce(self.params, self.mesh.get_group(), self.bucket_bytes, self.reduce_dtype)
+        masters = self.masters if self.keeps_masters else None
+        dtype = REDUCE_DTYPES[self.reduce_dtype]
+        return BucketedAllReduce(self.params, self.mesh.get_group(), self.bucket_bytes, dtype, masters)
+
+    def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """With masters: the optimizer steps them in place of the parameters; each step rounds them into the weights."""
+        if not self.masters or self.reducer is None:
+            return
+        reducer = self.reducer
+        assert isinstance(reducer, BucketedAllReduce)
+        for optimizer in optimizers:
+            swapped = False
+            for group in optimizer.param_groups:
+                new = [self.masters.get(p, p) for p in group["params"]]
+                swapped |= any(a is not b for a, b in zip(new, group["params"]))
+                group["params"] = new
+            for p in self.masters:
+                optimizer.state.pop(p, None)
+            if swapped:
+                self._handles.append(optimizer.register_step_post_hook(lambda *_: reducer.after_step()))
+
+    def optimizer_aliases(self) -> dict[nn.Parameter, torch.Tensor]:
+        return dict(self.masters)
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        return dict(self.masters)
+
+    def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """With masters: their fp32 gradients (``param.grad`` is a bf16 bucket view, or ``None``)."""
+        if not self.masters:
+            return None
+        return {p: m.grad for p, m in self.masters.items() if m.grad is not None}
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        reducer = self.reducer
+        return [b.grad_buffer for b in reducer.buckets if b.grad_buffer is not None] if reducer is not None else []
+
+    def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        return {name: master for p, master in self.masters.items() for name in names[p]}
+
+    def load_masters(self, values: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
+        with torch.no_grad():
+            for p, master in self.masters.items():
+                if values is not None and p in values:
+                    _local(master).copy_(values[p])
+                _local(p).copy_(_local(master))
 
 
 class ShardedOptimizerEngine(_BucketEngine):
     """Stages 1 and 2: reduce-scatter into this rank's optimizer shard, all-gather after the step (waited lazily)."""
 
-    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, stage: int) -> None:
-        super().__init__(group, layout, bucket_bytes)
+    def __init__(self, group: GradientGroup, layout: Layout, bucket_bytes: int, stage: int, reduce_dtype: str) -> None:
+        super().__init__(group, layout, bucket_bytes, reduce_dtype)
         self.stage = stage
 
     def _make_reducer(self, model: nn.Module) -> GradientBuckets:
         parts = self.layout.model_parts(model)
-        return ZeroEngine(self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes, parts=parts)
+        return ZeroEngine(
+            self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes, parts=parts,
+            masters=self.masters if self.keeps_masters else None, reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+        )  # fmt: skip
+
+    def remove(self) -> None:
+        zero = self._zero
+        if zero is not None and zero.optimizer is not None and self.keeps_masters:
+            # A second setup builds new shards: they start from these masters, not the bf16 weights.
+            self.masters.update(zero.full_masters())
+        super().remove()
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return self._zero.grad_buffers if self._zero is not None else []
+
+    def master_weights(self) -> dict[nn.Parameter, torch.Tensor]:
+        zero = self._zero
+        return zero.full_masters() if zero is not None and zero.masters is not None else {}
+
+    def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        return self._zero.master_state(names) if self._zero is not None else {}
+
+    def load_masters(self, values: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
+        if self._zero is not None:
+            self._zero.load_masters(values)
 
     @property
     def _zero(self) -> ZeroEngine | None:
@@ -248,7 +350,7 @@ class FSDPEngine(GradientSync):
             # HSDP: shard inside a group of ranks, replicate across groups (a group reducing over
             # its own ranks, e.g. experts over edp, is sharded over all of them).
             shard_mesh = layout.mesh.root[("dp_replicate", shard_mesh.mesh_dim_names[0])]
-        super().__init__(group, layout, shard_mesh)
+        super().__init__(group, layout, shard_mesh, reduce_dtype)
         # A pipeline stage runs its forward once per microbatch: re-gathering the parameters for
         # every one of them costs more than keeping them (torchtitan's default too).
         reshard = layout.forwards_per_step == 1 if reshard_after_forward is None else reshard_after_forward

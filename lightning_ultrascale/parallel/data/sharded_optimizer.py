@@ -45,8 +45,16 @@ for where a part of the model starts its forward. Every other reader waits for a
 optimizer's update (after the closure, in which Lightning runs forward and backward: a gather's
 input is the shard the update writes), ``state_dict()``, the optimizer-state checkpoint, and
 :meth:`ZeroEngine.wait_for_parameters` (the end of training; callbacks). The gathers move the flat
-buffers in the parameters' own dtype: fp32 under ``32-true`` and ``bf16-mixed`` (whose parameters
-Lightning keeps in fp32), bf16 under ``bf16-true``.
+buffers in the parameters' own dtype: fp32 under ``32-true``, bf16 under ``bf16-mixed`` and
+``bf16-true``.
+
+Mixed precision (``masters``, under ``bf16-mixed``). The parameters and the flat buffers are bf16;
+each shard is an fp32 master of its slice, in memory of its own (4Ψ/N: with Adam's moments the
+playbook's 12Ψ/N). The step updates the masters, copies this rank's slice into the bf16 buffer
+and all-gathers bf16 (2 bytes per parameter on the wire). Gradients: with an fp32
+``reduce_dtype`` the buckets are fp32 main gradients (``buckets.py``), reduce-scattered in fp32
+straight into the masters' gradients; with bf16 they are bf16 buckets, reduce-scattered in bf16,
+and the shard's fp32 gradient is a copy that lives until the step is done.
 
 The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
 shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
@@ -106,6 +114,7 @@ class _Bucket(GradBucket):
     flat_params: torch.Tensor  # padded to N * shard_numel; the model's parameters are views into it
     shard: nn.Parameter  # DTensor over the unpadded bucket, local = this rank's part of flat_params
     reduced: torch.Tensor | None = None  # reduce-scatter output while in flight (padded shard)
+    master: torch.Tensor | None = None  # the fp32 master slice the shard steps (mixed precision)
     gathering: dist.Work | None = None  # the all-gather of the updated shards, until a reader waits for it
 
 
@@ -123,6 +132,11 @@ class ZeroEngine(GradientBuckets):
         parts: the modules whose ``forward`` a step calls (the model, or this rank's pipeline
             stages), holding the modules that hold ``params``: the updated parameters are waited
             for in their forwards.
+        masters: the fp32 master copy of each bf16 parameter (``bf16-mixed``): the shards become
+            fp32 slices of them (module docstring); the engine keeps only its slices after
+            :meth:`attach`, and empties the mapping.
+        reduce_dtype: the dtype gradients are reduced in (``None``: the parameters'); with
+            ``masters``, fp32 makes the buckets fp32 main gradients.
 
     After a synced backward the averaged gradient lives only on the optimizer's shard parameters
     (``optimizer.param_groups[i]["params"]``, DTensors): the model's ``.grad`` are scratch (ZeRO-1:
@@ -148,6 +162,8 @@ class ZeroEngine(GradientBuckets):
         stage: Literal[1, 2],
         bucket_bytes: int,
         parts: Sequence[nn.Module],
+        masters: dict[nn.Parameter, nn.Parameter] | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ConfigError(
@@ -171,7 +187,10 @@ class ZeroEngine(GradientBuckets):
         self._held: dict[nn.Module, list[_Bucket]] = {}  # module -> buckets of the parameters it holds
         self._ran: set[nn.Module] = set()  # holders whose forward ran since the last update
         self._late: list[_Bucket] = []  # buckets waited for at the start of the forward
+        self.masters = masters
+        self.reduce_dtype = reduce_dtype
         super().__init__(self.params)
+        self.main_grads = masters is not None and reduce_dtype == torch.float32
 
     # ---- layout -------------------------------------------------------------------------------
 
@@ -192,6 +211,8 @@ class ZeroEngine(GradientBuckets):
             self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device, _sum_group_names(p))
         )
         self._set_buckets([self._make_bucket(members) for members in plan])
+        if self.masters is not None:
+            self.masters.clear()  # each rank keeps its slices only
         for index, group in enumerate(optimizer.param_groups):
             kept = [p for p in group["params"] if p not in group_of]
             group["params"] = kept + [b.shard for b in self.buckets if group_of[b.params[0]] == index]
@@ -246,10 +267,23 @@ class ZeroEngine(GradientBuckets):
                 p.grad = None
         start = self.rank * shard_numel
         local = flat[start : start + max(0, min(shard_numel, numel - start))]
-        shard = nn.Parameter(self._as_shard(local, numel))
+        master = None if self.masters is None else self._master_slice(params, offsets, start, local.numel())
+        shard = nn.Parameter(self._as_shard(local if master is None else master, numel))
         return _Bucket(
-            params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard
-        )
+            params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard,
+            master=master,
+        )  # fmt: skip
+
+    def _master_slice(self, params: list[nn.Parameter], offsets: list[int], start: int, numel: int) -> torch.Tensor:
+        """This rank's slice ``[start, start + numel)`` of the bucket, in fp32, from the parameters' masters."""
+        assert self.masters is not None
+        master = torch.empty(numel, dtype=torch.float32, device=params[0].device)
+        for p, offset in zip(params, offsets):
+            size = _local(p).numel()
+            lo, hi = max(start, offset), min(start + numel, offset + size)
+            if lo < hi:
+                master[lo - start : hi - start].copy_(_local(self.masters[p]).reshape(-1)[lo - offset : hi - offset])
+        return master
 
     def _as_shard(self, local: torch.Tensor, numel: int) -> DTensor:
         # shape/stride given explicitly: the split is uneven, from_local cannot infer the global size.
@@ -258,10 +292,13 @@ class ZeroEngine(GradientBuckets):
     # ---- backward: reduce-scatter ---------------------------------------------------------------
 
     def _allocate_grads(self, bucket: _Bucket) -> None:
-        # Every parameter's slice is overwritten by its first gradient (or zero-filled if unused),
-        # so only the padding needs zeros.
-        buffer = torch.empty_like(bucket.flat_params)
-        buffer[bucket.numel :].zero_()
+        if self.main_grads:  # fp32 main gradients: every gradient is added in
+            buffer = torch.zeros_like(bucket.flat_params, dtype=torch.float32)
+        else:
+            # Every parameter's slice is overwritten by its first gradient (or zero-filled if
+            # unused), so only the padding needs zeros.
+            buffer = torch.empty_like(bucket.flat_params)
+            buffer[bucket.numel :].zero_()
         bucket.grad_buffer = buffer
         bucket.grad_views = [
             buffer[o : o + _local(p).numel()].view_as(_local(p)) for p, o in zip(bucket.params, bucket.offsets)
@@ -283,10 +320,14 @@ class ZeroEngine(GradientBuckets):
 
     def _launch(self, bucket: GradBucket) -> dist.Work:
         assert isinstance(bucket, _Bucket) and bucket.grad_buffer is not None
+        wire = bucket.grad_buffer
+        if self.reduce_dtype is not None and wire.dtype != self.reduce_dtype:
+            wire = wire.to(self.reduce_dtype)  # bf16 gradients summed in fp32 (bf16-true)
         # Pre-divide so the sum is the mean (as DDP; keeps low-precision sums in range).
-        bucket.grad_buffer.div_(self.group_size)
-        bucket.reduced = bucket.grad_buffer.new_empty(bucket.shard_numel)
-        return _reduce_scatter(bucket.reduced, bucket.grad_buffer, group=self.group, async_op=True)
+        wire.div_(self.group_size)
+        if bucket.reduced is None or bucket.reduced.dtype != wire.dtype:
+            bucket.reduced = wire.new_empty(bucket.shard_numel)
+        return _reduce_scatter(bucket.reduced, wire, group=self.group, async_op=True)
 
     def _poll(self) -> None:
         self._collect(block=False)
@@ -311,9 +352,13 @@ class ZeroEngine(GradientBuckets):
         assert bucket.reduced is not None and bucket.grad_buffer is not None
         shard = bucket.shard
         reduced = bucket.reduced[: shard.to_local().numel()]  # the padding is not part of the shard
-        bucket.reduced = None
+        # A reduced bf16 shard of bf16 master-weight gradients stays (2Ψ/N, reused next step): the
+        # shard's fp32 gradient is a copy of it.
+        keep = self.masters is not None and not self.main_grads and self.stage == 2
+        if not keep:
+            bucket.reduced = None
         with torch.no_grad():
-            if self.stage == 1:
+            if self.stage == 1 and reduced.dtype == shard.dtype == bucket.grad_buffer.dtype:
                 # ZeRO-1 as the playbook lays it out: the full gradient buffer stays (2Ψ) and the
                 # reduced shard lives in this rank's slice of it, not in memory of its own.
                 start = self.rank * bucket.shard_numel
@@ -328,9 +373,11 @@ class ZeroEngine(GradientBuckets):
                 return
             if shard.grad is None:
                 # After zero_grad(set_to_none=True): a fresh gradient, never stale memory.
-                shard.grad = self._as_shard(reduced, bucket.numel)
+                shard.grad = self._as_shard(reduced.to(shard.dtype, copy=keep), bucket.numel)
             else:
                 shard.grad.to_local().add_(reduced)
+            if self.stage == 1:
+                return  # the full buffer (in another dtype than the shard) stays
             for p in bucket.params:
                 p.grad = None
             bucket.grad_buffer = None
@@ -414,6 +461,8 @@ class ZeroEngine(GradientBuckets):
             for b in self.buckets:
                 if b.grad_buffer is not None:
                     b.grad_buffer.zero_()
+        if self.masters is not None:
+            self._masters_into_params()
         # Reversed: in the order the next forward needs them, the same on every rank. In place:
         # each rank's input is its own slice of the output (NCCL and gloo allow it), in the
         # parameters' dtype (the buffer is theirs).
@@ -421,6 +470,53 @@ class ZeroEngine(GradientBuckets):
             assert isinstance(b, _Bucket)
             own = b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
             b.gathering = _all_gather(b.flat_params, own, group=self.group, async_op=True)
+
+    def _masters_into_params(self) -> None:
+        """Round the updated fp32 master slices into this rank's slices of the bf16 buffers.
+
+        A shard's fp32 gradient that was a copy of a bf16 reduction has been used by the step: it
+        is dropped (fp32 main gradients are the buffers themselves, and stay).
+        """
+        with torch.no_grad():
+            for b in self.buckets:
+                assert b.master is not None
+                start = self.rank * b.shard_numel
+                b.flat_params[start : start + b.master.numel()].copy_(b.master)
+                if not self.main_grads:
+                    b.shard.grad = None
+
+    def load_masters(self, values: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
+        """After a checkpoint filled the master slices: every rank's parameters take their values (a collective).
+
+        ``values``: whole fp32 values by parameter (a single-file checkpoint) the slices take first.
+        """
+        if self.masters is None:
+            return
+        self.wait_for_parameters()
+        if values is not None:
+            self.masters.update((p, v) for p, v in values.items() if p in self._slot)
+            with torch.no_grad():
+                for b in self.buckets:
+                    assert b.master is not None
+                    start = self.rank * b.shard_numel
+                    b.master.copy_(self._master_slice(b.params, b.offsets, start, b.master.numel()))
+            self.masters.clear()
+        self._masters_into_params()
+        for b in self.buckets:
+            own = b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
+            _all_gather(b.flat_params, own, group=self.group)
+
+    def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
+        """The fp32 masters this rank holds, as checkpoint chunks keyed by parameter name (``state_dict``'s format)."""
+        out: dict[str, Any] = {}
+        if self.masters is None:
+            return out
+        for b in self.buckets:
+            for p, offset in zip(b.params, b.offsets):
+                entry = self._param_state(b, p, offset, {"master": b.shard}).get("master")
+                if entry is not None:
+                    out.update(dict.fromkeys(names[p], entry))
+        return out
 
     # ---- checkpoint: the per-parameter format every layout reads --------------------------------
 
@@ -522,6 +618,16 @@ class ZeroEngine(GradientBuckets):
             )
         return grads
 
+    def full_masters(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each parameter's whole fp32 master, gathered from the shards (a collective; a second setup's start)."""
+        masters: dict[nn.Parameter, nn.Parameter] = {}
+        for b in self.buckets:
+            flat = b.shard.full_tensor().detach()
+            for p, o in zip(b.params, b.offsets):
+                view = flat[o : o + _local(p).numel()].view_as(_local(p))
+                masters[p] = nn.Parameter(_grad_in(view, p), requires_grad=p.requires_grad)
+        return masters
+
     @property
     def grad_buffers(self) -> list[torch.Tensor]:
         """Every gradient tensor this rank holds (for model-state accounting).
@@ -530,7 +636,8 @@ class ZeroEngine(GradientBuckets):
         reduce-scatter) and the local parts of the shard gradients.
         """
         full = [b.grad_buffer for b in self.buckets if b.grad_buffer is not None]
-        return full + [b.shard.grad.to_local() for b in self.buckets if b.shard.grad is not None]
+        kept = [b.reduced for b in self.buckets if b.reduced is not None and b.work is None]
+        return full + kept + [b.shard.grad.to_local() for b in self.buckets if b.shard.grad is not None]
 
     def remove(self) -> None:
         """Detach every hook (the model keeps the values of its last step)."""

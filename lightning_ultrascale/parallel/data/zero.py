@@ -12,6 +12,10 @@ stage      model-state memory per rank                traffic per step and rank
 3 (FSDP)   (2Ψ + 2Ψ + kΨ)/N                           all-gather params twice + reduce-scatter: 3Ψ
 =========  =========================================  ==========================================
 
+Under ``bf16-mixed`` stages 0-2 hold bf16 weights on the device and the fp32 master copy in the
+optimizer state (whole at stage 0, 1/N at stages 1-2: ``master.py``), as the table counts them;
+``utils.memory.layout_model_state_bytes`` gives the bytes every precision and ``reduce_dtype`` hold.
+
 Stage 0 uses our bucketed all-reduce (``buckets.py``), stages 1 and 2 our sharded optimizer
 (``sharded_optimizer.py``): FSDP2 has neither. Stage 3 is FSDP2 ``fully_shard`` per transformer block
 and at the root, over ``dp_shard``, or over ``dp_replicate x dp_shard`` for HSDP (shard inside a
@@ -61,9 +65,13 @@ class ZeRO(ParallelPlugin):
             memory: the ZeRO-2-like point of FSDP). Default (``None``): free them, except where a
             part of the model runs several forwards per step (pipeline microbatches), which
             would gather its parameters again for every one of them (torchtitan's default too).
-        reduce_dtype: dtype of gradient reduction under bf16 parameters (stages 0 and 3; stages
-            1-2 reduce in the gradients' dtype): ``"fp32"`` (default, exact sums) or ``"bf16"``
-            (half the bytes).
+        reduce_dtype: dtype of gradient reduction under bf16 parameters, every stage:
+            ``"fp32"`` (default) or ``"bf16"`` (half the bytes on the wire). Under
+            ``bf16-mixed``, stages 0-2: fp32 keeps fp32 gradient buckets that accumulate
+            micro-steps and are the master weights' gradients (Megatron's main gradients, its
+            default for bf16: 4 bytes per parameter, whole at stages 0-1, /N at stage 2); bf16
+            keeps bf16 buckets (the playbook's 2 bytes) and copies the reduced gradient to fp32
+            for the optimizer step. Stage 3: FSDP2's reduce-scatter dtype.
 
     Example:
         >>> from lightning_ultrascale import UltraScaleStrategy, ZeRO
@@ -148,7 +156,7 @@ class ZeRO(ParallelPlugin):
             return AllReduceEngine(group, layout, bucket_bytes, self.reduce_dtype)
         if self.stage == 3:
             return FSDPEngine(group, layout, model, self.replicate, self.reshard_after_forward, self.reduce_dtype)
-        return ShardedOptimizerEngine(group, layout, bucket_bytes, self.stage)
+        return ShardedOptimizerEngine(group, layout, bucket_bytes, self.stage, self.reduce_dtype)
 
 
 class DataParallel(ZeRO):
