@@ -339,8 +339,9 @@ class LayoutCheckpoints(ModelParallelStrategy):
                     "with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
                 )
             masters = {k: (m.full_tensor() if isinstance(m, DTensor) else m).detach().cpu() for k, m in masters.items()}
-        state.update({k: v for k, v in masters.items() if k in state})
-        return state
+            return {**state, **{k: v for k, v in masters.items() if k in state}}
+        # A rank holding no element of a parameter's master writes nothing under its name.
+        return {k: masters.get(k, v) for k, v in state.items() if masters.get(k, v) is not None}
 
     def _master_state(self) -> dict[str, Any]:
         assert self.model is not None
@@ -411,7 +412,11 @@ class LayoutCheckpoints(ModelParallelStrategy):
         # fp32 master weights (bf16-mixed, ZeRO 0-2) are loaded in place of the bf16 parameters.
         masters = {k: v for k, v in self._master_state().items() if k in state["state_dict"]}
         live = {k: state["state_dict"][k] for k in masters}
-        state["state_dict"].update(masters)
+        for k, master in masters.items():  # (a rank holding none of a master reads nothing of it)
+            if master is None:
+                del state["state_dict"][k]
+            else:
+                state["state_dict"][k] = master
         for idx, optimizer in enumerate(self.optimizers):
             state[f"optimizer_{idx}"] = named_optimizer_state(self.model, optimizer, syncs)
         dcp_load(state, checkpoint_id=path)

@@ -225,12 +225,18 @@ def _reduction_dtypes(stage: int, precision: str, reduce_dtype: str) -> tuple[se
 
 @pytest.mark.parametrize(
     ("stage", "precision", "master_dtype"),
-    [(3, "bf16-mixed", torch.float32), (0, "bf16-true", torch.bfloat16), (3, "bf16-true", torch.bfloat16)],
+    [
+        (0, "bf16-mixed", torch.bfloat16),
+        (3, "bf16-mixed", torch.float32),
+        (0, "bf16-true", torch.bfloat16),
+        (3, "bf16-true", torch.bfloat16),
+    ],
 )
 @pytest.mark.parametrize(("reduce_dtype", "bytes_per_grad"), [("fp32", 4), ("bf16", 2)])
 def test_gradients_are_reduced_in_the_chosen_dtype(stage, precision, master_dtype, reduce_dtype, bytes_per_grad):
     master_dtypes, reduced_bytes, n_params = run_workers(_reduction_dtypes, 2, stage, precision, reduce_dtype)[0]
-    # bf16-mixed: fp32 master weights (the sharded ones the optimizer updates); bf16-true: none.
+    # The parameters' dtype: bf16-mixed keeps bf16 weights at stage 0 (the fp32 masters are the
+    # optimizer's) and FSDP2's sharded fp32 ones at stage 3 (gathered in bf16); bf16-true: bf16.
     assert master_dtypes == {master_dtype}
     # One reduction of every gradient per backward, in the chosen dtype (FSDP2 pads each
     # parameter's shard to a multiple of the group size: at most a few elements).

@@ -140,7 +140,10 @@ def workload(cfg: DictConfig) -> Any:
                 f"sequences; give both as positive integers (e.g. data.{key}={8192 if key == 'seq_len' else 256})"
             )
         shape[key] = value
-    return Workload(_model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused)
+    reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
+    return Workload(
+        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype
+    )
 
 
 def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:

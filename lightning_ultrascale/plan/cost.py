@@ -4,9 +4,11 @@
 
 - static: parameters, optimizer states (and the gradient buckets a ZeRO 0-2 engine keeps between
   steps), counted from the plugins' own sharding rules (:func:`~lightning_ultrascale.plan.predict_shards`)
-  and the playbook's ZeRO formulas: stage 1 splits the optimizer states, stage 2 the gradients
-  too, stage 3 the parameters too (fp32 master weights and Adam's two moments: 4 + 8 bytes per
-  parameter, gradients 4; Lightning's autocast keeps no low-precision copy);
+  and the engines' own formula (``utils.memory.layout_model_state_bytes``): stage 1 splits the
+  optimizer states, stage 2 the gradients too, stage 3 the parameters too. Under ``bf16-mixed``
+  stages 0-2 hold bf16 weights (2 bytes per parameter), fp32 main gradients (4; 2 with
+  ``reduce_dtype="bf16"``) and the fp32 master with Adam's moments (12); stage 3 FSDP2's sharded
+  fp32 parameters (the master), fp32 gradients and the moments (4 + 4 + 8);
 - the loss moment (the rank holding the head, backward just started): every activation kept for
   backward, times the microbatches in flight, plus the loss's gradient working set;
 - the block moment (the first block's backward): the kept activations without the head's, plus that
@@ -68,12 +70,12 @@ from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.pipeline.simulator import Timeline
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
+from lightning_ultrascale.utils.memory import layout_model_state_bytes
 
 __all__ = ["Candidate", "Cost", "Workload", "estimate"]
 
 _PRECISIONS = ("32-true", "bf16-mixed")
-#: fp32 parameters, gradients and Adam's two moments per parameter (the playbook's 4 + 4 + 8).
-_PARAM_B, _GRAD_B, _ADAM_B = 4, 4, 8
+_REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,13 @@ class Workload:
     global_batch_size: int
     precision: str = "bf16-mixed"
     fused_cross_entropy: bool = False
+    reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not planned; valid: {', '.join(_PRECISIONS)}")
+        if self.reduce_dtype not in _REDUCE_DTYPES:
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
         for name in ("seq_len", "global_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
@@ -108,6 +113,16 @@ class Workload:
     def activation_bytes(self) -> int:
         """Bytes of one activation element: bf16 under autocast, else fp32."""
         return 2 if self.precision == "bf16-mixed" else 4
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of a weight on the device (and on the wire of a ZeRO-1/2 gather): bf16 under ``bf16-mixed``."""
+        return 2 if self.precision == "bf16-mixed" else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of a gradient as ZeRO reduces it (and ZeRO 0-2 hold it): ``reduce_dtype`` under ``bf16-mixed``."""
+        return 2 if self.precision == "bf16-mixed" and self.reduce_dtype == "bf16" else 4
 
 
 @dataclass(frozen=True)
@@ -280,24 +295,23 @@ def _group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
     return groups
 
 
-def model_state(plan: ShardPlan, zero: int) -> dict[str, int]:
+def model_state(plan: ShardPlan, zero: int, precision: str = "32-true", reduce_dtype: str = "fp32") -> dict[str, int]:
     """Parameters, gradients and AdamW states one rank holds after a step (``model_state_bytes``'s view).
 
     ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
     tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
-    optimizer states (and gradients) of each gradient group over its ranks (rounded up). fp32 under
-    both precisions: Lightning's autocast keeps fp32 weights (as ``engines.expected_bytes`` says).
+    optimizer states (and gradients) of each gradient group over its ranks (rounded up), by the
+    engines' formula (``layout_model_state_bytes``: under ``bf16-mixed`` the fp32 master is
+    optimizer state).
     """
     params = grads = optimizer = 0
     for dims, numels in _group_numels(plan).items():
         numel = sum(numels)
-        n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1
-        shard = -(-numel // n)
-        params += _PARAM_B * numel
-        grads += _GRAD_B * (shard if zero == 2 else numel)
-        optimizer += _ADAM_B * (shard if zero in (1, 2) else numel)
+        n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1  # ZeRO-3's split is in the plan
+        state = layout_model_state_bytes(numel, zero, n, precision, reduce_dtype)
+        params, grads, optimizer = params + state.params, grads + state.grads, optimizer + state.optimizer_states
         # AdamW's step counter: one fp32 scalar per tensor it updates (one flat shard for ZeRO 1/2).
-        optimizer += 4 * (1 if zero in (1, 2) and n > 1 else len(numels))
+        optimizer += 4 * (1 if zero in (1, 2) and (n > 1 or precision == "bf16-mixed") else len(numels))
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
@@ -523,12 +537,12 @@ def communication(
         if not live:
             continue
         dim = _dim_name(live)
-        grad = _GRAD_B * numel
+        grad = workload.grad_bytes * numel
         if c.zero == 0:
             _add(comm, dim, "all_reduce", grad)
         elif c.zero in (1, 2):
             _add(comm, dim, "reduce_scatter", grad)
-            _add(comm, dim, "all_gather", grad)
+            _add(comm, dim, "all_gather", workload.weight_bytes * numel)  # the updated (bf16) weights
         else:
             shard_dims = [d for d in live if d != "dp_replicate"]
             n = math.prod(plan.sizes[d] for d in shard_dims)
@@ -695,11 +709,13 @@ def estimate(
         layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{model.spec.layers}.")})
         first = f"{model.spec.embedding}.weight" in plan.shapes
         last = f"{model.spec.head}.weight" in plan.shapes or (model.spec.head is None and first)
-        state = model_state(plan, c.zero)
+        state = model_state(plan, c.zero, workload.precision, workload.reduce_dtype)
         compute_b = 2 if workload.precision == "bf16-mixed" else 4
         unsharded = _unsharded_numel(plan, c.zero)
-        # ZeRO 0-2 engines keep their gradient buckets between steps; FSDP2 and a single rank do not.
-        held_grads = state["grads"] if c.zero < 3 and c.dp * c.cp > 1 else 0
+        # ZeRO 0-2 engines keep their gradient buckets between steps (under bf16-mixed on one rank
+        # too: the masters' gradients); FSDP2 and a single fp32 rank do not.
+        engine = c.zero < 3 and (c.dp * c.cp > 1 or workload.precision == "bf16-mixed")
+        held_grads = state["grads"] if engine else 0
         if held_grads == 0 and (accumulation > 1 or c.pp > 1):
             # kept between micro-steps (ZeRO-3: reduce-scattered every micro-step, summed in the shards)
             held_grads = state["grads"]
@@ -707,7 +723,7 @@ def estimate(
             # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
             # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
             # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
-            held_grads = _GRAD_B * unsharded
+            held_grads = (4 if c.zero == 3 else workload.grad_bytes) * unsharded
         # Gradients not held between steps still exist by the first block's backward.
         act = activation_memory(
             workload, c, layers, first, last, plan.coordinate["pp"], 0 if held_grads else state["grads"]
@@ -723,7 +739,7 @@ def estimate(
                 // max(1, len(layers))
                 * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
             )
-            working += 2 * per_block * compute_b // _PARAM_B
+            working += 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
         memory = {
             "params": state["params"],
             "optimizer": state["optimizer"],

@@ -507,15 +507,18 @@ class ZeroEngine(GradientBuckets):
             _all_gather(b.flat_params, own, group=self.group)
 
     def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
-        """The fp32 masters this rank holds, as checkpoint chunks keyed by parameter name (``state_dict``'s format)."""
+        """The fp32 masters this rank holds, as checkpoint chunks keyed by parameter name (``state_dict``'s format).
+
+        ``None`` for a parameter none of whose elements this rank's shards hold: its name must not
+        be written (nor read) by this rank, whose bf16 copy is no part of the checkpoint.
+        """
         out: dict[str, Any] = {}
         if self.masters is None:
             return out
         for b in self.buckets:
             for p, offset in zip(b.params, b.offsets):
                 entry = self._param_state(b, p, offset, {"master": b.shard}).get("master")
-                if entry is not None:
-                    out.update(dict.fromkeys(names[p], entry))
+                out.update(dict.fromkeys(names[p], entry))
         return out
 
     # ---- checkpoint: the per-parameter format every layout reads --------------------------------

@@ -1,0 +1,235 @@
+"""Mixed precision as the playbook counts it: bf16 weights and gradients on the device, fp32 masters in the optimizer.
+
+Under ``bf16-mixed`` ZeRO stages 0-2 keep bf16 parameters and the fp32 master copy in the
+(sharded) optimizer state; ``reduce_dtype`` picks fp32 main gradients or bf16 buckets. These tests
+check the bytes each rank holds part by part, the bytes on the wire, parity with one process of
+the same precision (and that the comparison fails without master weights), and checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from llama_runs import GLOBAL_BATCH, SEQ_LEN, SaveCheckpoint, run_tiny_llama
+from torch.distributed.tensor import DTensor
+
+from lightning_ultrascale import (
+    ContextParallel,
+    ExpertParallel,
+    LlamaModule,
+    OptimConfig,
+    PipelineParallel,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, relative_error
+from lightning_ultrascale.utils.comm import CommTracer
+from lightning_ultrascale.utils.memory import layout_model_state_bytes
+
+# Plain SGD with a small learning rate: most updates (lr x gradient ~ 1e-5..1e-4) are below half a
+# bf16 rounding step of the weights (~0.02: 6e-5), so a run without fp32 masters loses them.
+SGD_SMALL = OptimConfig(name="sgd", lr=0.01, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0)
+ADAMW = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)
+STEPS = 4
+
+# Bounds against a one-process bf16-mixed run, 4 SGD steps. bf16 keeps 8 mantissa bits (unit
+# roundoff u = 2^-8 = 3.9e-3); another batch split rounds each bf16 matmul differently. Worst
+# measured over the layouts below: losses 1.4e-5 (the loss averages 512 token losses), gradients
+# 8.5e-3 at the first step and 1.0e-2 later (dense; MoE routing flips a token's expert and later
+# gradients reach 9e-2: not compared), fp32 masters 1.2e-4, their update (final - initial) 2.8e-2
+# (ep2; dense 1.0e-2). Bounds are 5x or more over those; a run without masters (bf16-true) is at
+# 2.5e-4 (losses), 3.7e-3 (weights: its own rounding) and 1.0 (updates: lost).
+LOSS_RTOL, GRAD_RTOL, MASTER_RTOL, UPDATE_RTOL = 1e-4, 5e-2, 6e-4, 0.15
+
+LAYOUTS = {  # model, world size, data-parallel ranks, plugins
+    "zero0-dp2": ("llama_tiny", 2, None, lambda: [ZeRO(0, bucket_mb=0.1)]),
+    "zero1-dp2": ("llama_tiny", 2, None, lambda: [ZeRO(1, bucket_mb=0.1)]),
+    "zero2-dp2": ("llama_tiny", 2, None, lambda: [ZeRO(2, bucket_mb=0.1)]),
+    "zero2-dp2-bf16-reduce": ("llama_tiny", 2, None, lambda: [ZeRO(2, bucket_mb=0.1, reduce_dtype="bf16")]),
+    "zero3-dp2": ("llama_tiny", 2, None, lambda: [ZeRO(3)]),
+    "zero1-tp2": ("llama_tiny", 2, 1, lambda: [TensorParallel(2), ZeRO(1)]),
+    "zero1-pp2-zbv": ("llama_tiny", 2, 1, lambda: [PipelineParallel(2, "zbv"), ZeRO(1)]),
+    "zero1-cp2": ("llama_tiny", 2, 1, lambda: [ContextParallel(2), ZeRO(1)]),
+    "zero1-ep2": ("moe_tiny", 2, None, lambda: [ExpertParallel(2), ZeRO(1)]),
+}
+
+
+def _updates(run: RunRecord) -> dict[str, torch.Tensor]:
+    return {n: run.params[n].float() - run.initial[n].float() for n in run.params}
+
+
+def _worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(relative_error(got[n].float(), ref[n].float()) for n in ref)
+
+
+def assert_mixed_parity(run: RunRecord, ref: RunRecord, later_grads: bool = True) -> None:
+    """Losses, gradients, fp32 masters and their updates within the bf16 bounds above."""
+    losses = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    assert losses <= LOSS_RTOL, f"losses {run.losses} vs {ref.losses}: {losses:.2e} > {LOSS_RTOL}"
+    assert _worst(run.grads[0], ref.grads[0]) <= GRAD_RTOL, "first-step gradients"
+    if later_grads:
+        assert max(_worst(g, r) for g, r in zip(run.grads[1:], ref.grads[1:])) <= GRAD_RTOL, "later gradients"
+    assert (masters := _worst(run.params, ref.params)) <= MASTER_RTOL, f"fp32 masters {masters:.2e}"
+    assert (updates := _worst(_updates(run), _updates(ref))) <= UPDATE_RTOL, f"updates {updates:.2e}"
+
+
+_REFERENCES: dict[str, RunRecord] = {}
+
+
+def _reference(model: str) -> RunRecord:
+    """One process of the same precision: our strategy on one rank (bf16 weights, fp32 masters)."""
+    if model not in _REFERENCES:
+        _REFERENCES[model] = run_tiny_llama(
+            SGD_SMALL, lambda: [ZeRO(0)], steps=STEPS, model=model, precision="bf16-mixed"
+        )
+    return _REFERENCES[model]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_mixed_layouts_match_one_process_bf16_mixed(layout):
+    model, world_size, dp, plugins = LAYOUTS[layout]
+    run = run_tiny_llama(SGD_SMALL, plugins, world_size, steps=STEPS, dp=dp, model=model, precision="bf16-mixed")
+    assert_mixed_parity(run, _reference(model), later_grads=model == "llama_tiny")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_without_master_weights_the_comparison_fails(world_size):
+    # The negative control: bf16-true keeps no fp32 copy, so updates below a weight's rounding
+    # step are lost: the same comparison must fail, on one process and on ZeRO-1 dp2.
+    run = run_tiny_llama(SGD_SMALL, lambda: [ZeRO(1 if world_size > 1 else 0)], world_size, steps=STEPS,
+                         precision="bf16-true")  # fmt: skip
+    with pytest.raises(AssertionError):
+        assert_mixed_parity(run, _reference("llama_tiny"))
+    assert _worst(_updates(run), _updates(_reference("llama_tiny"))) > 3 * UPDATE_RTOL
+
+
+# --------------------------------------------------------------------------- bytes held and moved
+class _Measure(L.Callback):
+    """After the second optimizer step: model state by part; the second step's collectives."""
+
+    def __init__(self) -> None:
+        self.state: tuple[int, int, int] | None = None
+        self.tracer: CommTracer | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            self.tracer = CommTracer().__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2 and self.state is None:
+            assert self.tracer is not None
+            self.tracer.__exit__(None, None, None)
+            s = trainer.strategy.model_state_bytes()
+            self.state = (s.params, s.grads, s.optimizer_states)
+
+
+def _measure(stage: int, reduce_dtype: str, tp: int, pp: int, world: int) -> dict[str, Any]:
+    measure = _Measure()
+    plugins = [ZeRO(stage=stage, reduce_dtype=reduce_dtype)]
+    plugins += [TensorParallel(tp)] if tp > 1 else []
+    plugins += [PipelineParallel(pp, "1f1b")] if pp > 1 else []
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=UltraScaleStrategy(*plugins), precision="bf16-mixed",
+        max_steps=2, callbacks=[measure], **QUIET_TRAINER,
+    )  # fmt: skip
+    module = LlamaModule("llama_tiny", optim=ADAMW)
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=32, micro_batch_size=2))
+    assert measure.tracer is not None
+    # This rank's parameters before ZeRO-3 splits them: tensor- and pipeline-parallel pieces.
+    local = sum((p.to_local() if isinstance(p, DTensor) and stage < 3 else p).numel() for p in module.parameters())
+    traffic = {op: measure.tracer.total(op=op) for op in ("all_reduce", "reduce_scatter", "all_gather")}
+    dtypes = {p.dtype for p in module.parameters()}
+    return {"state": measure.state, "local": local, "traffic": traffic, "dtypes": dtypes}
+
+
+@pytest.mark.parametrize(
+    ("stage", "reduce_dtype", "tp", "pp", "world"),
+    [
+        (0, "fp32", 1, 1, 2), (1, "fp32", 1, 1, 2), (2, "fp32", 1, 1, 2), (3, "fp32", 1, 1, 2),
+        (0, "bf16", 1, 1, 2), (1, "bf16", 1, 1, 2), (2, "bf16", 1, 1, 2),
+        (1, "fp32", 2, 1, 4), (2, "bf16", 1, 2, 4),
+    ],
+)  # fmt: skip
+def test_model_state_is_the_formula_part_by_part(stage, reduce_dtype, tp, pp, world):
+    r = run_workers(_measure, world, stage, reduce_dtype, tp, pp, world)[0]
+    dp = world // (tp * pp)
+    formula = layout_model_state_bytes(r["local"], stage, dp, "bf16-mixed", reduce_dtype)
+    for part, measured, expected in zip(("params", "grads", "optimizer"), r["state"], formula.__dict__.values()):
+        assert abs(measured / expected - 1) <= 0.02, f"{part}: measured {measured} B, formula {expected} B"
+    assert r["dtypes"] == ({torch.float32} if stage == 3 else {torch.bfloat16})
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(("reduce_dtype", "grad_bytes"), [("fp32", 4), ("bf16", 2)])
+def test_zero12_moves_bf16_weights_and_gradients_in_the_reduce_dtype(stage, reduce_dtype, grad_bytes):
+    r = run_workers(_measure, 2, stage, reduce_dtype, 1, 1, 2)[0]
+    psi, traffic = r["local"], r["traffic"]
+    small = 64  # the loss logging's scalar all-reduces are not ZeRO's
+    assert traffic["all_reduce"] <= small
+    # One reduce-scatter of every gradient and one all-gather of every (bf16) weight per step;
+    # flat buckets are padded to a multiple of N=2: at most one element each.
+    assert psi * grad_bytes <= traffic["reduce_scatter"] <= (psi + 8) * grad_bytes
+    assert psi * 2 <= traffic["all_gather"] <= (psi + 8) * 2
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _fit(
+    plugins: list[Any], precision: str, world: int, steps: int, save: str | None, save_at: int, ckpt: str | None
+) -> RunRecord:
+    L.seed_everything(0, verbose=False)
+    recorder = ParityRecorder()
+    callbacks: list[L.Callback] = [recorder] + ([SaveCheckpoint(save, step=save_at, stop=True)] if save else [])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=UltraScaleStrategy(*plugins), precision=precision,
+        max_steps=steps, callbacks=callbacks, **QUIET_TRAINER,
+    )  # fmt: skip
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // world, seed=0)
+    trainer.fit(LlamaModule("llama_tiny", optim=ADAMW), datamodule=data, ckpt_path=ckpt)
+    return recorder.record
+
+
+def test_bf16_checkpoint_holds_the_masters_and_resumes_exactly(tmp_path):
+    path = str(tmp_path / "ckpt")
+    whole = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, None, 0, None)[0]
+    first = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, path, 2, None)[0]
+    # Another bucket size: other shards, the same per-parameter checkpoint.
+    resumed = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.05)], "bf16-mixed", 2, STEPS, None, 0, path)[0]
+    assert first.losses + resumed.losses == whole.losses
+    assert resumed.initial.keys() == first.params.keys()
+    assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params), "masters restored exactly"
+    assert all(torch.equal(resumed.params[n], whole.params[n]) for n in whole.params)
+
+
+@pytest.mark.parametrize(
+    ("save_layout", "load_layout"),
+    [("zero1-dp2", "zero0-1"), ("zero2-dp2", "zero1-tp2"), ("zero0-1", "zero2-dp2")],
+)
+def test_bf16_checkpoint_loads_in_another_layout(tmp_path, save_layout, load_layout):
+    layouts = {
+        "zero1-dp2": (lambda: [ZeRO(1)], 2), "zero2-dp2": (lambda: [ZeRO(2)], 2), "zero0-1": (lambda: [ZeRO(0)], 1),
+        "zero1-tp2": (lambda: [TensorParallel(2), ZeRO(1)], 2),
+    }  # fmt: skip
+    path = str(tmp_path / "ckpt")
+    (save, world), (load, load_world) = layouts[save_layout], layouts[load_layout]
+    first = run_workers(_fit, world, save(), "bf16-mixed", world, STEPS, path, 2, None)[0]
+    resumed = run_workers(_fit, load_world, load(), "bf16-mixed", load_world, STEPS, None, 0, path)[0]
+    # Loading moves no value: the masters the run starts from are the saved ones, bit for bit.
+    assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params)
+    assert len(resumed.losses) == STEPS - 2
+
+
+def test_fp32_and_bf16_checkpoints_load_into_each_other(tmp_path):
+    to_bf16, to_fp32 = str(tmp_path / "fp32.ckpt"), str(tmp_path / "bf16.ckpt")
+    fp32 = run_workers(_fit, 2, [ZeRO(1)], "32-true", 2, STEPS, to_bf16, 1, None)[0]
+    bf16 = run_workers(_fit, 2, [ZeRO(2)], "bf16-mixed", 2, STEPS, to_fp32, 2, to_bf16)[0]
+    back = run_workers(_fit, 1, [ZeRO(0)], "32-true", 1, STEPS, None, 0, to_fp32)[0]
+    # fp32 weights become the masters exactly, and the masters the fp32 weights.
+    assert all(torch.equal(bf16.initial[n], fp32.params[n]) for n in fp32.params)
+    assert all(torch.equal(back.initial[n], bf16.params[n]) for n in bf16.params)
+    assert {t.dtype for t in bf16.initial.values()} == {torch.float32}
