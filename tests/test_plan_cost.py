@@ -144,3 +144,41 @@ def test_data_parallel_traffic_is_timed_on_its_group():
     # HSDP: 8-way shards inside a node, 2 replicas across nodes (the slower link)
     across = wire_bytes("all_reduce", hsdp.comm["dp_replicate:all_reduce"], 2)
     assert hsdp.time_parts["dp_replicate"] > across / (h100.inter_node_bandwidth * h100.link_efficiency) > 0.01
+
+
+# NVIDIA's published NeMo performance layouts on H100s (seq 8192, micro-batch 1, Megatron's
+# distributed optimizer = ZeRO-1 over dp x cp; the performance recipes set grad_reduce_in_fp32 =
+# False: bf16 gradients). Priced with fp32 weights, as before mixed precision kept bf16 ones, they
+# needed 95.8 GiB (8B), 108.2 GiB (70B) and 135.0 GiB (405B).
+NVIDIA_LAYOUTS = {
+    "llama3_8b": (128, Candidate(dp=4, cp=2, zero=1)),
+    "llama3_70b": (128, Candidate(dp=2, tp=4, pp=4, cp=2, virtual_stages=5, schedule="interleaved_1f1b",
+                                  zero=1, microbatches=64)),
+    "llama3_405b": (252, Candidate(dp=4, tp=8, pp=9, cp=2, virtual_stages=7, schedule="interleaved_1f1b",
+                                   zero=1, microbatches=63)),
+}  # fmt: skip
+
+
+def _nvidia_peak(model: str, reduce_dtype: str = "bf16") -> tuple[float, dict[str, int], int]:
+    batch, candidate = NVIDIA_LAYOUTS[model]
+    workload = Workload(get_model_config(model), 8192, batch, precision="bf16-mixed", reduce_dtype=reduce_dtype)
+    costs = estimate(workload, candidate, build_model(model, device="meta"), get_hardware("h100"))
+    worst = max(costs, key=lambda c: c.peak)
+    return worst.peak / 2**30, worst.model_state, sum(p.numel() for p in build_model(model, device="meta").parameters())
+
+
+def test_nvidia_8b_layout_fits_an_h100_under_mixed_precision():
+    peak, state, psi = _nvidia_peak("llama3_8b")
+    assert peak < get_hardware("h100").usable_bytes / 2**30  # 74 GiB; 69.6 predicted
+    # bf16 weights and gradients whole, the fp32 master and Adam's moments over the 8 dp x cp ranks.
+    assert state["params"] == state["grads"] == 2 * psi
+    assert abs(state["optimizer"] / (12 * psi / 8) - 1) < 1e-3
+    # Megatron's own default for bf16 (fp32 main gradients, our default too) needs 4 bytes of gradient.
+    assert _nvidia_peak("llama3_8b", "fp32")[1]["grads"] == 4 * psi
+
+
+@pytest.mark.parametrize(("model", "predicted"), [("llama3_70b", 96.1), ("llama3_405b", 115.9)])
+def test_nvidia_70b_and_405b_layouts_are_priced_as_the_readme_says(model, predicted):
+    # Still above 74 GiB, though NVIDIA's runs fit: the activations (65.8 and 84.9 GiB of these
+    # peaks) are what the planner overestimates against Megatron with Transformer Engine kernels.
+    assert round(_nvidia_peak(model)[0], 1) == predicted
