@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from lightning_ultrascale import (
     ContextParallel,
     ExpertParallel,
+    FP8Precision,
     LlamaModule,
     OptimConfig,
     PipelineParallel,
@@ -107,6 +108,22 @@ def test_without_master_weights_the_comparison_fails(world_size):
     with pytest.raises(AssertionError):
         assert_mixed_parity(run, _reference("llama_tiny"))
     assert _worst(_updates(run), _updates(_reference("llama_tiny"))) > 3 * UPDATE_RTOL
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp8_linears_train_from_bf16_weights_and_fp32_masters(stage):
+    # FP8 on the bf16-mixed base: the blocks' linears quantise the bf16 weights, the masters stay
+    # fp32. Each rank's 4 sequences are the reference's micro-steps (the same dynamic scales), and
+    # the fp32 main gradients sum them alike: equal to one process.
+    def fp8() -> FP8Precision:
+        return FP8Precision("tensorwise", "bf16-mixed")
+
+    ref = run_tiny_llama(SGD_SMALL, lambda: [ZeRO(0)], 1, steps=3, model="llama_small", accumulate=2,
+                         precision_plugin=fp8())  # fmt: skip
+    run = run_tiny_llama(SGD_SMALL, lambda: [ZeRO(stage)], 2, steps=3, model="llama_small", precision_plugin=fp8())
+    assert run.losses == pytest.approx(ref.losses, rel=1e-6)
+    assert _worst(run.params, ref.params) <= 1e-6
+    assert {t.dtype for t in run.params.values()} == {torch.float32}  # the masters
 
 
 # --------------------------------------------------------------------------- bytes held and moved
