@@ -8,6 +8,7 @@ the same precision (and that the comparison fails without master weights), and c
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -28,6 +29,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
+from lightning_ultrascale.models import get_model_config
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, relative_error
 from lightning_ultrascale.utils.comm import CommTracer
@@ -55,7 +57,11 @@ LAYOUTS = {  # model, world size, data-parallel ranks, plugins
     "zero2-dp2-bf16-reduce": ("llama_tiny", 2, None, lambda: [ZeRO(2, bucket_mb=0.1, reduce_dtype="bf16")]),
     "zero3-dp2": ("llama_tiny", 2, None, lambda: [ZeRO(3)]),
     "zero1-tp2": ("llama_tiny", 2, 1, lambda: [TensorParallel(2), ZeRO(1)]),
-    "zero1-pp2-zbv": ("llama_tiny", 2, 1, lambda: [PipelineParallel(2, "zbv"), ZeRO(1)]),
+    **{
+        f"zero1-pp2-{name}": ("llama_tiny", 2, 1, lambda name=name: [PipelineParallel(2, name), ZeRO(1)])
+        for name in ("afab", "1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
+    },
+    "zero0-tp2-pp2": ("llama_tiny", 4, 1, lambda: [TensorParallel(2), PipelineParallel(2, "1f1b"), ZeRO(0)]),
     "zero1-cp2": ("llama_tiny", 2, 1, lambda: [ContextParallel(2), ZeRO(1)]),
     "zero1-ep2": ("moe_tiny", 2, None, lambda: [ExpertParallel(2), ZeRO(1)]),
 }
@@ -97,6 +103,28 @@ def test_bf16_mixed_layouts_match_one_process_bf16_mixed(layout):
     model, world_size, dp, plugins = LAYOUTS[layout]
     run = run_tiny_llama(SGD_SMALL, plugins, world_size, steps=STEPS, dp=dp, model=model, precision="bf16-mixed")
     assert_mixed_parity(run, _reference(model), later_grads=model == "llama_tiny")
+
+
+TIED = dataclasses.replace(get_model_config("llama_tiny"), name="llama_tiny_tied", tie_embeddings=True)
+
+
+TIED_LAYOUTS = {
+    f"zero{stage}-pp2-tied": (TIED, 2, 1, lambda stage=stage: [PipelineParallel(2, "1f1b"), ZeRO(stage)])
+    for stage in (0, 1)
+}
+
+
+@pytest.mark.parametrize("layout", ["zero0-dp2", "zero1-tp2", "zero0-tp2-pp2", *TIED_LAYOUTS])
+def test_gradient_clipping_clips_the_masters_gradients(layout):
+    # Lightning clips what the optimizer steps: the masters' fp32 gradients (sharded or not). A
+    # weight tied across pipeline stages sums its two copies' fp32 main gradients, and is counted once.
+    model, world_size, dp, plugins = {**LAYOUTS, **TIED_LAYOUTS}[layout]
+    clip = {"gradient_clip_val": 0.05, "precision": "bf16-mixed"}
+    ref = run_tiny_llama(SGD_SMALL, lambda: [ZeRO(0)], steps=STEPS, model=model, **clip)
+    run = run_tiny_llama(SGD_SMALL, plugins, world_size, steps=STEPS, dp=dp, model=model, **clip)
+    assert_mixed_parity(run, ref)
+    unclipped = run_tiny_llama(SGD_SMALL, plugins, world_size, steps=STEPS, dp=dp, model=model, precision="bf16-mixed")
+    assert _worst(_updates(unclipped), _updates(run)) > 10 * UPDATE_RTOL  # the clip did act
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -272,3 +272,17 @@ def test_zero3_accumulates_sharded_gradients_between_micro_steps():
     for grads in run_workers(_accumulated_grads, 2):
         assert grads and all(g is not None for g in grads.values()), grads
         assert all(local <= -(-full // 2) for local, full in grads.values()), grads
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_clipping_counts_a_weight_tied_across_pipeline_stages_once(stage):
+    # The last stage's copy of a tied embedding is scaled but left out of the gradient norm; under
+    # ZeRO-1/2 it lives in a flat shard, so it gets a bucket (a shard) of its own to leave out.
+    # It was counted twice: parameters 1.3e-3 away after 2 steps.
+    from lightning_ultrascale import PipelineParallel
+
+    tied = dataclasses.replace(get_model_config("llama_tiny"), name="llama_tiny_tied", tie_embeddings=True)
+    ref = run_tiny_llama(SGD, steps=2, model=tied, gradient_clip_val=0.05)
+    plugins = lambda: [PipelineParallel(2, "1f1b"), ZeRO(stage)]  # noqa: E731
+    run = run_tiny_llama(SGD, plugins, 4, steps=2, dp=2, model=tied, gradient_clip_val=0.05)
+    assert_parity(run, ref, rtol=1e-5)

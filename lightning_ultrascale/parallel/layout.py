@@ -174,9 +174,12 @@ class Layout:
         return list(self.parts) if self.parts is not None else [model]
 
     def stepped(self, param: nn.Parameter) -> torch.Tensor:
-        """The tensor the optimizer steps for ``param``: itself, or its fp32 master (``bf16-mixed``, ZeRO 0)."""
+        """The tensor the optimizer steps for ``param``: itself, its fp32 master (``bf16-mixed``, ZeRO 0) or its shard.
+
+        A sharded optimizer's shard stands for ``param`` only where ``param`` has a bucket of its own.
+        """
         for sync in self.grad_syncs:
-            alias = sync.optimizer_aliases().get(param)
+            alias = sync.stepped(param)
             if alias is not None:
                 return alias
         return param

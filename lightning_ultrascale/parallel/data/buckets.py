@@ -260,6 +260,22 @@ class GradientBuckets(abc.ABC):
             bucket.ready = 0
         self._next = 0
 
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s fp32 main-gradient slice, with its pending ``.grad`` added in (``None``: not main gradients).
+
+        For code that must act on a parameter's accumulated gradient before the reduction (a
+        pipeline summing a tied weight's two copies).
+        """
+        if not self.main_grads or param not in self._slot:
+            return None
+        bucket, i = self._slot[param]
+        if bucket.grad_buffer is None:
+            self._allocate_grads(bucket)
+        view = bucket.grad_views[i]
+        if param.grad is not None:
+            _drain(param, view)
+        return view
+
     def reduce_now(self) -> None:
         """Reduce the gradients accumulated under :meth:`no_sync`, outside any backward.
 

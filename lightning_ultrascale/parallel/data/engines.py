@@ -132,6 +132,14 @@ class GradientSync:
         """Each parameter's whole fp32 master where it keeps one (a collective at ZeRO 1-2; for tests and tools)."""
         return {}
 
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The local tensor accumulating ``param``'s gradient when it is not ``param.grad`` (fp32 main gradients)."""
+        return None
+
+    def stepped(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The optimizer tensor that holds exactly ``param``'s values in its place, if this engine made one."""
+        return self.optimizer_aliases().get(param)
+
     def master_state(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
         """The fp32 masters by parameter name, for the checkpoint's ``state_dict`` in place of the bf16 weights.
 
@@ -178,6 +186,9 @@ class _BucketEngine(GradientSync, abc.ABC):
     def no_sync(self) -> Iterator[None]:
         with self.reducer.no_sync() if self.reducer is not None else contextlib.nullcontext():
             yield
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self.reducer.main_grad(param) if self.reducer is not None else None
 
     def reduce(self) -> None:
         if self.reducer is not None:
@@ -255,10 +266,17 @@ class ShardedOptimizerEngine(_BucketEngine):
 
     def _make_reducer(self, model: nn.Module) -> GradientBuckets:
         parts = self.layout.model_parts(model)
+        # A tied weight's second copy gets a shard of its own: the gradient norm leaves it out.
+        named = dict(model.named_parameters())
+        alone = [named[name] for name in self.layout.grad_norm.skip if name in named]
         return ZeroEngine(
             self.params, self.mesh, stage=self.stage, bucket_bytes=self.bucket_bytes, parts=parts,
             masters=self.masters if self.keeps_masters else None, reduce_dtype=REDUCE_DTYPES[self.reduce_dtype],
+            alone=[p for p in alone if p in set(self.params)],
         )  # fmt: skip
+
+    def stepped(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self._zero.shard_of(param) if self._zero is not None else None
 
     def remove(self) -> None:
         zero = self._zero

@@ -137,6 +137,8 @@ class ZeroEngine(GradientBuckets):
             :meth:`attach`, and empties the mapping.
         reduce_dtype: the dtype gradients are reduced in (``None``: the parameters'); with
             ``masters``, fp32 makes the buckets fp32 main gradients.
+        alone: parameters that get a bucket (so a shard) of their own: a tied weight's second copy,
+            which the gradient norm must leave out (:meth:`shard_of`).
 
     After a synced backward the averaged gradient lives only on the optimizer's shard parameters
     (``optimizer.param_groups[i]["params"]``, DTensors): the model's ``.grad`` are scratch (ZeRO-1:
@@ -164,6 +166,7 @@ class ZeroEngine(GradientBuckets):
         parts: Sequence[nn.Module],
         masters: dict[nn.Parameter, nn.Parameter] | None = None,
         reduce_dtype: torch.dtype | None = None,
+        alone: Collection[nn.Parameter] = (),
     ) -> None:
         if stage not in (1, 2):
             raise ConfigError(
@@ -189,6 +192,7 @@ class ZeroEngine(GradientBuckets):
         self._late: list[_Bucket] = []  # buckets waited for at the start of the forward
         self.masters = masters
         self.reduce_dtype = reduce_dtype
+        self.alone = set(alone)
         super().__init__(self.params)
         self.main_grads = masters is not None and reduce_dtype == torch.float32
 
@@ -208,7 +212,9 @@ class ZeroEngine(GradientBuckets):
             raise RuntimeError("ZeroEngine.attach() was already called; one engine shards one optimizer")
         group_of = self._group_index(optimizer, {id(t) for t in others})
         plan = plan_buckets(
-            self.params, self.bucket_bytes, key=lambda p: (group_of[p], p.dtype, p.device, _sum_group_names(p))
+            self.params,
+            self.bucket_bytes,
+            key=lambda p: (group_of[p], p.dtype, p.device, _sum_group_names(p), p if p in self.alone else None),
         )
         self._set_buckets([self._make_bucket(members) for members in plan])
         if self.masters is not None:
@@ -584,6 +590,10 @@ class ZeroEngine(GradientBuckets):
                 flat = self.rank * b.shard_numel + index
                 return next((p for p, o in zip(b.params, b.offsets) if o <= flat < o + _local(p).numel()), None)
         return None
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """The shard of the bucket that holds ``param`` alone (see ``alone``), else ``None``."""
+        return next((b.shard for b in self.buckets if b.params == [param]), None)
 
     def shard_norm_groups(self) -> dict[nn.Parameter, tuple[dist.ProcessGroup, ...]]:
         """Shards of tensor-parallel pieces, and the tp groups their local values are also split over.

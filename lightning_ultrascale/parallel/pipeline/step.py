@@ -83,9 +83,11 @@ class PipelineStep(StepRunner):
             name, group = self.pipeline.tied
             assert self.pipeline.model is not None
             weight = self.pipeline.model.get_parameter(name)
-            if weight.grad is None:
+            # Where its gradient accumulates: fp32 main gradients (bf16-mixed), else .grad.
+            main = next((g for sync in self.layout.grad_syncs if (g := sync.main_grad(weight)) is not None), None)
+            if main is None and weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
-            grad = weight.grad
+            grad = main if main is not None else weight.grad
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
         for sync in self.layout.grad_syncs:
             sync.reduce()
