@@ -18,7 +18,13 @@ optimizer state            the optimizer's      its shards' chunks,    the optim
 (by parameter name)        tensors              by parameter
 ``wait_for_parameters``    (updated in place)   the all-gathers the    (FSDP2 gathers in each
                                                 step launched          forward)
+``bf16-mixed``             bf16 weights; fp32   bf16 weights; fp32     FSDP2's policy: sharded
+                           masters, whole, in   master slices are      fp32 parameters, bf16
+                           the optimizer        the shards             gathers
 =========================  ===================  =====================  =========================
+
+Under ``bf16-mixed`` stages 0-2 build their buckets on one data rank too: the masters step
+through them (``master.py``).
 """
 
 from __future__ import annotations
