@@ -360,6 +360,14 @@ class LayoutCheckpoints(ModelParallelStrategy):
                     f"{self.parallel_dims.describe()}: the optimizer states are sharded across ranks; save them "
                     "with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
                 )
+            masters = [m for sync in self.layout.grad_syncs for m in sync.optimizer_aliases().values()]
+            if masters:  # whole fp32 masters (bf16-mixed, ZeRO-0): torch's own format, by position
+                if any(isinstance(m, DTensor) for m in masters):
+                    raise ConfigError(
+                        f"{self.parallel_dims.describe()}: the fp32 master weights are tensor-parallel DTensors; "
+                        "save them with UltraScaleStrategy(save_distributed_checkpoint=True), the default"
+                    )
+                return inner.state_dict()
             return super().optimizer_state(optimizer)
         assert self.model is not None
         return named_optimizer_state(self.model, inner, self.layout.grad_syncs)
@@ -377,6 +385,28 @@ class LayoutCheckpoints(ModelParallelStrategy):
         rebase_accumulation(checkpoint, self.lightning_module.trainer.accumulate_grad_batches)
         return checkpoint
 
+    def _load_single_file(self, path: Path, weights_only: bool | None, strict: bool) -> dict[str, Any]:
+        """A full (``torch.save``) checkpoint: into the model, the optimizers and the fp32 masters."""
+        assert self.model is not None
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            if self._master_state():
+                raise ConfigError(
+                    f"ckpt_path={path} is a single-file checkpoint, which loads tensor-parallel layouts only "
+                    "without master weights (bf16-mixed at ZeRO 0-2 keeps them): save with "
+                    "save_distributed_checkpoint=True (the default) and resume from that directory"
+                )
+            return super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+        weights = checkpoint.pop("state_dict")
+        self.model.load_state_dict(weights, strict=strict)
+        # The masters (bf16-mixed, ZeRO 0-2) take the file's full precision.
+        values = {p: weights[n[0]] for p, n in parameter_names(self.model).items() if n[0] in weights}
+        for sync in self.layout.grad_syncs:
+            sync.load_masters(values)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
+            optimizer.load_state_dict(state)
+        return checkpoint
+
     def _load_layout_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -388,24 +418,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         check_checkpoint_model(path, self.lightning_module.hparams)
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):
-            if any(isinstance(p, DTensor) for p in self.model.parameters()):
-                if self._master_state():
-                    raise ConfigError(
-                        f"ckpt_path={path} is a single-file checkpoint, which loads tensor-parallel layouts only "
-                        "without master weights (bf16-mixed at ZeRO 0-2 keeps them): save with "
-                        "save_distributed_checkpoint=True (the default) and resume from that directory"
-                    )
-                return super().load_checkpoint(path, weights_only=weights_only)
-            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
-            weights = checkpoint.pop("state_dict")
-            self.model.load_state_dict(weights, strict=strict)
-            # The masters (bf16-mixed, ZeRO 0-2) take the file's full precision.
-            values = {p: weights[n[0]] for p, n in parameter_names(self.model).items() if n[0] in weights}
-            for sync in self.layout.grad_syncs:
-                sync.load_masters(values)
-            for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
-                optimizer.load_state_dict(state)
-            return checkpoint
+            return self._load_single_file(path, weights_only, strict)
         # DCP loads into the tensors of a template, in place, each rank its own chunks.
         syncs = self.layout.grad_syncs
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}

@@ -105,6 +105,18 @@ def test_bf16_mixed_layouts_match_one_process_bf16_mixed(layout):
     assert_mixed_parity(run, _reference(model), later_grads=model == "llama_tiny")
 
 
+@pytest.mark.parametrize(
+    ("stage", "reduce_dtype", "ep"), [(0, "fp32", 1), (1, "fp32", 1), (2, "fp32", 1), (2, "bf16", 1), (2, "bf16", 2)]
+)
+def test_micro_steps_accumulate_in_the_main_gradients(stage, reduce_dtype, ep):
+    # Two micro-steps per step: fp32 main gradients (or bf16 buckets) accumulate the first
+    # micro-step's gradient under no_sync and reduce the sum once; experts in their own group.
+    model = "moe_tiny" if ep > 1 else "llama_tiny"
+    plugins = lambda: [ZeRO(stage, reduce_dtype=reduce_dtype), *([ExpertParallel(ep)] if ep > 1 else [])]  # noqa: E731
+    run = run_tiny_llama(SGD_SMALL, plugins, 2, accumulate=2, steps=STEPS, model=model, precision="bf16-mixed")
+    assert_mixed_parity(run, _reference(model), later_grads=ep == 1)
+
+
 TIED = dataclasses.replace(get_model_config("llama_tiny"), name="llama_tiny_tied", tie_embeddings=True)
 
 
@@ -225,13 +237,21 @@ def test_zero12_moves_bf16_weights_and_gradients_in_the_reduce_dtype(stage, redu
 
 # --------------------------------------------------------------------------- checkpoints
 def _fit(
-    plugins: list[Any], precision: str, world: int, steps: int, save: str | None, save_at: int, ckpt: str | None
+    plugins: list[Any],
+    precision: str,
+    world: int,
+    steps: int,
+    save: str | None,
+    save_at: int,
+    ckpt: str | None,
+    distributed: bool = True,
 ) -> RunRecord:
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
     callbacks: list[L.Callback] = [recorder] + ([SaveCheckpoint(save, step=save_at, stop=True)] if save else [])
+    strategy = UltraScaleStrategy(*plugins, save_distributed_checkpoint=distributed)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=UltraScaleStrategy(*plugins), precision=precision,
+        accelerator="cpu", devices=world, strategy=strategy, precision=precision,
         max_steps=steps, callbacks=callbacks, **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // world, seed=0)
@@ -278,3 +298,12 @@ def test_fp32_and_bf16_checkpoints_load_into_each_other(tmp_path):
     assert all(torch.equal(bf16.initial[n], fp32.params[n]) for n in fp32.params)
     assert all(torch.equal(back.initial[n], bf16.params[n]) for n in bf16.params)
     assert {t.dtype for t in bf16.initial.values()} == {torch.float32}
+
+
+def test_single_file_checkpoint_holds_the_masters(tmp_path):
+    # save_distributed_checkpoint=False (one torch.save file) at ZeRO-0: the masters, whole.
+    path = str(tmp_path / "ckpt.pt")
+    first = run_workers(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, STEPS, path, 2, None, False)[0]
+    resumed = run_workers(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, STEPS, None, 0, path, False)[0]
+    assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params)
+    assert {t.dtype for t in torch.load(path, weights_only=False)["state_dict"].values()} == {torch.float32}
