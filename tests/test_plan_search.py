@@ -144,3 +144,35 @@ def test_every_recipe_fits_its_gpu_as_its_header_says(recipe, monkeypatch):
     if cfg.trainer.accelerator != "cpu":
         assert header, f"{recipe.name} has no '# Planner (ultrascale-plan, GPU): peak X GiB per GPU, MFU Y%' line"
         assert (float(header.group(2)), float(header.group(3))) == (round(peak / 2**30, 1), round(100 * mfu, 1))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # a batch no data-parallel size splits: which sizes, and the nearest batches that work
+        (["--world-size", "6"], r"global_batch_size=64 is split by no number of data-parallel .*\(3, 6\).*63 or 66"),
+        # sizes that divide nothing: the nearest world sizes they divide
+        (["--world-size", "8", "--space", "tp=3"], r"no tp x cp x pp .* divides world_size=8 .*e\.g\. 6 or 9"),
+    ],
+)  # fmt: skip
+def test_ultrascale_plan_says_why_there_is_no_layout_to_price(args, message):
+    argv = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64", *args]
+    with pytest.raises(SystemExit, match=message):
+        plan_main(argv)
+
+
+def test_ultrascale_plan_takes_a_gpu_of_ones_own_and_gpu_as_an_override(capsys):
+    from lightning_ultrascale.cli.plan import gpu_profile
+
+    custom = gpu_profile("h100,memory_gib=24,peak_flops=500e12")
+    assert (custom["memory_bytes"], custom["peak_flops"], custom["gpus_per_node"]) == (24 * 2**30, 500e12, 8)
+    assert gpu_profile("name=mi300x,peak_flops=1307e12,memory_gib=192")["name"] == "mi300x"
+    with pytest.raises(ConfigError, match="gpu keys speed are unknown"):
+        gpu_profile("h100,speed=3")
+    with pytest.raises(ConfigError, match="peak_flops='fast' is not a number"):
+        gpu_profile("h100,peak_flops=fast")
+    base = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64", "--world-size", "8", "--top", "1"]
+    for gpu, says in (["gpu=h200"], "8 x h200 (135 GiB"), (["--gpu", "h100,memory_gib=24"], "8 x h100 (18 GiB"):
+        with pytest.raises(SystemExit) as exited:  # gpu=h200: as an override reads (it was refused)
+            plan_main([*base, *gpu])
+        assert exited.value.code == 0 and says in capsys.readouterr().out

@@ -249,6 +249,43 @@ def heatmap(result: Any, path: str) -> None:
     plt.close(fig)
 
 
+def gpu_profile(text: str) -> str | dict[str, Any]:
+    """``--gpu``: a built-in profile's name, or ``[BASE,]KEY=VALUE,...`` of ``plan.Hardware``'s fields.
+
+    ``memory_gib`` and ``reserved_gib`` may stand for ``memory_bytes`` and ``reserved_bytes``.
+
+    Example:
+        >>> gpu_profile("h100,memory_gib=96")["memory_bytes"] == 96 * 2**30
+        True
+    """
+    from dataclasses import asdict
+
+    from lightning_ultrascale.plan.hardware import get_hardware
+
+    if "=" not in text:
+        return text
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    base: dict[str, Any] = {}
+    if "=" not in parts[0]:
+        base, parts = asdict(get_hardware(parts[0])), parts[1:]
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"--gpu {text}: {part!r} is not KEY=VALUE (e.g. memory_gib=96)")
+        if key in ("memory_gib", "reserved_gib"):
+            key, value = key.replace("_gib", "_bytes"), str(float(value) * 2**30)
+        try:
+            base[key] = value if key == "name" else float(value)
+        except ValueError:
+            raise ConfigError(f"--gpu {text}: {key}={value!r} is not a number") from None
+    for key in ("memory_bytes", "reserved_bytes", "gpus_per_node"):
+        if isinstance(base.get(key), float):
+            base[key] = int(base[key])
+    base.setdefault("name", "custom")
+    get_hardware(base)  # refuses unknown keys and missing fields, naming them
+    return base
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``ultrascale-plan``."""
     parser = argparse.ArgumentParser(
@@ -256,14 +293,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--check", action="store_true", help="dry-run ranks at full scale against the planner")
     parser.add_argument("--world-size", type=int, default=None, help="GPUs of the job (default: the config's)")
-    parser.add_argument("--gpu", default="h100", help="search: GPU profile (h100, h200, a100; default h100)")
+    parser.add_argument(
+        "--gpu", default="h100",
+        help="search: a GPU profile (h100, h200, a100; default h100), or your own as KEY=VALUE,... of "
+        "lightning_ultrascale.plan.Hardware's fields, on a built-in base or not: "
+        "'h100,memory_gib=96,peak_flops=800e12' or 'name=mi300x,peak_flops=1307e12,memory_gib=192'",
+    )  # fmt: skip
     parser.add_argument("--top", type=int, default=10, help="search: layouts to print (default 10)")
     parser.add_argument("--space", action="append", default=[], help="search: pin a dimension, KEY=V1,V2")
     parser.add_argument("--plot", default=None, help="search: write the (tp, pp) MFU heatmap to this PNG")
     parser.add_argument("--ranks", default="stages", help="--check: 'stages' (default), 'all', or a list: 0,7,511")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for ultrascale-train (recipe=NAME ...)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
     try:
+        # gpu=NAME reads like an override; it is the --gpu option.
+        gpus = [o for o in args.overrides if o.startswith("gpu=")]
+        args.overrides = [o for o in args.overrides if not o.startswith("gpu=")]
+        args.gpu = gpu_profile(gpus[-1][4:] if gpus else args.gpu)
         if args.check:
             ok = check(args.overrides, args.world_size, args.ranks)
         else:

@@ -108,6 +108,8 @@ class SearchResult:
     refusals: dict[str, int] = field(default_factory=dict)  # first words of each refusal -> count
     #: layouts not priced: the same sizes fit with less sharding, recomputation or micro batch
     dominated: list[Candidate] = field(default_factory=list)
+    #: the ``space`` the search was given (its overrides of the default dimensions)
+    space: Mapping[str, Any] | None = None
 
     @property
     def best(self) -> Priced:
@@ -323,10 +325,39 @@ def search(
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
     fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), _dims_split(p.candidate), p.peak))
     too_big.sort(key=lambda p: p.peak)
-    result = SearchResult(workload, world_size, hardware, fitting, too_big, refused, refusals, dominated)
+    result = SearchResult(workload, world_size, hardware, fitting, too_big, refused, refusals, dominated, space)
     if not fitting:
         raise _no_fit(result)
     return result
+
+
+def _why_no_candidates(result: SearchResult) -> str:
+    """Why the space has no layout at all: the sizes divide no world size, or no batch split."""
+    w, world = result.workload, result.world_size
+    grid = _space(w, world, result.gpu, result.space)
+    sizes = [(t, c, p) for t, c, p in itertools.product(grid["tp"], grid["cp"], grid["pp"]) if world % (t * c * p) == 0]
+    if not sizes:
+        least = min(t * c * p for t, c, p in itertools.product(grid["tp"], grid["cp"], grid["pp"]))
+        near = sorted({max(least, world // least * least), -(-world // least) * least})
+        return (
+            f"no tp x cp x pp of the search space divides world_size={world} (tp in {grid['tp']}, cp in "
+            f"{grid['cp']}, pp in {grid['pp']}); valid: a world size they divide (e.g. "
+            f"{' or '.join(map(str, near))}), or --space values that divide {world}"
+        )
+    dps = sorted({world // (t * c * p) for t, c, p in sizes})
+    if all(w.global_batch_size % dp for dp in dps):
+        d, b = dps[0], w.global_batch_size
+        near = sorted({max(d, b // d * d), -(-b // d) * d})
+        return (
+            f"data.global_batch_size={b} is split by no number of data-parallel ranks these sizes leave "
+            f"({', '.join(map(str, dps))}); valid: a multiple of one of them (e.g. data.global_batch_size="
+            f"{' or '.join(map(str, near))}), or another world size"
+        )
+    return (
+        f"no micro_batch_size in {grid['micro_batch_size']} (and, with a pipeline, no microbatch count) splits "
+        f"data.global_batch_size={w.global_batch_size} over the data ranks ({', '.join(map(str, dps))}); valid: "
+        "another global batch size, or --space micro_batch_size=1"
+    )
 
 
 def _dims_split(c: Candidate) -> int:
@@ -339,6 +370,8 @@ def _no_fit(result: SearchResult) -> ConfigError:
         f"{w.model.name} (seq_len={w.seq_len}, global_batch_size={w.global_batch_size}) "
         f"on {result.world_size} x {gpu.name}"
     )
+    if not result.too_big and not result.refused:
+        return ConfigError(f"no layout of {what} to price: {_why_no_candidates(result)}")
     if not result.too_big:
         common = sorted(result.refusals.items(), key=lambda kv: -kv[1])[:3]
         listed = "; ".join(f"{reason} ({n}x)" for reason, n in common)
@@ -356,7 +389,7 @@ def _no_fit(result: SearchResult) -> ConfigError:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in p.memory_gib().items())
         lines.append(f"  {p.candidate.label()}: {p.peak / GiB:.1f} GiB ({parts})")
     lines.append(
-        "Valid: more GPUs, a GPU with more memory (gpu=h200), a shorter seq_len or a smaller global batch "
+        "Valid: more GPUs, a GPU with more memory (--gpu h200), a shorter seq_len or a smaller global batch "
         "(fewer microbatches in flight)"
     )
     return NoLayoutFits("\n".join(lines))
