@@ -182,3 +182,21 @@ def test_nvidia_70b_and_405b_layouts_are_priced_as_the_readme_says(model, predic
     # Still above 74 GiB, though NVIDIA's runs fit: the activations (65.8 and 84.9 GiB of these
     # peaks) are what the planner overestimates against Megatron with Transformer Engine kernels.
     assert round(_nvidia_peak(model)[0], 1) == predicted
+
+
+def test_published_runs_are_priced_as_committed():
+    # benchmarks/published_runs.py: the planner against runs others measured on GPUs. The committed
+    # predictions must be today's (a formula change without a re-run fails here); the published
+    # figures each name their source.
+    root = Path(__file__).parent.parent / "benchmarks"
+    spec = importlib.util.spec_from_file_location("published_runs", root / "published_runs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    data = json.loads((root / "published" / "runs.json").read_text())
+    committed = json.loads((root / "results" / "published_runs.json").read_text())
+    assert len(data["runs"]) >= 7 and all(run["source"].startswith("https://") for run in data["runs"])
+    for run, row in zip(data["runs"], committed["runs"], strict=True):
+        predicted = bench.predict(run, bench.gpus(data))
+        assert row["name"] == run["name"]
+        assert predicted["tokens_per_s_per_gpu"] == pytest.approx(row["predicted"]["tokens_per_s_per_gpu"], rel=1e-9)
+        assert predicted["peak_memory_gib"] == pytest.approx(row["predicted"]["peak_memory_gib"], rel=1e-9)
