@@ -307,3 +307,27 @@ def test_single_file_checkpoint_holds_the_masters(tmp_path):
     resumed = run_workers(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, STEPS, None, 0, path, False)[0]
     assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params)
     assert {t.dtype for t in torch.load(path, weights_only=False)["state_dict"].values()} == {torch.float32}
+
+
+def _fit_twice(stage: int) -> tuple[RunRecord, RunRecord]:
+    L.seed_everything(0, verbose=False)
+    first, second = ParityRecorder(), ParityRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage)), precision="bf16-mixed", max_steps=2,
+        callbacks=[first], **QUIET_TRAINER,
+    )  # fmt: skip
+    module = LlamaModule("llama_tiny", optim=ADAMW)
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // 2, seed=0)
+    trainer.fit(module, datamodule=data)
+    trainer.callbacks[trainer.callbacks.index(first)] = second
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    trainer.fit(module, datamodule=data)
+    return first.record, second.record
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_second_fit_starts_from_the_masters_not_the_bf16_weights(stage):
+    # A second setup rebuilds the engines: ZeRO-1 gathers its master slices back first.
+    first, second = run_workers(_fit_twice, 2, stage)[0]
+    assert all(torch.equal(second.initial[n], first.params[n]) for n in first.params)
+    assert len(second.losses) == 1
