@@ -200,3 +200,18 @@ def test_published_runs_are_priced_as_committed():
         assert row["name"] == run["name"]
         assert predicted["tokens_per_s_per_gpu"] == pytest.approx(row["predicted"]["tokens_per_s_per_gpu"], rel=1e-9)
         assert predicted["peak_memory_gib"] == pytest.approx(row["predicted"]["peak_memory_gib"], rel=1e-9)
+
+
+def test_fp32_runs_are_timed_at_the_tf32_peak_not_the_bf16_one():
+    # fp32 matmuls run as TF32 on CUDA (the strategy's tf32=True): half the bf16 tensor-core peak.
+    model, candidate = build_model("llama3_1b", device="meta"), Candidate(dp=8, zero=1)
+    h100 = get_hardware("h100")
+
+    def compute(precision: str) -> tuple[float, float]:
+        workload = Workload(get_model_config("llama3_1b"), 4096, 64, precision=precision)
+        [cost] = estimate(workload, candidate, model, h100, ranks=[0])
+        return cost.time_parts["compute"], cost.mfu
+
+    (fp32, fp32_mfu), (bf16, bf16_mfu) = compute("32-true"), compute("bf16-mixed")
+    assert fp32 / bf16 == pytest.approx(989 / 494.5)
+    assert fp32_mfu == pytest.approx(bf16_mfu, rel=0.05)  # each against its own peak (compute-bound here)

@@ -630,7 +630,8 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     tokens_per_rank = workload.tokens_per_step / (c.dp * c.cp)  # each rank's share before tp/pp split
     model_flops = flops_token * tokens_per_rank / (c.tp * c.pp)
     recompute = {"none": 0.0, "selective_op": 0.03, "full": 1 / 3}.get(c.recompute, 1 / (3 * c.recompute_every))
-    compute = model_flops * (1 + recompute) / (gpu.peak_flops * gpu.matmul_efficiency)
+    peak = gpu.peak_for(workload.precision)  # fp32 runs at the TF32 peak, not the bf16 one
+    compute = model_flops * (1 + recompute) / (peak * gpu.matmul_efficiency)
     seconds: dict[str, float] = {}
     for key, payload in cost.comm.items():
         dim, op = key.split(":")
@@ -655,7 +656,7 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     total = busy + exposed
     cost.step_time = total
     cost.tokens_per_s = workload.tokens_per_step / total
-    cost.mfu = flops_token * cost.tokens_per_s / (c.world_size * gpu.peak_flops)
+    cost.mfu = flops_token * cost.tokens_per_s / (c.world_size * peak)
     cost.bubble = bubble
     cost.time_parts = {"compute": compute, "critical_comm": critical, "exposed_dp_comm": exposed, **seconds}
 

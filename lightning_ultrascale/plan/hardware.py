@@ -31,6 +31,9 @@ class Hardware:
     name: str
     peak_flops: float  # dense bf16 FLOP/s of one GPU
     memory_bytes: int  # HBM per GPU
+    #: dense FLOP/s of fp32 matmuls, which the strategy runs as TF32 on CUDA (``tf32=True``, its
+    #: default); ``None``: half of ``peak_flops`` (what TF32 tensor cores give on H100 and A100).
+    fp32_flops: float | None = None
     gpus_per_node: int = 8
     intra_node_bandwidth: float = 450e9  # bytes/s per GPU per direction (NVLink)
     inter_node_bandwidth: float = 50e9  # bytes/s per GPU per direction (one 400 Gb/s NIC)
@@ -44,6 +47,8 @@ class Hardware:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "fp32_flops" and value is None:
+                continue
             if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
                 if not (f.name == "reserved_bytes" and value == 0):
                     raise ConfigError(f"gpu.{f.name}={value!r} must be a positive number")
@@ -52,15 +57,32 @@ class Hardware:
     def usable_bytes(self) -> int:
         return self.memory_bytes - self.reserved_bytes
 
+    def peak_for(self, precision: str) -> float:
+        """The matmul peak a run of Lightning ``precision`` computes at: bf16, or fp32 as TF32.
+
+        Example:
+            >>> h100 = get_hardware("h100")
+            >>> h100.peak_for("bf16-mixed") / 1e12, h100.peak_for("32-true") / 1e12
+            (989.0, 494.5)
+        """
+        if precision.startswith("bf16"):
+            return self.peak_flops
+        return self.fp32_flops if self.fp32_flops is not None else self.peak_flops / 2
+
 
 GPUS: dict[str, Hardware] = {
-    # H100 SXM5 80GB: 989 TFLOP/s dense bf16, NVLink 4 (900 GB/s both directions), NDR IB per GPU.
-    "h100": Hardware("h100", peak_flops=989e12, memory_bytes=80 * 2**30),
+    # H100 SXM5 80GB: 989 TFLOP/s dense bf16 (494.5 TF32), NVLink 4 (900 GB/s both directions), NDR IB per GPU.
+    "h100": Hardware("h100", peak_flops=989e12, memory_bytes=80 * 2**30, fp32_flops=494.5e12),
     # H200 SXM 141GB: the H100's compute and links with more and faster HBM.
-    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=141 * 2**30),
-    # A100 SXM4 80GB: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both directions), 200 Gb/s HDR IB.
+    "h200": Hardware("h200", peak_flops=989e12, memory_bytes=141 * 2**30, fp32_flops=494.5e12),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 (156 TF32), NVLink 3 (600 GB/s both directions), 200 Gb/s HDR IB.
     "a100": Hardware(
-        "a100", peak_flops=312e12, memory_bytes=80 * 2**30, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9
+        "a100",
+        peak_flops=312e12,
+        memory_bytes=80 * 2**30,
+        intra_node_bandwidth=300e9,
+        inter_node_bandwidth=25e9,
+        fp32_flops=156e12,
     ),
 }
 
