@@ -176,3 +176,15 @@ def test_ultrascale_plan_takes_a_gpu_of_ones_own_and_gpu_as_an_override(capsys):
         with pytest.raises(SystemExit) as exited:  # gpu=h200: as an override reads (it was refused)
             plan_main([*base, *gpu])
         assert exited.value.code == 0 and says in capsys.readouterr().out
+
+
+def test_pipeline_sizes_that_split_the_blocks_are_searched():
+    # Meta's and NVIDIA's 405B runs use pp9 (126 blocks): sizes that divide the blocks are searched
+    # besides the powers of two.
+    from lightning_ultrascale.plan.search import _space
+
+    def sizes(model: str, world: int) -> list[int]:
+        return _space(Workload(get_model_config(model), 8192, 1152), world, get_hardware("h100"), None)["pp"]
+
+    assert sizes("llama3_405b", 576) == [1, 2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32]
+    assert {5, 10, 20} <= set(sizes("llama3_70b", 640))

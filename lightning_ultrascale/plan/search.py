@@ -188,7 +188,10 @@ def _space(workload: Workload, world: int, gpu: Hardware, space: Mapping[str, An
     out: dict[str, list[Any]] = {
         "tp": [t for t in _powers_of_two(2 * gpu.gpus_per_node) if t <= world],
         "cp": [c for c in _powers_of_two(8) if workload.seq_len // c >= 1024 or c == 1],
-        "pp": [p for p in _powers_of_two(min(layers, 32)) if p <= world],
+        # powers of two, and any other size that splits the blocks evenly (pp9 for 126 blocks)
+        "pp": sorted(
+            {p for p in range(1, min(layers, 32) + 1) if p <= world and (layers % p == 0 or p & (p - 1) == 0)}
+        ),
         "zero": [0, 1, 2, 3],
         "ep": [1] if cfg.moe is None else _powers_of_two(min(cfg.moe.n_routed_experts, world)),
         "schedule": list(_SCHEDULES),
