@@ -525,12 +525,36 @@ def communication(
 
     ``accumulation``: micro-steps per optimizer step. Activation traffic (TP, CP, EP, PP) and
     FSDP's all-gathers and reduce-scatters repeat every micro-step; ZeRO 0-2 reduce once per step.
+    One term per technique, each its own function (the plugins' share of the traffic).
     """
-    cfg, e = workload.model, workload.activation_bytes
     comm: dict[str, int] = {}
-    m = (c.n_microbatches if c.pp > 1 else 1) * accumulation
-    t = c.micro_batch_size * workload.seq_len / c.cp
-    # Gradients / parameters over the data dims (each group its own dims, e.g. experts over edp).
+    _data_traffic(comm, workload, c, plan, accumulation)
+    s = _shapes(workload.model, c)
+    e = workload.activation_bytes
+    m = (c.n_microbatches if c.pp > 1 else 1) * accumulation  # forwards per optimizer step
+    t = c.micro_batch_size * workload.seq_len / c.cp  # tokens of one forward on this rank
+    if c.tp > 1:
+        _tp_traffic(comm, c, s, layers, first, last, (t, e, m))
+    if c.cp > 1:
+        _cp_traffic(comm, c, s, len(layers), (t, e, m))
+    if c.ep > 1 and workload.model.moe is not None:
+        moe = workload.model.moe
+        moe_layers = sum(1 for i in layers if moe.is_moe_block(i))
+        rows = t * moe.top_k * s.h * e
+        # dispatch and combine forward, their reverses backward; uniform routing (the mean over ranks)
+        _add(comm, "ep", "all_to_all", (4 * rows + 8 * moe.n_routed_experts) * moe_layers * m)
+    if c.pp > 1:
+        boundary = t * s.h / s.sp * e * m
+        _, stages = _in_flight(c, plan.coordinate["pp"])
+        # each stage sends its output forward (not the last) and its input gradient back (not the first)
+        sends = 2 * stages - (1 if last else 0) - (1 if first else 0)
+        _add(comm, "pp", "send", sends * boundary)
+        _add(comm, "pp", "recv", sends * boundary)
+    return comm
+
+
+def _data_traffic(comm: dict[str, int], workload: Workload, c: Candidate, plan: ShardPlan, accumulation: int) -> None:
+    """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp)."""
     for dims, numels in _group_numels(plan).items():
         numel = sum(numels)
         live = [d for d in dims if plan.sizes[d] > 1]
@@ -558,47 +582,48 @@ def communication(
                 _add(comm, _dim_name(shard_dims), "reduce_scatter", grad * n * accumulation)
             if "dp_replicate" in live:
                 _add(comm, "dp_replicate", "all_reduce", grad)
-    s = _shapes(cfg, c)
-    if c.tp > 1:
-        activation = t * s.h * e * m
-        n = 4 * len(layers) + (1 if first else 0) + (1 if last else 0)
-        # Recomputation repeats a block's forward collectives (2 per block) in backward; op-level
-        # recomputation keeps the reduce-scatter outputs (SP), not the all-reduces (measured: one).
-        again = {"full": 2, "selective_op": 0 if c.sequence_parallel else 1}.get(c.recompute, 0)
-        again *= len(layers) if c.recompute != "selective" else 0
-        again += 2 * sum(1 for i in layers if c.recompute == "selective" and _recomputes(c, i))
-        if c.sequence_parallel:
-            _add(comm, "tp", "all_gather", (n + again) * activation)
-            _add(comm, "tp", "reduce_scatter", (n + again) * activation)
-        else:
-            _add(comm, "tp", "all_reduce", (n + again) * activation)
-        if last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
-            _add(comm, "tp", "all_reduce", 6 * 4 * t * m)
-    if c.cp > 1:
-        attention_layers = len(layers)
-        if c.cp_method == "all_to_all":
-            # q and the output at every head, k and v at their own heads (repeated after the exchange)
-            q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
-            _add(comm, "cp", "all_to_all", 2 * q_k_v_o * attention_layers * m)
-        else:
-            kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
-            # forward: K/V to the next rank cp-1 times; backward: K/V again and dK/dV cp times.
-            sends = (2 * (c.cp - 1) + c.cp) * kv * attention_layers * m
-            _add(comm, "cp", "send", sends)
-            _add(comm, "cp", "recv", sends)
-    if c.ep > 1 and cfg.moe is not None:
-        moe_layers = sum(1 for i in layers if cfg.moe.is_moe_block(i))
-        rows = t * cfg.moe.top_k * s.h * e
-        # dispatch and combine forward, their reverses backward; uniform routing (the mean over ranks)
-        _add(comm, "ep", "all_to_all", (4 * rows + 8 * cfg.moe.n_routed_experts) * moe_layers * m)
-    if c.pp > 1:
-        boundary = t * s.h / s.sp * e * m
-        _, stages = _in_flight(c, plan.coordinate["pp"])
-        # each stage sends its output forward (not the last) and its input gradient back (not the first)
-        sends = 2 * stages - (1 if last else 0) - (1 if first else 0)
-        _add(comm, "pp", "send", sends * boundary)
-        _add(comm, "pp", "recv", sends * boundary)
-    return comm
+
+
+def _tp_traffic(
+    comm: dict[str, int], c: Candidate, s: _Shapes, layers: list[int], first: bool, last: bool,
+    tem: tuple[float, int, int],
+) -> None:  # fmt: skip
+    """Tensor parallelism: 4 collectives per block (+ embedding, head) of t x h activations, m times; the loss's.
+
+    ``tem``: tokens of one forward, bytes per activation element, forwards per step.
+    """
+    t, e, m = tem
+    activation = t * s.h * e * m
+    n = 4 * len(layers) + (1 if first else 0) + (1 if last else 0)
+    # Recomputation repeats a block's forward collectives (2 per block) in backward; op-level
+    # recomputation keeps the reduce-scatter outputs (SP), not the all-reduces (measured: one).
+    again = {"full": 2, "selective_op": 0 if c.sequence_parallel else 1}.get(c.recompute, 0)
+    again *= len(layers) if c.recompute != "selective" else 0
+    again += 2 * sum(1 for i in layers if c.recompute == "selective" and _recomputes(c, i))
+    if c.sequence_parallel:
+        _add(comm, "tp", "all_gather", (n + again) * activation)
+        _add(comm, "tp", "reduce_scatter", (n + again) * activation)
+    else:
+        _add(comm, "tp", "all_reduce", (n + again) * activation)
+    if last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
+        _add(comm, "tp", "all_reduce", 6 * 4 * t * m)
+
+
+def _cp_traffic(
+    comm: dict[str, int], c: Candidate, s: _Shapes, attention_layers: int, tem: tuple[float, int, int]
+) -> None:
+    """Context parallelism: the all-to-all of q, k, v and the output, or the ring's K/V (and dK/dV) sends."""
+    t, e, m = tem
+    if c.cp_method == "all_to_all":
+        # q and the output at every head, k and v at their own heads (repeated after the exchange)
+        q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
+        _add(comm, "cp", "all_to_all", 2 * q_k_v_o * attention_layers * m)
+        return
+    kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
+    # forward: K/V to the next rank cp-1 times; backward: K/V again and dK/dV cp times.
+    sends = (2 * (c.cp - 1) + c.cp) * kv * attention_layers * m
+    _add(comm, "cp", "send", sends)
+    _add(comm, "cp", "recv", sends)
 
 
 def _dim_name(dims: list[str]) -> str:
@@ -661,6 +686,60 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     cost.time_parts = {"compute": compute, "critical_comm": critical, "exposed_dp_comm": exposed, **seconds}
 
 
+def _rank_cost(
+    workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int
+) -> Cost:
+    """Memory and traffic of one rank holding ``plan`` (no time yet)."""
+    spec = model.spec  # type: ignore[attr-defined]
+    layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{spec.layers}.")})
+    first = f"{spec.embedding}.weight" in plan.shapes
+    last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
+    state = model_state(plan, c.zero, workload.precision, workload.reduce_dtype)
+    compute_b = 2 if workload.precision == "bf16-mixed" else 4
+    unsharded = _unsharded_numel(plan, c.zero)
+    held_grads = _held_grads(workload, c, state["grads"], unsharded, accumulation)
+    # Gradients not held between steps still exist by the first block's backward.
+    act = activation_memory(
+        workload, c, layers, first, last, plan.coordinate["pp"], 0 if held_grads else state["grads"]
+    )
+    working = act["working"]
+    if c.zero == 3 and c.pp > 1:
+        # torch's pipeline stages keep an FSDP module's gathered parameters from its first
+        # backward to the step's end (reshard_after_backward=False)
+        working += compute_b * unsharded
+    elif c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
+        per_block = (
+            state["params"] // max(1, len(layers)) * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
+        )
+        working += 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
+    memory = {
+        "params": state["params"],
+        "optimizer": state["optimizer"],
+        "grads": held_grads,
+        "activations": act["activations"],
+        "working": working,
+    }
+    comm = communication(workload, c, plan, layers, first, last, accumulation)
+    return Cost(c, rank, memory, comm, state)
+
+
+def _held_grads(workload: Workload, c: Candidate, grads: int, unsharded: int, accumulation: int) -> int:
+    """Gradient bytes a rank holds between steps (or micro-steps): static memory, not the backward's."""
+    # ZeRO 0-2 engines keep their gradient buckets between steps (under bf16-mixed on one rank
+    # too: the masters' gradients); FSDP2 and a single fp32 rank do not.
+    engine = c.zero < 3 and (c.dp * c.cp > 1 or workload.precision == "bf16-mixed")
+    held = grads if engine else 0
+    if held == 0 and (accumulation > 1 or c.pp > 1):
+        # kept between micro-steps (ZeRO-3: reduce-scattered every micro-step, summed in the shards)
+        held = grads
+    if c.dp * c.cp > 1 and ((c.zero == 2 and (accumulation > 1 or c.pp > 1)) or (c.zero == 3 and c.pp > 1)):
+        # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
+        # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
+        # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
+        held = (4 if c.zero == 3 else workload.grad_bytes) * unsharded
+    return held
+
+
 # ----------------------------------------------------------------------------- one layout
 def estimate(
     workload: Workload,
@@ -707,49 +786,7 @@ def estimate(
             if (shape_key, rank) not in shard_cache:
                 shard_cache[shape_key, rank] = predict_shards(strategy, model, world, rank)
             plan = shard_cache[shape_key, rank]
-        layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{model.spec.layers}.")})
-        first = f"{model.spec.embedding}.weight" in plan.shapes
-        last = f"{model.spec.head}.weight" in plan.shapes or (model.spec.head is None and first)
-        state = model_state(plan, c.zero, workload.precision, workload.reduce_dtype)
-        compute_b = 2 if workload.precision == "bf16-mixed" else 4
-        unsharded = _unsharded_numel(plan, c.zero)
-        # ZeRO 0-2 engines keep their gradient buckets between steps (under bf16-mixed on one rank
-        # too: the masters' gradients); FSDP2 and a single fp32 rank do not.
-        engine = c.zero < 3 and (c.dp * c.cp > 1 or workload.precision == "bf16-mixed")
-        held_grads = state["grads"] if engine else 0
-        if held_grads == 0 and (accumulation > 1 or c.pp > 1):
-            # kept between micro-steps (ZeRO-3: reduce-scattered every micro-step, summed in the shards)
-            held_grads = state["grads"]
-        if c.dp * c.cp > 1 and ((c.zero == 2 and (accumulation > 1 or c.pp > 1)) or (c.zero == 3 and c.pp > 1)):
-            # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
-            # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
-            # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
-            held_grads = (4 if c.zero == 3 else workload.grad_bytes) * unsharded
-        # Gradients not held between steps still exist by the first block's backward.
-        act = activation_memory(
-            workload, c, layers, first, last, plan.coordinate["pp"], 0 if held_grads else state["grads"]
-        )
-        working = act["working"]
-        if c.zero == 3 and c.pp > 1:
-            # torch's pipeline stages keep an FSDP module's gathered parameters from its first
-            # backward to the step's end (reshard_after_backward=False)
-            working += compute_b * unsharded
-        elif c.zero == 3 and layers:  # the gathered parameters of the block running and the next one
-            per_block = (
-                state["params"]
-                // max(1, len(layers))
-                * math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
-            )
-            working += 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
-        memory = {
-            "params": state["params"],
-            "optimizer": state["optimizer"],
-            "grads": held_grads,
-            "activations": act["activations"],
-            "working": working,
-        }
-        comm = communication(workload, c, plan, layers, first, last, accumulation)
-        cost = Cost(c, rank, memory, comm, state)
+        cost = _rank_cost(workload, c, model, plan, rank, accumulation)
         if gpu is not None:
             step_time(workload, c, cost, dims, gpu)
         costs.append(cost)

@@ -291,11 +291,25 @@ def search(
     _check_cluster(world_size, hardware)
     grid = _space(workload, world_size, hardware, space)
     meta = model if model is not None else build_model(workload.model, device="meta")
+    fitting, too_big, refusals, dominated = _price_space(workload, world_size, hardware, grid, meta)
+    # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
+    fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), _dims_split(p.candidate), p.peak))
+    too_big.sort(key=lambda p: p.peak)
+    refused = sum(refusals.values())
+    result = SearchResult(workload, world_size, hardware, fitting, too_big, refused, refusals, dominated, space)
+    if not fitting:
+        raise _no_fit(result)
+    return result
+
+
+def _price_space(
+    workload: Workload, world_size: int, hardware: Hardware, grid: dict[str, list[Any]], meta: nn.Module
+) -> tuple[list[Priced], list[Priced], dict[str, int], list[Candidate]]:
+    """Every candidate of ``grid``: those that fit, too big, refused (reason -> count), and not priced."""
     shard_cache: dict[Any, Any] = {}
     fitting: list[Priced] = []
     too_big: list[Priced] = []
     refusals: dict[str, int] = {}
-    refused = 0
     # A larger micro batch (fewer pipeline microbatches), a higher ZeRO stage and a costlier
     # recomputation each only add time in the model: a layout is not priced when another of the
     # same sizes that is no larger in all three already fits (the candidates come smallest first).
@@ -307,31 +321,32 @@ def search(
         if any(all(a <= b for a, b in zip(fit, corner)) for fit in fit_corners.get(key, [])):
             dominated.append(candidate)
             continue
-        pp_ranks = world_size // candidate.pp
-        # the first and last stages hold the most memory, a middle one sends the most
-        ranks = sorted({0, min(1, candidate.pp - 1) * pp_ranks, (candidate.pp - 1) * pp_ranks})
-        try:
-            with warnings.catch_warnings():  # the plugins' advice is for a run, not for each candidate
-                warnings.simplefilter("ignore")
-                costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
-        except ConfigError as err:
-            refused += 1
-            reason = str(err).split(";")[0][:90]
-            refusals[reason] = refusals.get(reason, 0) + 1
+        priced = _price(workload, candidate, meta, hardware, shard_cache)
+        if isinstance(priced, str):  # the plugins refused it: their reason
+            refusals[priced] = refusals.get(priced, 0) + 1
             continue
-        priced = Priced(candidate, costs, hardware.usable_bytes)
         if priced.fits:
             fitting.append(priced)
             fit_corners.setdefault(key, []).append(corner)
         else:
             too_big.append(priced)
-    # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
-    fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), _dims_split(p.candidate), p.peak))
-    too_big.sort(key=lambda p: p.peak)
-    result = SearchResult(workload, world_size, hardware, fitting, too_big, refused, refusals, dominated, space)
-    if not fitting:
-        raise _no_fit(result)
-    return result
+    return fitting, too_big, refusals, dominated
+
+
+def _price(
+    workload: Workload, candidate: Candidate, meta: nn.Module, hardware: Hardware, shard_cache: dict[Any, Any]
+) -> Priced | str:
+    """``candidate`` priced on the ranks where the peaks are, or the first words of the plugins' refusal."""
+    pp_ranks = candidate.world_size // candidate.pp
+    # the first and last stages hold the most memory, a middle one sends the most
+    ranks = sorted({0, min(1, candidate.pp - 1) * pp_ranks, (candidate.pp - 1) * pp_ranks})
+    try:
+        with warnings.catch_warnings():  # the plugins' advice is for a run, not for each candidate
+            warnings.simplefilter("ignore")
+            costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
+    except ConfigError as err:
+        return str(err).split(";")[0][:90]
+    return Priced(candidate, costs, hardware.usable_bytes)
 
 
 def _why_no_candidates(result: SearchResult) -> str:
