@@ -48,7 +48,7 @@ from lightning_ultrascale import (  # noqa: E402
 )
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
+from lightning_ultrascale.testing.tracing import StepStateAndTraffic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_precision.json"
@@ -63,28 +63,10 @@ LAYOUTS = [
 ]
 
 
-class _Measure(L.Callback):
-    """The second optimizer step's collectives, and the model state after it."""
-
-    def __init__(self) -> None:
-        self.tracer: CommTracer | None = None
-        self.state: dict[str, int] = {}
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 1:
-            self.tracer = CommTracer().__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.tracer is not None and not self.state:
-            self.tracer.__exit__(None, None, None)
-            s = trainer.strategy.model_state_bytes()
-            self.state = {"params": s.params, "grads": s.grads, "optimizer_states": s.optimizer_states}
-
-
 def measure_worker(stage: int, reduce_dtype: str, tp: int, pp: int, world: int, seq_len: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    measure = _Measure()
+    measure = StepStateAndTraffic()
     plugins: list[Any] = [ZeRO(stage=stage, reduce_dtype=reduce_dtype)]
     plugins += [TensorParallel(tp)] if tp > 1 else []
     plugins += [PipelineParallel(pp, "1f1b")] if pp > 1 else []
@@ -94,14 +76,15 @@ def measure_worker(stage: int, reduce_dtype: str, tp: int, pp: int, world: int, 
     )  # fmt: skip
     module = LlamaModule("llama_tiny", optim=ADAMW)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=2))
-    assert measure.tracer is not None
+    assert measure.tracer is not None and measure.state is not None
     # This rank's parameters before ZeRO-3 splits them (tensor and pipeline parallelism apply).
     local = sum((p.to_local() if isinstance(p, DTensor) and stage < 3 else p).numel() for p in module.parameters())
     records = [r for r in measure.tracer.records if r.payload_bytes > 64]  # not the loss logging's scalars
     ops = ("all_reduce", "reduce_scatter", "all_gather")
     # ZeRO's traffic alone: tensor parallelism moves activations with the same collectives.
     traffic = {op: sum(r.payload_bytes for r in records if r.op == op) for op in ops} if tp == 1 else None
-    return {"state": measure.state, "psi": local, "traffic": traffic}
+    state = {part: getattr(measure.state, part) for part in PARTS}
+    return {"state": state, "psi": local, "traffic": traffic}
 
 
 def memory_rows(seq_len: int) -> list[dict[str, Any]]:

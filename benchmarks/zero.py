@@ -39,47 +39,30 @@ from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule,
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
 from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
-from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
-from lightning_ultrascale.utils.memory import model_state_bytes, playbook_model_state_bytes  # noqa: E402
+from lightning_ultrascale.testing.tracing import StepStateAndTraffic  # noqa: E402
+from lightning_ultrascale.utils.memory import playbook_model_state_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "zero.json"
 ADAMW = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)
 
 
-class MeasureStep(L.Callback):
-    """On the second optimizer step: trace the collectives of the whole step, then count model state."""
-
-    def __init__(self) -> None:
-        self.tracer: CommTracer | None = None
-        self.state: dict[str, int] = {}
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if trainer.global_step == 1:
-            self.tracer = CommTracer().__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.tracer is not None and not self.state:
-            self.tracer.__exit__(None, None, None)
-            s = model_state_bytes(pl_module, trainer.optimizers)
-            self.state = {"params": s.params, "grads": s.grads, "optimizer_states": s.optimizer_states}
-
-
 def measure_worker(stage: int, world_size: int, seq_len: int) -> dict[str, Any]:
-    measure = MeasureStep()
+    measure = StepStateAndTraffic()
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(ZeRO(stage=stage)), max_steps=2,
         callbacks=[measure], **QUIET_TRAINER,
     )  # fmt: skip
     module = LlamaModule("llama_tiny", optim=ADAMW)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=1))
-    assert measure.tracer is not None
+    assert measure.tracer is not None and measure.state is not None
     # Gradient and parameter traffic only: the loss logging's scalar all-reduce is not ZeRO's.
     records = [r for r in measure.tracer.records if r.payload_bytes > 64]
     elements = {
         op: sum(r.payload_bytes for r in records if r.op == op) // 4
         for op in ("all_reduce", "reduce_scatter", "all_gather")
     }
-    return {"state": measure.state, "elements": elements, "n_params": module.config.num_params()}
+    state = {part: getattr(measure.state, part) for part in ("params", "grads", "optimizer_states")}
+    return {"state": state, "elements": elements, "n_params": module.config.num_params()}
 
 
 class FSDP2ByHand(LlamaModule):

@@ -32,7 +32,7 @@ from lightning_ultrascale import (
 from lightning_ultrascale.models import get_model_config
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, relative_error
-from lightning_ultrascale.utils.comm import CommTracer
+from lightning_ultrascale.testing.tracing import StepStateAndTraffic
 from lightning_ultrascale.utils.memory import layout_model_state_bytes
 
 # Plain SGD with a small learning rate: most updates (lr x gradient ~ 1e-5..1e-4) are below half a
@@ -167,27 +167,8 @@ def test_fp8_linears_train_from_bf16_weights_and_fp32_masters(stage):
 
 
 # --------------------------------------------------------------------------- bytes held and moved
-class _Measure(L.Callback):
-    """After the second optimizer step: model state by part; the second step's collectives."""
-
-    def __init__(self) -> None:
-        self.state: tuple[int, int, int] | None = None
-        self.tracer: CommTracer | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 1:
-            self.tracer = CommTracer().__enter__()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2 and self.state is None:
-            assert self.tracer is not None
-            self.tracer.__exit__(None, None, None)
-            s = trainer.strategy.model_state_bytes()
-            self.state = (s.params, s.grads, s.optimizer_states)
-
-
 def _measure(stage: int, reduce_dtype: str, tp: int, pp: int, world: int) -> dict[str, Any]:
-    measure = _Measure()
+    measure = StepStateAndTraffic()
     plugins = [ZeRO(stage=stage, reduce_dtype=reduce_dtype)]
     plugins += [TensorParallel(tp)] if tp > 1 else []
     plugins += [PipelineParallel(pp, "1f1b")] if pp > 1 else []
@@ -197,12 +178,13 @@ def _measure(stage: int, reduce_dtype: str, tp: int, pp: int, world: int) -> dic
     )  # fmt: skip
     module = LlamaModule("llama_tiny", optim=ADAMW)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=32, micro_batch_size=2))
-    assert measure.tracer is not None
+    assert measure.tracer is not None and measure.state is not None
     # This rank's parameters before ZeRO-3 splits them: tensor- and pipeline-parallel pieces.
     local = sum((p.to_local() if isinstance(p, DTensor) and stage < 3 else p).numel() for p in module.parameters())
     traffic = {op: measure.tracer.total(op=op) for op in ("all_reduce", "reduce_scatter", "all_gather")}
     dtypes = {p.dtype for p in module.parameters()}
-    return {"state": measure.state, "local": local, "traffic": traffic, "dtypes": dtypes}
+    state = (measure.state.params, measure.state.grads, measure.state.optimizer_states)
+    return {"state": state, "local": local, "traffic": traffic, "dtypes": dtypes}
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,19 @@ def _sum_group_names(p: nn.Parameter) -> tuple[str, ...]:
     return tuple(g.group_name for g in _sum_groups(p))
 
 
+def _master_slice(
+    masters: Mapping[nn.Parameter, torch.Tensor], params: list[nn.Parameter], offsets: list[int], start: int, numel: int
+) -> torch.Tensor:
+    """Elements ``[start, start + numel)`` of the bucket of ``params`` (at ``offsets``) in fp32, from ``masters``."""
+    master = torch.empty(numel, dtype=torch.float32, device=params[0].device)
+    for p, offset in zip(params, offsets):
+        size = _local(p).numel()
+        lo, hi = max(start, offset), min(start + numel, offset + size)
+        if lo < hi:
+            master[lo - start : hi - start].copy_(_local(masters[p]).reshape(-1)[lo - offset : hi - offset])
+    return master
+
+
 def _piece(p: nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of this rank's piece of ``p`` and where it starts in ``p`` (a tensor-parallel shard)."""
     if not isinstance(p, DTensor):
@@ -273,23 +286,12 @@ class ZeroEngine(GradientBuckets):
                 p.grad = None
         start = self.rank * shard_numel
         local = flat[start : start + max(0, min(shard_numel, numel - start))]
-        master = None if self.masters is None else self._master_slice(params, offsets, start, local.numel())
+        master = None if self.masters is None else _master_slice(self.masters, params, offsets, start, local.numel())
         shard = nn.Parameter(self._as_shard(local if master is None else master, numel))
         return _Bucket(
             params=params, offsets=offsets[:-1], numel=numel, shard_numel=shard_numel, flat_params=flat, shard=shard,
             master=master,
         )  # fmt: skip
-
-    def _master_slice(self, params: list[nn.Parameter], offsets: list[int], start: int, numel: int) -> torch.Tensor:
-        """This rank's slice ``[start, start + numel)`` of the bucket, in fp32, from the parameters' masters."""
-        assert self.masters is not None
-        master = torch.empty(numel, dtype=torch.float32, device=params[0].device)
-        for p, offset in zip(params, offsets):
-            size = _local(p).numel()
-            lo, hi = max(start, offset), min(start + numel, offset + size)
-            if lo < hi:
-                master[lo - start : hi - start].copy_(_local(self.masters[p]).reshape(-1)[lo - offset : hi - offset])
-        return master
 
     def _as_shard(self, local: torch.Tensor, numel: int) -> DTensor:
         # shape/stride given explicitly: the split is uneven, from_local cannot infer the global size.
@@ -500,13 +502,11 @@ class ZeroEngine(GradientBuckets):
             return
         self.wait_for_parameters()
         if values is not None:
-            self.masters.update((p, v) for p, v in values.items() if p in self._slot)
             with torch.no_grad():
                 for b in self.buckets:
                     assert b.master is not None
                     start = self.rank * b.shard_numel
-                    b.master.copy_(self._master_slice(b.params, b.offsets, start, b.master.numel()))
-            self.masters.clear()
+                    b.master.copy_(_master_slice(values, b.params, b.offsets, start, b.master.numel()))
         self._masters_into_params()
         for b in self.buckets:
             own = b.flat_params[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
