@@ -1,7 +1,7 @@
 """The planner's cost model against measurements: per-rank peak memory and traced bytes of real runs.
 
 Each layout trains ``llama_tiny`` or ``moe_tiny`` (fp32, AdamW, seq 256) for two optimizer steps in
-the real Lightning loop (``UltraScaleStrategy`` built from the planner's own ``Candidate.plugins()``)
+the real Lightning loop (``UltraScaleStrategy`` built from the planner's own ``Candidate.strategy()``)
 and measures on every rank, during the second step (optimizer states exist):
 
 - peak memory: torch's ``MemTracker`` (every storage alive on the device, parameters and optimizer
@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
+from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule  # noqa: E402
 from lightning_ultrascale.models import build_model, get_model_config  # noqa: E402
 from lightning_ultrascale.plan.cost import Candidate, Workload, estimate  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
@@ -53,31 +53,32 @@ ADAMW = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)
 MEMORY_BOUND, COMM_BOUND, SCALAR_BYTES = 0.05, 0.01, 256
 
 #: (model, candidate): every dim, both pipeline schedule families, every recomputation mode.
+_ = Candidate.layout  # (short: one layout per line)
 LAYOUTS: list[tuple[str, Candidate]] = [
-    ("llama_tiny", Candidate(dp=1, zero=0, micro_batch_size=2)),
-    ("llama_tiny", Candidate(dp=2, zero=0, micro_batch_size=2)),
-    ("llama_tiny", Candidate(dp=2, zero=1, micro_batch_size=2)),
-    ("llama_tiny", Candidate(dp=2, zero=2, micro_batch_size=2, recompute="selective", recompute_every=2)),
-    ("llama_tiny", Candidate(dp=2, zero=3, micro_batch_size=2, recompute="full")),
-    ("llama_tiny", Candidate(dp=1, zero=0, tp=2, micro_batch_size=2)),
-    ("llama_tiny", Candidate(tp=2, zero=0, sequence_parallel=False, micro_batch_size=2, recompute="selective_op")),
-    ("llama_tiny", Candidate(dp=1, zero=0, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1)),
-    ("llama_tiny", Candidate(dp=1, zero=0, pp=2, schedule="afab", microbatches=4, micro_batch_size=1)),
-    ("llama_tiny", Candidate(dp=1, zero=0, pp=2, schedule="interleaved_1f1b", microbatches=4, micro_batch_size=1)),
-    ("llama_tiny", Candidate(dp=1, zero=0, cp=2, cp_method="zigzag_ring", micro_batch_size=2)),
-    ("llama_tiny", Candidate(dp=1, zero=0, cp=2, cp_method="all_to_all", micro_batch_size=2)),
-    ("moe_tiny", Candidate(dp=1, zero=0, micro_batch_size=2)),
-    ("moe_tiny", Candidate(dp=2, zero=0, ep=2, micro_batch_size=2)),
-    ("moe_tiny", Candidate(dp=2, zero=3, ep=2, micro_batch_size=2)),
-    ("llama_tiny", Candidate(dp=2, zero=3, tp=2, micro_batch_size=2)),
+    ("llama_tiny", _(dp=1, zero=0, micro_batch_size=2)),
+    ("llama_tiny", _(dp=2, zero=0, micro_batch_size=2)),
+    ("llama_tiny", _(dp=2, zero=1, micro_batch_size=2)),
+    ("llama_tiny", _(dp=2, zero=2, micro_batch_size=2, recompute="selective", recompute_every=2)),
+    ("llama_tiny", _(dp=2, zero=3, micro_batch_size=2, recompute="full")),
+    ("llama_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2)),
+    ("llama_tiny", _(tp=2, zero=0, sequence_parallel=False, micro_batch_size=2, recompute="selective_op")),
+    ("llama_tiny", _(dp=1, zero=0, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1)),
+    ("llama_tiny", _(dp=1, zero=0, pp=2, schedule="afab", microbatches=4, micro_batch_size=1)),
+    ("llama_tiny", _(dp=1, zero=0, pp=2, schedule="interleaved_1f1b", microbatches=4, micro_batch_size=1)),
+    ("llama_tiny", _(dp=1, zero=0, cp=2, cp_method="zigzag_ring", micro_batch_size=2)),
+    ("llama_tiny", _(dp=1, zero=0, cp=2, cp_method="all_to_all", micro_batch_size=2)),
+    ("moe_tiny", _(dp=1, zero=0, micro_batch_size=2)),
+    ("moe_tiny", _(dp=2, zero=0, ep=2, micro_batch_size=2)),
+    ("moe_tiny", _(dp=2, zero=3, ep=2, micro_batch_size=2)),
+    ("llama_tiny", _(dp=2, zero=3, tp=2, micro_batch_size=2)),
 ]
 #: (model, candidate, micro-steps per optimizer step): what gradient accumulation and a pipeline
 #: keep between micro-steps (ZeRO-3: sharded gradients; ZeRO-2: full buckets; ZeRO-3 under a
 #: pipeline: unsharded gradients and gathered parameters until the schedule ends).
 ACCUMULATED: list[tuple[str, Candidate, int]] = [
-    ("llama_tiny", Candidate(dp=2, zero=3, micro_batch_size=2), 2),
-    ("llama_tiny", Candidate(dp=2, zero=2, micro_batch_size=2), 2),
-    ("llama_tiny", Candidate(dp=2, zero=3, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1), 1),
+    ("llama_tiny", _(dp=2, zero=3, micro_batch_size=2), 2),
+    ("llama_tiny", _(dp=2, zero=2, micro_batch_size=2), 2),
+    ("llama_tiny", _(dp=2, zero=3, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1), 1),
 ]  # fmt: skip
 
 
@@ -182,7 +183,7 @@ class MeasureSecondStep(L.Callback):
 def measure_worker(model: str, candidate: Candidate, accumulation: int = 1) -> dict[str, Any]:
     measure = MeasureSecondStep()
     trainer = L.Trainer(
-        accelerator="cpu", devices=candidate.world_size, strategy=UltraScaleStrategy(*candidate.plugins()),
+        accelerator="cpu", devices=candidate.world_size, strategy=candidate.strategy(),
         max_steps=2, accumulate_grad_batches=accumulation, callbacks=[measure], **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank)

@@ -39,7 +39,7 @@ def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
         get_model_config(run["model"]), run["seq_len"], run["global_batch_size"],
         precision=run["precision"], reduce_dtype=run["reduce_dtype"],
     )  # fmt: skip
-    candidate = Candidate(**run["layout"])
+    candidate = Candidate.layout(**run["layout"], reduce_dtype=run["reduce_dtype"])
     costs = estimate(workload, candidate, build_model(run["model"], device="meta"), gpu)
     worst = max(costs, key=lambda c: c.peak)
     return {

@@ -96,7 +96,7 @@ def test_model_state_is_the_measured_one():
 def test_model_state_follows_the_playbook_zero_formulas(stage):
     cfg = get_model_config("llama_tiny")
     workload = Workload(cfg, seq_len=64, global_batch_size=8, precision="32-true")
-    [cost] = estimate(workload, Candidate(dp=4, zero=stage, micro_batch_size=2), build_model(cfg, device="meta"))
+    [cost] = estimate(workload, Candidate.layout(dp=4, zero=stage, micro_batch_size=2), build_model(cfg, device="meta"))
     formula = playbook_model_state_bytes(cfg.num_params(), stage, dp=4, k_optimizer=8, mixed_precision=False)
     assert abs(cost.model_state["params"] - formula.params) <= 64 * 4  # torch.chunk rounding per tensor
     assert abs(cost.model_state["grads"] - formula.grads) <= 64 * 4
@@ -107,7 +107,7 @@ def test_time_model_prefers_tp_inside_a_node():
     cfg = get_model_config("llama3_8b")
     workload = Workload(cfg, seq_len=4096, global_batch_size=64)
     meta, h100 = build_model(cfg, device="meta"), get_hardware("h100")
-    layout = Candidate(dp=2, zero=1, tp=8, micro_batch_size=1)
+    layout = Candidate.layout(dp=2, zero=1, tp=8, micro_batch_size=1)
     inside = estimate(workload, layout, meta, h100)[0]
     across = estimate(workload, layout, meta, replace(h100, gpus_per_node=4))[0]  # tp spans two nodes
     assert 0 < across.mfu < inside.mfu < 1
@@ -118,7 +118,7 @@ def test_invalid_layout_is_refused_by_the_plugins_own_validation():
     cfg = get_model_config("llama_tiny")
     workload = Workload(cfg, seq_len=64, global_batch_size=8, precision="32-true")
     with pytest.raises(ConfigError, match="n_heads=4"):
-        estimate(workload, Candidate(tp=8, micro_batch_size=8), build_model(cfg, device="meta"))
+        estimate(workload, Candidate.layout(tp=8, micro_batch_size=8), build_model(cfg, device="meta"))
 
 
 def test_bad_planner_input_names_the_option():
@@ -136,8 +136,8 @@ def test_data_parallel_traffic_is_timed_on_its_group():
     cfg = get_model_config("llama3_8b")
     workload = Workload(cfg, seq_len=4096, global_batch_size=64)
     meta, h100 = build_model(cfg, device="meta"), get_hardware("h100")
-    zero3 = estimate(workload, Candidate(dp=8, zero=3, micro_batch_size=1), meta, h100)[0]
-    hsdp = estimate(workload, Candidate(dp=16, zero=3, replicate=2, micro_batch_size=1), meta, h100)[0]
+    zero3 = estimate(workload, Candidate.layout(dp=8, zero=3, micro_batch_size=1), meta, h100)[0]
+    hsdp = estimate(workload, Candidate.layout(dp=16, zero=3, replicate=2, micro_batch_size=1), meta, h100)[0]
     link = h100.intra_node_bandwidth * h100.link_efficiency
     gather = wire_bytes("all_gather", zero3.comm["dp_shard:all_gather"], 8) / link
     assert zero3.time_parts["dp_shard"] > gather > 0.01
@@ -151,16 +151,17 @@ def test_data_parallel_traffic_is_timed_on_its_group():
 # False: bf16 gradients). Priced with fp32 weights, as before mixed precision kept bf16 ones, they
 # needed 95.8 GiB (8B), 108.2 GiB (70B) and 135.0 GiB (405B).
 NVIDIA_LAYOUTS = {
-    "llama3_8b": (128, Candidate(dp=4, cp=2, zero=1)),
-    "llama3_70b": (128, Candidate(dp=2, tp=4, pp=4, cp=2, virtual_stages=5, schedule="interleaved_1f1b",
-                                  zero=1, microbatches=64)),
-    "llama3_405b": (252, Candidate(dp=4, tp=8, pp=9, cp=2, virtual_stages=7, schedule="interleaved_1f1b",
-                                   zero=1, microbatches=63)),
+    "llama3_8b": (128, dict(dp=4, cp=2, zero=1)),
+    "llama3_70b": (128, dict(dp=2, tp=4, pp=4, cp=2, virtual_stages=5, schedule="interleaved_1f1b", zero=1,
+                             microbatches=64)),
+    "llama3_405b": (252, dict(dp=4, tp=8, pp=9, cp=2, virtual_stages=7, schedule="interleaved_1f1b", zero=1,
+                              microbatches=63)),
 }  # fmt: skip
 
 
 def _nvidia_peak(model: str, reduce_dtype: str = "bf16") -> tuple[float, dict[str, int], int]:
-    batch, candidate = NVIDIA_LAYOUTS[model]
+    batch, layout = NVIDIA_LAYOUTS[model]
+    candidate = Candidate.layout(**layout, reduce_dtype=reduce_dtype)
     workload = Workload(get_model_config(model), 8192, batch, precision="bf16-mixed", reduce_dtype=reduce_dtype)
     costs = estimate(workload, candidate, build_model(model, device="meta"), get_hardware("h100"))
     worst = max(costs, key=lambda c: c.peak)
@@ -204,7 +205,7 @@ def test_published_runs_are_priced_as_committed():
 
 def test_fp32_runs_are_timed_at_the_tf32_peak_not_the_bf16_one():
     # fp32 matmuls run as TF32 on CUDA (the strategy's tf32=True): half the bf16 tensor-core peak.
-    model, candidate = build_model("llama3_1b", device="meta"), Candidate(dp=8, zero=1)
+    model, candidate = build_model("llama3_1b", device="meta"), Candidate.layout(dp=8, zero=1)
     h100 = get_hardware("h100")
 
     def compute(precision: str) -> tuple[float, float]:

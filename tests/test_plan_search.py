@@ -97,7 +97,7 @@ def test_a_run_config_becomes_the_candidate_its_plugins_make():
     c = Candidate.from_plugins(plugins, world_size=64, micro_batch_size=16)
     assert (c.dp, c.replicate, c.zero, c.tp, c.pp, c.n_microbatches, c.cp) == (4, 2, 3, 4, 2, 8, 2)
     assert (c.micro_batch_size, c.recompute, c.recompute_every) == (2, "selective", 2)
-    assert c.plugins()[0].replicate == 2 and c.world_size == 64
+    assert c.plugins[0].replicate == 2 and c.world_size == 64
 
 
 def test_ultrascale_plan_prints_the_table_and_the_heatmap(tmp_path, capsys):

@@ -10,7 +10,10 @@ A plugin has four parts: the mesh dims it owns (:meth:`~ParallelPlugin.mesh_size
 need no process (:meth:`~ParallelPlugin.validate`), the rewrite of the meta-device model
 (:meth:`~ParallelPlugin.apply`), where it reads and writes the facts it shares with the other
 plugins in the :class:`~lightning_ultrascale.parallel.layout.Layout`, and, for a technique that
-runs forward and backward itself, its :attr:`~ParallelPlugin.step_runner`.
+runs forward and backward itself, its :attr:`~ParallelPlugin.step_runner`. For the planner, each
+plugin also predicts what it leaves on a rank (:meth:`~ParallelPlugin.plan_shards`), states its
+sizes and choices (:meth:`~ParallelPlugin.plan_facts`) and prices itself
+(:meth:`~ParallelPlugin.plan_cost`): the planner holds no copy of any technique's rules.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView
 from lightning_ultrascale.parallel.step import StepRunner
 
 #: The fixed order in which plugins are applied to the (meta-device) model.
@@ -78,6 +82,22 @@ class ParallelPlugin(abc.ABC):
         prediction in :data:`APPLY_ORDER`; ``ultrascale-plan --check`` holds it against a real
         ``apply`` under torch's fake process group.
         """
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        """The sizes and choices the planner reads of this plugin, its own defaults resolved (default: none).
+
+        Keys are :class:`~lightning_ultrascale.plan.Candidate` fields (e.g. ``{"tp": 8,
+        "sequence_parallel": True}``); see :mod:`lightning_ultrascale.parallel.pricing`.
+        """
+        return {}
+
+    def plan_cost(self, rank: RankView) -> CostTerms | None:
+        """This technique's share of ``rank``'s cost per optimizer step (default: nothing).
+
+        Traffic and how much compute can hide it, memory it holds, compute it adds, a bubble:
+        the planner composes every plugin's terms (:mod:`lightning_ultrascale.parallel.pricing`).
+        """
+        return None
 
     def settings(self) -> dict[str, Any]:
         """Settings that tell this plugin apart in logs, shown before its mesh sizes."""

@@ -49,6 +49,7 @@ from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView
 
 MODES: tuple[str, ...] = ("none", "full", "selective", "selective_op")
 
@@ -96,6 +97,11 @@ def _recompute_block(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 
 def _recompute_block_keeping_matmuls(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_KEEP_MATMUL_OUTPUTS, **kwargs)
+
+
+def never(layer: int) -> bool:
+    """No block is recomputed whole (the planner's default, and ``selective_op``'s)."""
+    return False
 
 
 class Recompute(ParallelPlugin):
@@ -150,6 +156,16 @@ class Recompute(ParallelPlugin):
                 f"{option(self, 'every', self.every)} exceeds n_layers={spec.n_layers} of {spec.name}, "
                 f"so no block would be recomputed; valid: 1 .. {spec.n_layers}"
             )
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        whole = self.mode in ("full", "selective")  # (selective_op keeps the matmuls: priced apart)
+        recomputes = self.recomputes if whole else never
+        return {"recompute": self.mode, "recompute_every": self.every, "recomputes": recomputes}
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        """The forward again in backward: a third of a block's FLOPs per recomputed block (cheap ops: ~3%)."""
+        extra = {"none": 0.0, "selective_op": 0.03, "full": 1 / 3}.get(self.mode, 1 / (3 * self.every))
+        return CostTerms(extra_compute=extra)
 
     def recomputes(self, layer: int) -> bool:
         """Whether the block of global index ``layer`` is recomputed in backward.

@@ -20,6 +20,7 @@ from the same plan: one plan, never a second one per precision.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import (
@@ -35,6 +36,7 @@ from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 
 #: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
 #: parallel style becomes the one that fits such a linear (e.g. ``"float8"``: torchao's Float8
@@ -106,6 +108,32 @@ class TensorParallel(ParallelPlugin):
             # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
             layout.step_contexts.append(loss_parallel)
         return model
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        return {"tp": self.size, "sequence_parallel": self.sequence_parallel}
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        """4 collectives per block (+ embedding, head) of ``t x h`` activations per forward, and the loss's.
+
+        On the critical path (nothing overlaps them in our blocks). Recomputation repeats a
+        block's forward collectives (2 per block) in backward; op-level recomputation keeps the
+        reduce-scatter outputs under SP, not the all-reduces (measured: one again per block).
+        """
+        terms = CostTerms()
+        if self.size == 1:
+            return terms
+        c, s = rank.layout, rank.widths
+        activation = rank.tokens * s.h * rank.element_bytes * rank.forwards
+        n = 4 * len(rank.layers) + (1 if rank.first else 0) + (1 if rank.last else 0)
+        again = {"full": 2, "selective_op": 0 if self.sequence_parallel else 1}.get(c.recompute, 0)
+        again *= len(rank.layers) if c.recompute != "selective" else 0
+        again += 2 * sum(1 for i in rank.layers if c.recompute == "selective" and c.recomputes(i))
+        ops = ("all_gather", "reduce_scatter") if self.sequence_parallel else ("all_reduce",)
+        for op in ops:
+            add_traffic(terms.traffic, "tp", op, (n + again) * activation)
+        if rank.last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
+            add_traffic(terms.traffic, "tp", "all_reduce", 6 * 4 * rank.tokens * rank.forwards)
+        return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         if self.size == 1:

@@ -18,7 +18,8 @@ Example:
     '1.10 B parameters on rank 0'
 """
 
-from lightning_ultrascale.plan.cost import Candidate, Cost, Workload, estimate
+from lightning_ultrascale.plan.candidate import Candidate
+from lightning_ultrascale.plan.cost import Cost, Workload, estimate
 from lightning_ultrascale.plan.hardware import GPUS, Hardware, get_hardware
 from lightning_ultrascale.plan.search import NoLayoutFits, Priced, SearchResult, search
 from lightning_ultrascale.plan.shards import dry_run, predict_shards

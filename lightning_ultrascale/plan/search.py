@@ -34,13 +34,15 @@ import itertools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.plan.cost import Candidate, Cost, Workload, estimate
+from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.plan.candidate import Candidate
+from lightning_ultrascale.plan.cost import Cost, Workload, estimate
 from lightning_ultrascale.plan.hardware import Hardware, get_hardware
 
 __all__ = ["NoLayoutFits", "Priced", "SearchResult", "search"]
@@ -221,8 +223,14 @@ def _check_cluster(world: int, gpu: Hardware) -> None:
         )
 
 
-def _candidates(workload: Workload, world: int, gpu: Hardware, space: dict[str, list[Any]]) -> Iterator[Candidate]:
-    """Every layout of the space whose sizes multiply to ``world`` and split the global batch."""
+def _candidates(
+    workload: Workload, world: int, gpu: Hardware, space: dict[str, list[Any]]
+) -> Iterator[Candidate | str]:
+    """Every layout of the space whose sizes multiply to ``world`` and split the global batch.
+
+    A layout whose plugins refuse their own arguments (e.g. a schedule's microbatch count) comes
+    as the first words of their reason.
+    """
     gpn, batch = gpu.gpus_per_node, workload.global_batch_size
     for tp, cp, pp in itertools.product(space["tp"], space["cp"], space["pp"]):
         if world % (tp * cp * pp):
@@ -252,10 +260,14 @@ def _candidates(workload: Workload, world: int, gpu: Hardware, space: dict[str, 
                     if micro is None:
                         continue
                 for recompute in space["recompute"]:
-                    yield Candidate(
-                        dp=dp, zero=zero, tp=tp, pp=pp, schedule=schedule, microbatches=micro, cp=cp, ep=ep,
-                        recompute=recompute, micro_batch_size=mbs, replicate=replicate,
-                    )  # fmt: skip
+                    try:
+                        yield Candidate.layout(
+                            dp=dp, zero=zero, tp=tp, pp=pp, schedule=schedule, microbatches=micro, cp=cp, ep=ep,
+                            recompute=recompute, micro_batch_size=mbs, replicate=replicate,
+                            reduce_dtype=workload.reduce_dtype, extra=space["extra"][0] if "extra" in space else (),
+                        )  # fmt: skip
+                    except ConfigError as err:
+                        yield _reason(err)
 
 
 def _microbatches(samples: int, pp: int, cap: int = 64) -> int | None:
@@ -273,12 +285,14 @@ def search(
     gpu: str | Mapping[str, Any] | Hardware = "h100",
     model: nn.Module | None = None,
     space: Mapping[str, Sequence[Any] | Any] | None = None,
+    plugins: Sequence[ParallelPlugin] = (),
 ) -> SearchResult:
     """Price every valid layout of ``workload`` on ``world_size`` GPUs; raise if none fits.
 
     ``model``: the model on the meta device (built from ``workload.model`` if not given).
     ``space``: values to try per dimension instead of the defaults (module docstring), e.g.
-    ``{"tp": [8], "recompute": ["full"]}`` pins tp and recomputation.
+    ``{"tp": [8], "recompute": ["full"]}`` pins tp and recomputation. ``plugins``: further plugins
+    every layout runs with (each prices itself through ``plan_facts`` / ``plan_cost``).
 
     Raises:
         ConfigError: an invalid cluster size, GPU profile or search space, or no valid layout at all.
@@ -289,7 +303,7 @@ def search(
 
     hardware = get_hardware(gpu)
     _check_cluster(world_size, hardware)
-    grid = _space(workload, world_size, hardware, space)
+    grid = _space(workload, world_size, hardware, space) | {"extra": [tuple(plugins)]}
     meta = model if model is not None else build_model(workload.model, device="meta")
     fitting, too_big, refusals, dominated = _price_space(workload, world_size, hardware, grid, meta)
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
@@ -313,10 +327,13 @@ def _price_space(
     # A larger micro batch (fewer pipeline microbatches), a higher ZeRO stage and a costlier
     # recomputation each only add time in the model: a layout is not priced when another of the
     # same sizes that is no larger in all three already fits (the candidates come smallest first).
-    fit_corners: dict[Candidate, list[tuple[int, int, int]]] = {}
+    fit_corners: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}
     dominated: list[Candidate] = []
     for candidate in _candidates(workload, world_size, hardware, grid):
-        key = replace(candidate, zero=0, recompute="none", micro_batch_size=1, microbatches=None)
+        if isinstance(candidate, str):  # its plugins refused their arguments
+            refusals[candidate] = refusals.get(candidate, 0) + 1
+            continue
+        key = candidate.sizes_key()
         corner = (candidate.micro_batch_size, candidate.zero, _RECOMPUTE.index(candidate.recompute))
         if any(all(a <= b for a, b in zip(fit, corner)) for fit in fit_corners.get(key, [])):
             dominated.append(candidate)
@@ -345,8 +362,13 @@ def _price(
             warnings.simplefilter("ignore")
             costs = estimate(workload, candidate, meta, hardware, ranks=ranks, shard_cache=shard_cache)
     except ConfigError as err:
-        return str(err).split(";")[0][:90]
+        return _reason(err)
     return Priced(candidate, costs, hardware.usable_bytes)
+
+
+def _reason(err: ConfigError) -> str:
+    """The first words of a plugin's refusal (refusals are counted by them)."""
+    return str(err).split(";")[0][:90]
 
 
 def _why_no_candidates(result: SearchResult) -> str:

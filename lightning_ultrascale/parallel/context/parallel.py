@@ -34,6 +34,7 @@ from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, at
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 
 #: Batch entries cut along the sequence (dim 1). ``document_ids`` stay whole: ring and all-to-all
 #: attention read every rank's documents from them (see ``attention.py``: the ring's plan).
@@ -104,6 +105,32 @@ class ContextParallel(ParallelPlugin):
                 f"with {option(self, 'method', self.method)} ({why}); valid nearby: "
                 f"{nearby_multiples(data.seq_len, multiple)}"
             )
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        return {"cp": self.size, "cp_method": self.method}
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        """The all-to-all of q, k, v and the output, or the ring's K/V (and dK/dV) sends, every attention.
+
+        In the step (each microbatch waits for its attention); ring attention overlaps its K/V
+        exchange with the attention of the block it holds, about half the step's compute.
+        """
+        terms = CostTerms(hidden_by=0.5)
+        if self.size == 1:
+            return terms
+        s, e, t = rank.widths, rank.element_bytes, rank.tokens
+        layers, m = len(rank.layers), rank.forwards
+        if self.method == "all_to_all":
+            # q and the output at every head, k and v at their own heads (repeated after the exchange)
+            q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
+            add_traffic(terms.traffic, "cp", "all_to_all", 2 * q_k_v_o * layers * m)
+            return terms
+        kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
+        # forward: K/V to the next rank cp-1 times; backward: K/V again and dK/dV cp times.
+        sends = (2 * (self.size - 1) + self.size) * kv * layers * m
+        add_traffic(terms.traffic, "cp", "send", sends)
+        add_traffic(terms.traffic, "cp", "recv", sends)
+        return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         if self.size == 1:

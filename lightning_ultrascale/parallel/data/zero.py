@@ -43,9 +43,11 @@ from lightning_ultrascale.parallel.data.engines import (
     ShardedOptimizerEngine,
     fsdp_shard_dim,
 )
+from lightning_ultrascale.parallel.data.pricing import data_parallel_cost
 from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView
 
 STAGES = (0, 1, 2, 3)
 
@@ -124,6 +126,14 @@ class ZeRO(ParallelPlugin):
 
     def settings(self) -> dict[str, Any]:
         return {"stage": self.stage}
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        replicate = dims.dp_replicate if self.stage == 3 else 1
+        return {"dp": dims.dp_replicate * dims.dp_shard, "zero": self.stage, "replicate": replicate,
+                "reduce_dtype": self.reduce_dtype}  # fmt: skip
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        return data_parallel_cost(rank, self.stage, self.reduce_dtype)
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
         if self.stage in (1, 2) and dims.dp_shard * dims.cp == 1:  # (context-parallel ranks share the shards)

@@ -17,6 +17,8 @@ tokens, and the ``ep`` groups are made of ranks with the same tp coordinate.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -26,6 +28,7 @@ from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDim
 from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 
 
 class ExpertParallel(ParallelPlugin):
@@ -55,6 +58,22 @@ class ExpertParallel(ParallelPlugin):
                 f"{option(self, 'size', self.size)} splits MoE experts, but model {spec.name} has none; "
                 "use an MoE model (e.g. model=moe_tiny) or size 1"
             )
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        return {"ep": self.size}
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        """Dispatch and combine forward, their reverses backward, of every routed row (uniform routing)."""
+        terms = CostTerms()
+        moe = rank.workload.model.moe
+        if self.size == 1 or moe is None:
+            return terms
+        moe_layers = sum(1 for i in rank.layers if moe.is_moe_block(i))
+        rows = rank.tokens * moe.top_k * rank.widths.h * rank.element_bytes
+        # (+ the split sizes: one count per expert each way)
+        payload = (4 * rows + 8 * moe.n_routed_experts) * moe_layers * rank.forwards
+        add_traffic(terms.traffic, "ep", "all_to_all", payload)
+        return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         if self.size == 1:

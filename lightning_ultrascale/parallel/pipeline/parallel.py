@@ -41,10 +41,12 @@ from lightning_ultrascale.parallel.pipeline.schedules import (
     stage_ranks,
     validate_microbatches,
 )
+from lightning_ultrascale.parallel.pipeline.simulator import schedule_facts
 from lightning_ultrascale.parallel.pipeline.split import plan_stages, stages_from_split_points
 from lightning_ultrascale.parallel.pipeline.stage import StageModule, prune_to_stages
 from lightning_ultrascale.parallel.pipeline.step import PipelineStep
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 
 
 class PipelineParallel(ParallelPlugin):
@@ -160,6 +162,30 @@ class PipelineParallel(ParallelPlugin):
         layout.part_name = f"pp{pp_rank}"
         layout.grad_norm.across.append(self.group)
         return model
+
+    def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
+        on = self.size > 1
+        timeline = schedule_facts(self.schedule, self.size, self.microbatches, self.virtual_stages) if on else None
+        return {"pp": self.size, "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "microbatches": self.microbatches, "timeline": timeline}  # fmt: skip
+
+    def plan_cost(self, rank: RankView) -> CostTerms:
+        """The bubble of the simulated schedule; each stage's output forward and input gradient back.
+
+        Every stage on the rank sends its output (not the last stage) and its input's gradient
+        (not the first): ``t x h`` activations per microbatch, on the critical path.
+        """
+        terms = CostTerms()
+        if self.size == 1:
+            return terms
+        timeline = schedule_facts(self.schedule, self.size, self.microbatches, self.virtual_stages)
+        terms.bubble = timeline.bubble
+        s = rank.widths
+        boundary = rank.tokens * s.h / s.sp * rank.element_bytes * rank.forwards
+        sends = 2 * timeline.stages_per_rank - (1 if rank.last else 0) - (1 if rank.first else 0)
+        add_traffic(terms.traffic, "pp", "send", sends * boundary)
+        add_traffic(terms.traffic, "pp", "recv", sends * boundary)
+        return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         if self.size == 1:

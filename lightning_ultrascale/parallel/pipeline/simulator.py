@@ -333,4 +333,35 @@ def bubble_formula(schedule: str, p: int, m: int, v: int | None = None, costs: O
     return bubble / busy
 
 
-__all__ = ["KINDS", "SCHEDULES", "Op", "OpCosts", "Timeline", "bubble_formula", "simulate", "torch_order"]
+@dataclass(frozen=True)
+class ScheduleFacts:
+    """What the planner reads of a schedule's simulated timeline (unit costs)."""
+
+    bubble: float  # the playbook's r_bubble: idle over compute time
+    peak_activations: tuple[int, ...]  # per pp rank: (stage, microbatch) activations held at once
+    stages_per_rank: int
+
+    def in_flight(self, pp_rank: int) -> float:
+        """Microbatches' worth of the rank's activations held at once (its peak over its stages)."""
+        return self.peak_activations[pp_rank] / self.stages_per_rank
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_facts(schedule: str, p: int, m: int, v: int | None = None) -> ScheduleFacts:
+    """The bubble, activation peaks and stages per rank of a schedule, simulated once per arguments.
+
+    Example:
+        >>> schedule_facts("1f1b", 4, 8).bubble
+        0.375
+    """
+    v = resolve_virtual_stages(schedule, v)
+    stages_per_rank = v if schedule_info(schedule).multi else 1
+    timeline = simulate(schedule, p, m, v if stages_per_rank > 1 else None)
+    peaks = tuple(timeline.peak_activations(r) for r in range(p))
+    return ScheduleFacts(timeline.bubble_ratio, peaks, stages_per_rank)
+
+
+__all__ = [
+    "KINDS", "SCHEDULES", "Op", "OpCosts", "ScheduleFacts", "Timeline", "bubble_formula", "schedule_facts", "simulate",
+    "torch_order",
+]  # fmt: skip

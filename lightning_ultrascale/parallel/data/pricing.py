@@ -1,0 +1,140 @@
+"""What data parallelism (ZeRO 0-3, HSDP) costs one rank: model state, held gradients, traffic.
+
+The same formulas the engines follow (``utils.memory.layout_model_state_bytes`` for the state; the
+FSDP re-gather rule of :class:`~lightning_ultrascale.parallel.data.engines.FSDPEngine`), so the
+planner and a run agree by construction; ``benchmarks/plan.py`` holds them against traced runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from lightning_ultrascale.parallel.dims import DATA_DIMS
+from lightning_ultrascale.parallel.layout import ShardPlan
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic, dim_name
+from lightning_ultrascale.utils.memory import layout_model_state_bytes
+
+__all__ = ["data_parallel_cost", "group_numels", "model_state"]
+
+#: Data-parallel traffic overlaps backward, about two thirds of a step's compute.
+BACKWARD_SHARE = 2 / 3
+
+
+def group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
+    """Elements of each parameter this rank holds, by the mesh dims its gradient is reduced over."""
+    groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for name, shape in plan.shapes.items():
+        groups[plan.groups.get(name, DATA_DIMS)].append(math.prod(shape))
+    return groups
+
+
+def model_state(plan: ShardPlan, zero: int, precision: str = "32-true", reduce_dtype: str = "fp32") -> dict[str, int]:
+    """Parameters, gradients and AdamW states one rank holds after a step (``model_state_bytes``'s view).
+
+    ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
+    tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
+    optimizer states (and gradients) of each gradient group over its ranks (rounded up), by the
+    engines' formula (``layout_model_state_bytes``: under ``bf16-mixed`` the fp32 master is
+    optimizer state).
+    """
+    params = grads = optimizer = 0
+    for dims, numels in group_numels(plan).items():
+        numel = sum(numels)
+        n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1  # ZeRO-3's split is in the plan
+        state = layout_model_state_bytes(numel, zero, n, precision, reduce_dtype)
+        params, grads, optimizer = params + state.params, grads + state.grads, optimizer + state.optimizer_states
+        # AdamW's step counter: one fp32 scalar per tensor it updates (one flat shard for ZeRO 1/2).
+        optimizer += 4 * (1 if zero in (1, 2) and (n > 1 or precision == "bf16-mixed") else len(numels))
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _optimizer_groups(plan: ShardPlan, dims: tuple[str, ...]) -> int:
+    """Parameter groups of ``LlamaModule``'s AdamW among a gradient group's parameters (decay: ndim >= 2)."""
+    ndims = {len(shape) >= 2 for name, shape in plan.shapes.items() if plan.groups.get(name, DATA_DIMS) == dims}
+    return len(ndims)
+
+
+def unsharded_numel(plan: ShardPlan, zero: int) -> int:
+    """Elements this rank's parameters hold before ZeRO-3 splits them over the data dims."""
+    total = 0
+    for dims, numels in group_numels(plan).items():
+        n = math.prod(plan.sizes[d] for d in dims if d != "dp_replicate") if zero == 3 else 1
+        total += sum(numels) * n
+    return total
+
+
+def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerms:
+    """ZeRO ``zero``'s terms on ``rank``: state, held gradients, gathered parameters, traffic."""
+    w, c, plan = rank.workload, rank.layout, rank.plan
+    grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
+    state = model_state(plan, zero, w.precision, reduce_dtype)
+    unsharded = unsharded_numel(plan, zero)
+    terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state)
+    terms.held_grads = _held_grads(rank, zero, state["grads"], unsharded, grad_bytes)
+    compute_b = 2 if w.precision == "bf16-mixed" else 4
+    if zero == 3 and c.pp > 1:
+        # torch's pipeline stages keep an FSDP module's gathered parameters from its first
+        # backward to the step's end (reshard_after_backward=False)
+        terms.working = compute_b * unsharded
+    elif zero == 3 and rank.layers:  # the gathered parameters of the block running and the next one
+        shards = math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
+        per_block = state["params"] // max(1, len(rank.layers)) * shards
+        terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
+    _traffic(terms.traffic, rank, zero, grad_bytes)
+    return terms
+
+
+def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_bytes: int) -> int:
+    """Gradient bytes a rank holds between steps (or micro-steps): static memory, not the backward's."""
+    c, accumulation = rank.layout, rank.accumulation
+    # ZeRO 0-2 engines keep their gradient buckets between steps (under bf16-mixed on one rank
+    # too: the masters' gradients); FSDP2 and a single fp32 rank do not.
+    engine = zero < 3 and (c.dp * c.cp > 1 or rank.workload.precision == "bf16-mixed")
+    held = grads if engine else 0
+    if held == 0 and (accumulation > 1 or c.pp > 1):
+        # kept between micro-steps (ZeRO-3: reduce-scattered every micro-step, summed in the shards)
+        held = grads
+    if c.dp * c.cp > 1 and ((zero == 2 and (accumulation > 1 or c.pp > 1)) or (zero == 3 and c.pp > 1)):
+        # Gradients reduced once per step (ZeRO-2 under accumulation, or a pipeline's
+        # microbatches) accumulate unsharded until then: ZeRO-2's full buckets; under torch's
+        # pipeline stages FSDP2's unsharded fp32 gradients (set_requires_gradient_sync(False)).
+        held = (4 if zero == 3 else grad_bytes) * unsharded
+    return held
+
+
+def _traffic(traffic: dict[str, int], rank: RankView, zero: int, grad_bytes: int) -> None:
+    """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp)."""
+    plan, w = rank.plan, rank.workload
+    weight_bytes = 2 if w.precision == "bf16-mixed" else 4
+    for dims, numels in group_numels(plan).items():
+        numel = sum(numels)
+        live = [d for d in dims if plan.sizes[d] > 1]
+        if not live:
+            continue
+        dim = dim_name(live)
+        grad = grad_bytes * numel
+        if zero == 0:
+            add_traffic(traffic, dim, "all_reduce", grad)
+        elif zero in (1, 2):
+            add_traffic(traffic, dim, "reduce_scatter", grad)
+            add_traffic(traffic, dim, "all_gather", weight_bytes * numel)  # the updated (bf16) weights
+        else:
+            _fsdp_traffic(traffic, rank, live, numel, grad)
+
+
+def _fsdp_traffic(traffic: dict[str, int], rank: RankView, live: list[str], numel: int, grad: int) -> None:
+    """FSDP2 gathers every parameter twice (forward, backward; once under a pipeline, which keeps them
+    gathered for its microbatches): payload the gathered output; reduce-scatters the unsharded
+    gradient (payload its input) every micro-step. (bf16-mixed gathers bf16 copies: FSDP2's
+    MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas."""
+    plan = rank.plan
+    shard_dims = [d for d in live if d != "dp_replicate"]
+    n = math.prod(plan.sizes[d] for d in shard_dims)
+    if shard_dims:
+        gathers = 1 if rank.layout.pp > 1 else 2
+        gathered = gathers * rank.element_bytes * numel * n * rank.accumulation
+        add_traffic(traffic, dim_name(shard_dims), "all_gather", gathered)
+        add_traffic(traffic, dim_name(shard_dims), "reduce_scatter", grad * n * rank.accumulation)
+    if "dp_replicate" in live:
+        add_traffic(traffic, "dp_replicate", "all_reduce", grad)

@@ -1,0 +1,117 @@
+"""What a plugin tells the planner about itself: its facts and its share of one rank's cost.
+
+The planner (``lightning_ultrascale.plan``) holds no copy of any technique's rules. Each plugin
+states, beside its :meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_shards`:
+
+- its **facts** (:meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_facts`): the sizes
+  and choices the shared formulas read (``tp``, ``sequence_parallel``, ``microbatches``, the
+  pipeline's simulated timeline, which blocks recompute, ...), with the plugin's own defaults;
+- its **cost terms** (:meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_cost`) on one
+  rank, a :class:`RankView`: the bytes it hands to collectives per optimizer step and how much of
+  the step's compute can hide them, the memory it holds, the compute it adds (recomputation) and
+  the idle time it makes (a pipeline's bubble).
+
+The planner composes them: memory is the data plugin's model state plus the model's activations
+(counted op by op from the facts) plus every plugin's working memory; time is compute times
+``1 + sum(extra_compute)``, plus each plugin's traffic not hidden behind its share of compute
+(traffic ``in_step`` waits inside every microbatch and stretches with the bubble; the rest is paid
+once per step). A new plugin is priced by implementing these two methods: nothing in ``plan/``
+changes.
+
+Example:
+    >>> terms = CostTerms(in_step=False, hidden_by=2 / 3)
+    >>> add_traffic(terms.traffic, "dp_shard", "all_gather", 1e6)
+    >>> terms.traffic
+    {'dp_shard:all_gather': 1000000}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_ultrascale.parallel.layout import ShardPlan
+
+__all__ = ["CostTerms", "RankView", "Widths", "add_traffic", "dim_name"]
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Per-token widths of one rank's model (after tensor parallelism) that traffic and memory read."""
+
+    h: int
+    f: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    vocab: int
+    tp: int
+    sp: int  # divisor of the norms' tensors: tp under sequence parallelism, else 1
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank of a candidate layout, as the planner prices it (no process, no tensor).
+
+    ``workload`` and ``layout`` are the planner's ``Workload`` and ``Candidate`` (the model config,
+    batch and precision; every plugin's facts); ``plan`` the parameters this rank holds.
+    """
+
+    workload: Any
+    layout: Any
+    plan: ShardPlan
+    layers: tuple[int, ...]  # global indices of the blocks this rank runs
+    first: bool  # holds the embedding
+    last: bool  # holds the head (computes the loss)
+    accumulation: int  # micro-steps per optimizer step
+    widths: Widths
+
+    @property
+    def tokens(self) -> float:
+        """Tokens of one forward on this rank (a micro batch, or a pipeline's microbatch, over cp)."""
+        return self.layout.micro_batch_size * self.workload.seq_len / self.layout.cp
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one activation element (bf16 under autocast, else fp32)."""
+        return int(self.workload.activation_bytes)
+
+    @property
+    def forwards(self) -> int:
+        """Forwards this rank runs per optimizer step (microbatches times accumulation)."""
+        return (self.layout.n_microbatches if self.layout.pp > 1 else 1) * self.accumulation
+
+
+@dataclass
+class CostTerms:
+    """One plugin's share of one rank's cost per optimizer step.
+
+    ``traffic``: ``"dim:op"`` -> payload bytes (as :class:`~lightning_ultrascale.utils.comm.CommTracer`
+    counts them). ``in_step``: the traffic is waited inside every microbatch (stretched by the
+    pipeline bubble); otherwise paid once per step. ``hidden_by``: the fraction of the step's
+    compute that can hide it (0: fully exposed). ``state``: parameters, gradients and optimizer
+    states held between steps (the data plugin's); ``held_grads``: gradient bytes held as static
+    memory; ``working``: transient bytes at the rank's peak; ``extra_compute``: compute added, as
+    a fraction of the model's FLOPs (recomputation); ``bubble``: idle time over compute.
+    """
+
+    traffic: dict[str, int] = field(default_factory=dict)
+    in_step: bool = True
+    hidden_by: float = 0.0
+    state: dict[str, int] | None = None
+    held_grads: int = 0
+    working: int = 0
+    extra_compute: float = 0.0
+    bubble: float = 0.0
+
+
+def add_traffic(traffic: dict[str, int], dim: str, op: str, payload: float) -> None:
+    """Add ``payload`` bytes of ``op`` over ``dim`` (rounded per call, as a collective's count is)."""
+    if payload > 0:
+        traffic[f"{dim}:{op}"] = traffic.get(f"{dim}:{op}", 0) + round(payload)
+
+
+def dim_name(dims: list[str] | tuple[str, ...]) -> str:
+    """A group over ``dims`` named as the tracer names a flattened mesh dim (``dp_shard_cp``)."""
+    return "_".join(dims)
