@@ -222,6 +222,15 @@ class CommTracer(TorchDispatchMode):
         spec = _COLLECTIVES.get(func._overloadpacket)
         if spec is not None:
             self._record(spec, func, args, kwargs)
+        if func.namespace == "ultrascale":
+            # Our custom ops (ring attention) communicate inside; a mode is off while it runs an
+            # op, so it runs their Python body itself, watching the collectives in it.
+            from torch._library.custom_ops import _maybe_get_opdef
+
+            opdef = _maybe_get_opdef(func)
+            if opdef is not None:
+                with self:
+                    return opdef._init_fn(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _record(self, spec: _Collective, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -44,8 +44,10 @@ def model_state(plan: ShardPlan, zero: int, precision: str = "32-true", reduce_d
         n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1  # ZeRO-3's split is in the plan
         state = layout_model_state_bytes(numel, zero, n, precision, reduce_dtype)
         params, grads, optimizer = params + state.params, grads + state.grads, optimizer + state.optimizer_states
-        # AdamW's step counter: one fp32 scalar per tensor it updates (one flat shard for ZeRO 1/2).
-        optimizer += 4 * (1 if zero in (1, 2) and (n > 1 or precision == "bf16-mixed") else len(numels))
+        # AdamW's step counter: one fp32 scalar per tensor it updates; ZeRO 1/2 update one flat
+        # shard per optimizer parameter group (LlamaModule's: matrices decayed, vectors not).
+        flat = zero in (1, 2) and (n > 1 or precision == "bf16-mixed")
+        optimizer += 4 * (_optimizer_groups(plan, dims) if flat else len(numels))
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
