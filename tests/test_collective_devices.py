@@ -94,3 +94,15 @@ def _deviceless_in_package() -> None:
             )
     finally:
         guard_module.collective_device = original
+
+
+def test_the_token_weighting_keeps_its_counts_on_the_batch_s_device():
+    # Every step of every run ends in TokenNormaliser.finish; its counts were stacked with a CPU
+    # scalar (a crash beside CUDA counts at every GPU step, invisible on CPU). The meta device
+    # stands in for CUDA: any tensor built off the batch's device fails to stack with it.
+    from lightning_ultrascale.utils.loss import TokenNormaliser
+
+    norm = TokenNormaliser()
+    norm.weight(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    grad = torch.zeros(3, device="meta")
+    norm.finish([grad], group=None, accumulate=1)

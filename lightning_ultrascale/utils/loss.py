@@ -54,8 +54,9 @@ class TokenNormaliser:
         """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token."""
         if self._labelled is None:
             return
-        counts = torch.stack((self._labelled, torch.tensor(float(self._slots), dtype=torch.float64)))
-        counts = counts.to(self._labelled.device)
+        # (built on the count's device: a CPU scalar beside a CUDA one fails in stack)
+        slots = torch.tensor(float(self._slots), dtype=torch.float64, device=self._labelled.device)
+        counts = torch.stack((self._labelled, slots))
         self._labelled, self._slots = None, 0
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
