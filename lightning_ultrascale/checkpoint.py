@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import zipfile
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -176,6 +177,40 @@ def check_checkpoint_path(path: _PATH, option: str = "ckpt_path") -> None:
             f"{option}={path} has DCP's .metadata but no {_METADATA_FILENAME} (the loops, LR schedulers and "
             "hyperparameters every checkpoint of ours has): an incomplete copy, or a save that did not finish; "
             f"copy the whole directory, or resume from another checkpoint; {hint}"
+        )
+    if where.is_dir():
+        _check_shard_files(path, where, option)
+    elif not zipfile.is_zipfile(where):
+        raise ConfigError(
+            f"{option}={path} is a file but not a checkpoint (not torch.save's zip format: a truncated copy, or "
+            f"another kind of file); {hint}"
+        )
+
+
+def _check_shard_files(path: _PATH, where: Path, option: str) -> None:
+    """Every file DCP's index names is there and long enough (else every rank fails deep in the load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(where)).read_metadata()
+    except Exception as err:
+        raise ConfigError(
+            f"{option}={path} has an unreadable .metadata (DCP's index: {type(err).__name__}); an incomplete copy "
+            "or a save that did not finish; copy the whole directory, or resume from another checkpoint"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(f for f in needed if not (where / f).is_file())
+    short = sorted(f for f in needed if f not in missing and (where / f).stat().st_size < needed[f])
+    if missing or short:
+        what = [
+            f"missing {', '.join(missing[:4])}" if missing else "",
+            f"truncated {', '.join(short[:4])}" if short else "",
+        ]
+        raise ConfigError(
+            f"{option}={path} is incomplete: {'; '.join(w for w in what if w)} (of the {len(needed)} shard files "
+            "its .metadata names); copy the whole directory, or resume from another checkpoint"
         )
 
 

@@ -186,6 +186,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         dims.validate_model(spec)
         for plugin in self.applied_plugins():
             plugin.validate(dims, spec, data)
+            plugin.validate_with(self.applied_plugins())
         if data is not None:
             data.validate_vocabulary(spec)
             if data.fits is not None:

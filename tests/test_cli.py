@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -672,6 +673,47 @@ def test_a_checkpoint_copy_without_its_meta_file_is_refused(tmp_path, monkeypatc
     assert not dist.is_initialized()
 
 
+def test_a_checkpoint_copy_missing_a_shard_file_or_truncated_is_refused(tmp_path, monkeypatch):
+    # Was: FileNotFoundError .../__1_0.distcp on every rank, after the process group.
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    saved = tmp_path / "last.ckpt"
+    dcp.save({"w": torch.zeros(1000)}, checkpoint_id=saved)
+    (saved / "meta.pt").write_bytes(b"")
+    [shard] = sorted(saved.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=rf"ckpt_path={saved} is incomplete: truncated {shard.name} \(of the 1 shard"):
+        build(_compose(f"ckpt_path={saved}"))
+    shard.unlink()
+    with pytest.raises(ConfigError, match=rf"ckpt_path={saved} is incomplete: missing {shard.name} "):
+        build(_compose(f"ckpt_path={saved}"))
+    assert not dist.is_initialized()
+
+
+def test_a_file_that_is_not_a_checkpoint_is_refused_without_a_traceback(tmp_path, monkeypatch):
+    # Was: torch.load's "PytorchStreamReader failed reading zip archive" (a truncated .ckpt, a token file).
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    single = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, single)
+    single.write_bytes(single.read_bytes()[:50])
+    with pytest.raises(ConfigError, match=rf"ckpt_path={single} is a file but not a checkpoint .*truncated"):
+        build(_compose(f"ckpt_path={single}"))
+    assert not dist.is_initialized()
+
+
+def test_a_split_backward_schedule_with_op_level_recomputation_is_refused(tmp_path, monkeypatch):
+    # Was: "Trying to backward an extra time ... selective activation checkpoint" at the first step
+    # (zbv, zero_bubble, dualpipev; the planner's README table even recommended zbv + selective_op).
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    for schedule in ("zbv", "zero_bubble", "dualpipev"):
+        cfg = _compose("parallel=pp", f"parallel.pp_schedule={schedule}", "parallel.recompute=selective_op")
+        refused = r"parallel\.recompute='selective_op' cannot run under .*valid: parallel\.recompute='full'"
+        with pytest.raises(ConfigError, match=refused):
+            build(cfg)
+    build(_compose("parallel=pp", "parallel.pp_schedule=zbv", "parallel.recompute=full"))
+    build(_compose("parallel=pp", "parallel.pp_schedule=1f1b", "parallel.recompute=selective_op"))
+    assert not dist.is_initialized()
+
+
 def test_a_checkpoint_of_another_model_names_what_differs(tmp_path, monkeypatch):
     from dataclasses import asdict
 
@@ -679,8 +721,7 @@ def test_a_checkpoint_of_another_model_names_what_differs(tmp_path, monkeypatch)
 
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
     saved = tmp_path / "last.ckpt"
-    saved.mkdir()
-    (saved / ".metadata").write_bytes(b"")
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=saved)  # (one process, no process group)
     torch.save({"hyper_parameters": {"model_config": asdict(get_model_config("llama_tiny"))}}, saved / "meta.pt")
     build(_compose(f"ckpt_path={saved}"))  # the same model: accepted
     # Was: DCP's "Size mismatch ... tok_embeddings.weight.exp_avg" after the process group.

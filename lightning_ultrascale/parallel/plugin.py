@@ -83,6 +83,10 @@ class ParallelPlugin(abc.ABC):
         ``apply`` under torch's fake process group.
         """
 
+    def validate_with(self, plugins: Sequence[ParallelPlugin]) -> None:
+        """Raise :class:`~lightning_ultrascale.errors.ConfigError` for a combination with the other
+        ``plugins`` this technique cannot run (default: none). Called after :meth:`validate`."""
+
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         """The sizes and choices the planner reads of this plugin, its own defaults resolved (default: none).
 

@@ -37,7 +37,7 @@ keep them all, so no matmul is ever recomputed).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -155,6 +155,16 @@ class Recompute(ParallelPlugin):
             raise ConfigError(
                 f"{option(self, 'every', self.every)} exceeds n_layers={spec.n_layers} of {spec.name}, "
                 f"so no block would be recomputed; valid: 1 .. {spec.n_layers}"
+            )
+
+    def validate_with(self, plugins: Sequence[ParallelPlugin]) -> None:
+        split = [p for p in plugins if getattr(p, "splits_backward", False)]
+        if self.mode == "selective_op" and split:
+            raise ConfigError(
+                f"{option(self, 'mode', 'selective_op')} cannot run under {split[0]!r}: the schedule splits each "
+                "backward in two (input, then weight gradients) and torch's selective checkpointing allows one "
+                f"backward per region; valid: {option(self, 'mode', 'full')} or 'selective', or a schedule that "
+                "does not split backward (1f1b, interleaved_1f1b, afab, looped_bfs)"
             )
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:

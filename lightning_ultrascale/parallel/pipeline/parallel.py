@@ -36,6 +36,7 @@ from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
     resolve_virtual_stages,
     schedule_info,
     stage_ranks,
@@ -105,6 +106,11 @@ class PipelineParallel(ParallelPlugin):
         self.tied: tuple[str, dist.ProcessGroup] | None = None
 
     # ----------------------------------------------------------------------------- configuration
+    @property
+    def splits_backward(self) -> bool:
+        """Runs each backward as two ops (input gradients, then weight gradients): zero-bubble schedules."""
+        return self.size > 1 and self.schedule in SPLIT_BACKWARD
+
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"pp": self.size}
 

@@ -44,6 +44,9 @@ class ScheduleInfo:
         return self.placement != "single"
 
 
+#: Schedules that run a stage's backward as two ops (input gradients, then weight gradients).
+SPLIT_BACKWARD = frozenset({"zero_bubble", "zbv", "dualpipev"})
+
 SCHEDULES: dict[str, ScheduleInfo] = {
     "afab": ScheduleInfo("GPipe", "single", 1, "rank", "all forwards, then all backwards (GPipe)"),
     "1f1b": ScheduleInfo("1F1B", "single", 1, "stage", "one forward, one backward in steady state"),
