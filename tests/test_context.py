@@ -387,3 +387,16 @@ def test_ignored_labels_still_give_the_mean_over_all_labelled_tokens(name, plugi
     ref = run(None, 1)
     parallel = run(lambda: UltraScaleStrategy(*plugins()), 2)
     assert_parity(parallel, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 69, 431), (2, 1, 256, 256), (1, 1, 37, 300)])
+def test_document_biases_reach_the_cuda_kernel_with_aligned_rows(shape):
+    # CUDA's memory-efficient kernel refuses a bias whose row stride is not a multiple of 16
+    # (F.scaled_dot_product_attention pads masks so; our direct call must). The ring cuts blocks
+    # to odd lengths with packed documents (e.g. a 69 x 431 block). Not run on a GPU here.
+    from lightning_ultrascale.parallel.context.attention import aligned_bias
+
+    bias = torch.randn(shape)
+    aligned = aligned_bias(bias)
+    assert aligned.stride(-2) % 16 == 0 and torch.equal(aligned, bias)
+    assert aligned.expand(-1, 4, -1, -1).stride(-2) % 16 == 0

@@ -186,6 +186,21 @@ def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
+def aligned_bias(bias: Tensor, alignment: int = 16) -> Tensor:
+    """``bias`` as a view whose rows start at multiples of ``alignment`` elements.
+
+    CUDA's memory-efficient kernel refuses a bias whose row stride is not aligned ("attn_bias is
+    not correctly aligned (strideM)"); ``F.scaled_dot_product_attention`` pads the mask so, a
+    direct call to the kernel must too. The ring cuts blocks to any length (documents).
+
+    Example:
+        >>> aligned_bias(torch.zeros(1, 1, 69, 431)).stride()[-2]
+        432
+    """
+    pad = -bias.shape[-1] % alignment
+    return F.pad(bias, (0, pad))[..., : bias.shape[-1]] if pad else bias
+
+
 def _flash_block(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -209,7 +224,7 @@ def _flash_block(
         out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
     else:
         if bias is not None:
-            bias = bias.expand(-1, q.shape[1], -1, -1)
+            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
         out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
         lse = lse[..., : q.shape[-2]]
     out, lse = out[..., : v.shape[-1]].float(), lse.float()
@@ -250,7 +265,7 @@ def _flash_block_backward(
         )
     else:
         if bias is not None:
-            bias = bias.expand(-1, q.shape[1], -1, -1)
+            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
         padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
         none = torch.empty(0, dtype=torch.int64, device=q.device)
         grads = aten._scaled_dot_product_efficient_attention_backward(
