@@ -8,7 +8,6 @@ this file is planned, by ``estimate`` and by ``search``, without a line of ``pla
 
 import importlib.util
 import json
-import math
 import os
 import warnings
 from pathlib import Path
@@ -19,18 +18,16 @@ import torch
 from torch import nn
 
 from lightning_ultrascale import ZeRO
+from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
+from lightning_ultrascale.parallel.pipeline.schedules import SPLIT_BACKWARD
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 from lightning_ultrascale.plan import Candidate, Workload, estimate, get_hardware, search
 
 SNAPSHOT = Path(__file__).parent / "data" / "plan_predictions_before_plugins_priced.json"
-#: The one change the refactor made on purpose: ZeRO's gradient all-reduce over context-parallel
-#: ranks (dp1 x cp2: the data group is the cp dim) was timed as ring-attention traffic; it is the
-#: data plugin's, overlapped with backward like every data-parallel reduction.
-RETIMED = {"dp1 zero0 cp2(all_to_all) mb2", "dp1 zero0 cp2(ring) mb2"}
 
 
 def _snapshot_rows() -> list[dict[str, Any]]:
@@ -47,6 +44,11 @@ def test_every_prediction_is_the_planner_s_from_before_the_plugins_priced_themse
         # (a label names virtual stages only where they are not the schedule's default: v2 here)
         assert candidate.label() == row["label"].replace("interleaved_1f1b,v2,", "interleaved_1f1b,")
         meta = models.setdefault(name, build_model(name, device="meta"))
+        if candidate.recompute == "selective_op" and candidate.schedule in SPLIT_BACKWARD and candidate.pp > 1:
+            # refused since (it crashed at the first backward): the one change of the plugins' rules
+            with pytest.raises(ConfigError, match="cannot run under PipelineParallel"):
+                estimate(workload, candidate, meta, get_hardware(row["gpu"]))
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             costs = estimate(workload, candidate, meta, get_hardware(row["gpu"]))
@@ -54,8 +56,10 @@ def test_every_prediction_is_the_planner_s_from_before_the_plugins_priced_themse
             where = f"{row['label']} rank {old['rank']}"
             assert new.memory == old["memory"] and new.model_state == old["model_state"], where
             assert new.comm == old["comm"] and new.bubble == old["bubble"], where
-            if row["label"] not in RETIMED:  # (sums in another order: the last bit may differ)
-                assert math.isclose(new.step_time, old["step_time"], rel_tol=1e-12), where
+            # Step times: commit e73443a reproduced these to 1e-12 (but the two dp1 x cp2 layouts, whose
+            # gradient all-reduce over cp was timed as ring traffic before); the time model
+            # has changed since (matmuls by shape, attention, memory-bound kernels, the optimizer
+            # step, per-phase overlap): tests/test_plan_time.py and the benchmarks hold it now.
 
 
 def test_the_retimed_layouts_now_overlap_their_data_reduction_with_backward():
@@ -66,7 +70,6 @@ def test_the_retimed_layouts_now_overlap_their_data_reduction_with_backward():
     data, ring = cost.terms[0], cost.terms[1]
     assert set(data.traffic) == {"cp:all_reduce"} and not data.in_step and data.hidden_by == pytest.approx(2 / 3)
     assert set(ring.traffic) == {"cp:send", "cp:recv"} and ring.in_step
-    assert cost.step_time < row["ranks"][0]["step_time"]
 
 
 # ----------------------------------------------------------------------------- live: a run's own numbers

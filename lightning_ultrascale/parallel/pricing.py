@@ -12,8 +12,9 @@ states, beside its :meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.p
   the idle time it makes (a pipeline's bubble).
 
 The planner composes them: memory is the data plugin's model state plus the model's activations
-(counted op by op from the facts) plus every plugin's working memory; time is compute times
-``1 + sum(extra_compute)``, plus each plugin's traffic not hidden behind its share of compute
+(counted op by op from the facts) plus every plugin's working memory; time is the model's compute
+(matmuls by shape, attention, memory-bound kernels, launches) with what the plugins add, plus the
+optimizer step's memory traffic, plus each plugin's traffic not hidden behind its share of compute
 (traffic ``in_step`` waits inside every microbatch and stretches with the bubble; the rest is paid
 once per step). A new plugin is priced by implementing these two methods: nothing in ``plan/``
 changes.
@@ -92,17 +93,25 @@ class CostTerms:
     pipeline bubble); otherwise paid once per step. ``hidden_by``: the fraction of the step's
     compute that can hide it (0: fully exposed). ``state``: parameters, gradients and optimizer
     states held between steps (the data plugin's); ``held_grads``: gradient bytes held as static
-    memory; ``working``: transient bytes at the rank's peak; ``extra_compute``: compute added, as
-    a fraction of the model's FLOPs (recomputation); ``bubble``: idle time over compute.
+    memory; ``working``: transient bytes at the rank's peak; ``extra_compute``: the blocks'
+    compute added, as a fraction of it (recomputation of whole blocks); ``extra_memory_bound``:
+    the same for the memory-bound kernels alone (op-level recomputation re-runs only those);
+    ``step_bytes``: memory traffic of the optimizer step (at memory bandwidth, once per step);
+    ``bubble``: idle time over compute.
     """
 
     traffic: dict[str, int] = field(default_factory=dict)
+    #: traffic (of a per-step plugin) that overlaps the forward instead: hidden behind its share of
+    #: compute (a third), e.g. parameter all-gathers prefetched for the next block
+    forward_traffic: dict[str, int] = field(default_factory=dict)
     in_step: bool = True
     hidden_by: float = 0.0
     state: dict[str, int] | None = None
     held_grads: int = 0
     working: int = 0
     extra_compute: float = 0.0
+    extra_memory_bound: float = 0.0
+    step_bytes: float = 0.0
     bubble: float = 0.0
 
 

@@ -173,9 +173,11 @@ class Recompute(ParallelPlugin):
         return {"recompute": self.mode, "recompute_every": self.every, "recomputes": recomputes}
 
     def plan_cost(self, rank: RankView) -> CostTerms:
-        """The forward again in backward: a third of a block's FLOPs per recomputed block (cheap ops: ~3%)."""
-        extra = {"none": 0.0, "selective_op": 0.03, "full": 1 / 3}.get(self.mode, 1 / (3 * self.every))
-        return CostTerms(extra_compute=extra)
+        """The forward again in backward: a third of a recomputed block's work (forward of three
+        passes); ``selective_op`` re-runs only the memory-bound ops (norms, RoPE, SwiGLU): a third of theirs."""
+        if self.mode == "selective_op":
+            return CostTerms(extra_memory_bound=1 / 3)
+        return CostTerms(extra_compute={"none": 0.0, "full": 1 / 3}.get(self.mode, 1 / (3 * self.every)))
 
     def recomputes(self, layer: int) -> bool:
         """Whether the block of global index ``layer`` is recomputed in backward.

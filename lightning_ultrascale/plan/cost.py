@@ -75,6 +75,7 @@ from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDim
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
 from lightning_ultrascale.plan.candidate import Candidate
+from lightning_ultrascale.plan.compute import model_compute
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
 
@@ -145,6 +146,8 @@ class Cost:
     time_parts: dict[str, float] = field(default_factory=dict)
     #: each plugin's share (``plan_cost``), composed into the fields above
     terms: list[CostTerms] = field(default_factory=list, repr=False)
+    #: the rank as the plugins priced it
+    view: RankView | None = field(default=None, repr=False)
 
     @property
     def peak(self) -> int:
@@ -309,30 +312,38 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     traffic timed on its links, minus the compute it can hide behind (its ``hidden_by``); traffic
     inside the step stretches with the pipeline bubble, the rest is paid once per step.
     """
-    cfg = workload.model
-    flops_token = cfg.flops_per_token(workload.seq_len)
-    tokens_per_rank = workload.tokens_per_step / (c.dp * c.cp)  # each rank's share before tp/pp split
-    model_flops = flops_token * tokens_per_rank / (c.tp * c.pp)
-    extra = sum(terms.extra_compute for terms in cost.terms)
+    flops_token = workload.model.flops_per_token(workload.seq_len)
     peak = gpu.peak_for(workload.precision)  # fp32 runs at the TF32 peak, not the bf16 one
-    compute = model_flops * (1 + extra) / (peak * gpu.matmul_efficiency)
+    assert cost.view is not None
+    parts = model_compute(cost.view, gpu, workload.precision)
+    memory_bound = parts["memory_bound"] * (1 + sum(t.extra_memory_bound for t in cost.terms))
+    compute = (parts["matmul"] + parts["attention"] + memory_bound + parts["launches"]) * (
+        1 + sum(t.extra_compute for t in cost.terms)
+    )
+    optimizer = sum(t.step_bytes for t in cost.terms) / (gpu.memory_bandwidth * gpu.memory_efficiency)
     seconds: dict[str, float] = {}
     critical = exposed = bubble = 0.0
     for terms in cost.terms:
-        spent = 0.0
-        for key, payload in terms.traffic.items():
-            dim, took = _collective_seconds(key, payload, c, dims, gpu)
-            seconds[dim] = seconds.get(dim, 0.0) + took
-            spent += took
-        shown = max(0.0, spent - terms.hidden_by * compute)
-        critical, exposed = (critical + shown, exposed) if terms.in_step else (critical, exposed + shown)
+        for traffic, hidden_by in ((terms.traffic, terms.hidden_by), (terms.forward_traffic, FORWARD_SHARE)):
+            spent = 0.0
+            for key, payload in traffic.items():
+                dim, took = _collective_seconds(key, payload, c, dims, gpu)
+                seconds[dim] = seconds.get(dim, 0.0) + took
+                spent += took
+            shown = max(0.0, spent - hidden_by * compute)
+            critical, exposed = (critical + shown, exposed) if terms.in_step else (critical, exposed + shown)
         bubble += terms.bubble
-    total = (compute + critical) * (1 + bubble) + exposed
+    total = (compute + critical) * (1 + bubble) + exposed + optimizer
     cost.step_time = total
     cost.tokens_per_s = workload.tokens_per_step / total
     cost.mfu = flops_token * cost.tokens_per_s / (c.world_size * peak)
     cost.bubble = bubble
-    cost.time_parts = {"compute": compute, "critical_comm": critical, "exposed_dp_comm": exposed, **seconds}
+    cost.time_parts = {"compute": compute, "critical_comm": critical, "exposed_dp_comm": exposed,
+                       "optimizer_step": optimizer, **parts, **seconds}  # fmt: skip
+
+
+#: The forward's share of a step's compute (the backward runs twice its FLOPs).
+FORWARD_SHARE = 1 / 3
 
 
 def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware) -> tuple[str, float]:
@@ -344,7 +355,10 @@ def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims
         names = _mesh_dims(dim)
         size = math.prod(getattr(dims, d) for d in names)
     intra = _group_span(dims, names) <= gpu.gpus_per_node
-    bandwidth = (gpu.intra_node_bandwidth if intra else gpu.inter_node_bandwidth) * gpu.link_efficiency
+    if intra:
+        bandwidth = gpu.intra_node_bandwidth * gpu.link_efficiency
+    else:
+        bandwidth = gpu.inter_node_bandwidth * gpu.network_efficiency
     latency = gpu.intra_node_latency if intra else gpu.inter_node_latency
     wire = wire_bytes(op, int(payload), size)
     return dim, wire / bandwidth + latency * max(1, size - 1)
@@ -375,9 +389,9 @@ def _rank_cost(
     }
     comm: dict[str, int] = {}
     for t in terms:
-        for key, payload in t.traffic.items():
+        for key, payload in (*t.traffic.items(), *t.forward_traffic.items()):
             comm[key] = comm.get(key, 0) + payload
-    return Cost(c, rank, memory, comm, state, terms=terms)
+    return Cost(c, rank, memory, comm, state, terms=terms, view=view)
 
 
 # ----------------------------------------------------------------------------- one layout

@@ -83,8 +83,21 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
         shards = math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
-    _traffic(terms.traffic, rank, zero, grad_bytes)
+    _traffic(terms, rank, zero, grad_bytes)
+    terms.step_bytes = _step_bytes(state, w.precision, zero)
     return terms
+
+
+def _step_bytes(state: dict[str, int], precision: str, zero: int) -> float:
+    """Memory traffic of AdamW's step over this rank's optimizer states.
+
+    Per updated element it reads the weight, gradient and both moments and writes the weight and
+    moments (7 fp32 accesses, 28 B per 8 B of moments); with fp32 masters beside bf16 weights
+    (``bf16-mixed``, stages 0-2) the master is read and written as the weight, and the bf16
+    weight written (30 B per 12 B of master and moments).
+    """
+    masters = precision == "bf16-mixed" and zero < 3
+    return state["optimizer"] * (30 / 12 if masters else 28 / 8)
 
 
 def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_bytes: int) -> int:
@@ -105,8 +118,13 @@ def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_byte
     return held
 
 
-def _traffic(traffic: dict[str, int], rank: RankView, zero: int, grad_bytes: int) -> None:
-    """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp)."""
+def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int) -> None:
+    """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp).
+
+    Reductions overlap backward; parameter all-gathers overlap a forward: ZeRO-1/2's updated
+    weights are waited per bucket by the next forward, FSDP prefetches the next block's.
+    """
+    traffic = terms.traffic
     plan, w = rank.plan, rank.workload
     weight_bytes = 2 if w.precision == "bf16-mixed" else 4
     for dims, numels in group_numels(plan).items():
@@ -120,23 +138,25 @@ def _traffic(traffic: dict[str, int], rank: RankView, zero: int, grad_bytes: int
             add_traffic(traffic, dim, "all_reduce", grad)
         elif zero in (1, 2):
             add_traffic(traffic, dim, "reduce_scatter", grad)
-            add_traffic(traffic, dim, "all_gather", weight_bytes * numel)  # the updated (bf16) weights
+            add_traffic(terms.forward_traffic, dim, "all_gather", weight_bytes * numel)  # the updated (bf16) weights
         else:
-            _fsdp_traffic(traffic, rank, live, numel, grad)
+            _fsdp_traffic(terms, rank, live, numel, grad)
 
 
-def _fsdp_traffic(traffic: dict[str, int], rank: RankView, live: list[str], numel: int, grad: int) -> None:
+def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int) -> None:
     """FSDP2 gathers every parameter twice (forward, backward; once under a pipeline, which keeps them
     gathered for its microbatches): payload the gathered output; reduce-scatters the unsharded
     gradient (payload its input) every micro-step. (bf16-mixed gathers bf16 copies: FSDP2's
-    MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas."""
-    plan = rank.plan
+    MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas.
+    The forward's gathers overlap the forward, the backward's (and the reductions) the backward."""
+    plan, traffic = rank.plan, terms.traffic
     shard_dims = [d for d in live if d != "dp_replicate"]
     n = math.prod(plan.sizes[d] for d in shard_dims)
     if shard_dims:
-        gathers = 1 if rank.layout.pp > 1 else 2
-        gathered = gathers * rank.element_bytes * numel * n * rank.accumulation
-        add_traffic(traffic, dim_name(shard_dims), "all_gather", gathered)
+        gathered = rank.element_bytes * numel * n * rank.accumulation
+        add_traffic(terms.forward_traffic, dim_name(shard_dims), "all_gather", gathered)
+        if rank.layout.pp == 1:
+            add_traffic(traffic, dim_name(shard_dims), "all_gather", gathered)
         add_traffic(traffic, dim_name(shard_dims), "reduce_scatter", grad * n * rank.accumulation)
     if "dp_replicate" in live:
         add_traffic(traffic, "dp_replicate", "all_reduce", grad)

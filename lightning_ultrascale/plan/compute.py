@@ -1,0 +1,91 @@
+"""How long one rank computes per optimizer step: the model's work, term by term.
+
+- **Matmuls by shape**: every GEMM of a block (q, k, v, o; w1, w3, w2; an MoE layer's router,
+  routed and shared experts; the head) at its local shape under tensor, context and expert
+  parallelism, each on the roofline ``max(FLOPs / (peak x matmul_efficiency), bytes / (bandwidth x
+  memory_efficiency))``: narrow GEMMs (small ``N`` under TP, few tokens under CP or for an expert)
+  fall from compute-bound to memory-bound on their own. Backward runs each shape twice.
+- **Attention** at its kernel's efficiency: causal, so each of a rank's tokens attends to half the
+  sequence on average; flash attention's backward recomputes the scores (2.5x the forward).
+- **Memory-bound kernels** by bytes at memory bandwidth: per block two RMSNorms, two residual adds,
+  RoPE on q and k, SwiGLU's product (read and written once forward, twice backward); the loss's
+  softmax over the vocabulary.
+- **Launches**: kernels per block and for embedding, head and loss, counted by a dispatch mode on
+  our Llama in eager mode (torch 2.13: 215 per dense block forward and backward, 307 per MoE
+  block, 60 outside the blocks), times the device's unhidden ``op_overhead`` (0 on GPUs).
+
+The optimizer step (the data plugin's ``step_bytes``) and what recomputation adds are composed by
+:func:`~lightning_ultrascale.plan.cost.step_time`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning_ultrascale.parallel.pricing import RankView
+from lightning_ultrascale.plan.hardware import Hardware
+
+__all__ = ["model_compute"]
+
+#: Kernels dispatched per block (forward + backward) and outside the blocks, counted on our Llama.
+OPS_PER_DENSE_BLOCK, OPS_PER_MOE_BLOCK, OPS_OUTSIDE_BLOCKS = 215, 307, 60
+
+
+def model_compute(rank: RankView, gpu: Hardware, precision: str) -> dict[str, float]:
+    """Seconds per optimizer step of ``rank``'s own work: ``matmul``, ``attention``, ``memory_bound``, ``launches``."""
+    peak = gpu.peak_for(precision)
+    flop_rate = peak * gpu.matmul_efficiency
+    byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
+    e, t, s = rank.element_bytes, rank.tokens, rank.widths
+    cfg = rank.workload.model
+
+    def gemm(m: float, k: float, n: float, count: float = 1) -> float:
+        return count * max(2 * m * k * n / flop_rate, e * (m * k + k * n + m * n) / byte_rate)
+
+    matmul = attention = memory = 0.0
+    ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
+    for layer in rank.layers:
+        moe = cfg.moe is not None and cfg.moe.is_moe_block(layer)
+        matmul += _attention_gemms(gemm, rank) + (_moe_gemms(gemm, rank) if moe else _dense_gemms(gemm, rank))
+        pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
+        flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
+        attention += 3.5 * flops / (peak * gpu.attention_efficiency)
+        f = (cfg.moe.top_k * cfg.moe.moe_ffn_dim) if moe else s.f / s.tp
+        per_token = 10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f
+        memory += 3 * t * per_token * e / byte_rate
+        ops += OPS_PER_MOE_BLOCK if moe else OPS_PER_DENSE_BLOCK
+    if rank.last:
+        matmul += gemm(t, s.h, s.vocab / s.tp, 3)
+        memory += 4 * 4 * t * s.vocab / s.tp / byte_rate  # log-softmax: read, write; and back
+    m = rank.forwards
+    return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m,
+            "launches": ops * m * gpu.op_overhead}  # fmt: skip
+
+
+def _attention_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+    s, t = rank.widths, rank.tokens
+    q, kv, o = (
+        s.heads * s.head_dim / s.tp,
+        s.kv_heads * (s.head_dim + s.v_head_dim) / s.tp,
+        s.heads * s.v_head_dim / s.tp,
+    )
+    # forward once, backward twice (input and weight gradients): the same shapes three times
+    return gemm(t, s.h, q, 3) + gemm(t, s.h, kv, 3) + gemm(t, o, s.h, 3)
+
+
+def _dense_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+    s, t = rank.widths, rank.tokens
+    return gemm(t, s.h, s.f / s.tp, 6) + gemm(t, s.f / s.tp, s.h, 3)
+
+
+def _moe_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+    """Router; each local expert's share of the routed rows (uniform routing); shared experts."""
+    moe, s, t = rank.workload.model.moe, rank.widths, rank.tokens
+    local = moe.n_routed_experts / rank.layout.ep
+    rows = t * moe.top_k / local  # rows per local expert: t x k rows arrive, spread over them
+    routed = gemm(rows, s.h, moe.moe_ffn_dim, 6 * local) + gemm(rows, moe.moe_ffn_dim, s.h, 3 * local)
+    shared = moe.n_shared_experts * moe.moe_ffn_dim
+    out = gemm(t, s.h, moe.n_routed_experts, 3)
+    if shared:
+        out += gemm(t, s.h, shared, 6) + gemm(t, shared, s.h, 3)
+    return routed + out
