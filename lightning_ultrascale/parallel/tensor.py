@@ -119,7 +119,7 @@ class TensorParallel(ParallelPlugin):
         block's forward collectives (2 per block) in backward; op-level recomputation keeps the
         reduce-scatter outputs under SP, not the all-reduces (measured: one again per block).
         """
-        terms = CostTerms()
+        terms = CostTerms(host="tensor" if self.size > 1 else None)  # (every op of a block on DTensors)
         if self.size == 1:
             return terms
         c, s = rank.layout, rank.widths

@@ -10,9 +10,10 @@
 - **Memory-bound kernels** by bytes at memory bandwidth: per block two RMSNorms, two residual adds,
   RoPE on q and k, SwiGLU's product (read and written once forward, twice backward); the loss's
   softmax over the vocabulary.
-- **Launches**: kernels per block and for embedding, head and loss, counted by a dispatch mode on
+- **Host time**: kernels per block and for embedding, head and loss, counted by a dispatch mode on
   our Llama in eager mode (torch 2.13: 215 per dense block forward and backward, 307 per MoE
-  block, 60 outside the blocks), times the device's unhidden ``op_overhead`` (0 on GPUs).
+  block, 60 outside the blocks), times the device's unhidden ``op_overhead``, plus its
+  ``step_overhead`` per micro-step and each technique's ``host_overheads`` per block (0 on GPUs).
 
 The optimizer step (the data plugin's ``step_bytes``) and what recomputation adds are composed by
 :func:`~lightning_ultrascale.plan.cost.step_time`.
@@ -20,7 +21,7 @@ The optimizer step (the data plugin's ``step_bytes``) and what recomputation add
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lightning_ultrascale.parallel.pricing import RankView
 from lightning_ultrascale.plan.hardware import Hardware
@@ -31,8 +32,12 @@ __all__ = ["model_compute"]
 OPS_PER_DENSE_BLOCK, OPS_PER_MOE_BLOCK, OPS_OUTSIDE_BLOCKS = 215, 307, 60
 
 
-def model_compute(rank: RankView, gpu: Hardware, precision: str) -> dict[str, float]:
-    """Seconds per optimizer step of ``rank``'s own work: ``matmul``, ``attention``, ``memory_bound``, ``launches``."""
+def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence[str] = ()) -> dict[str, float]:
+    """Seconds per optimizer step of ``rank``'s own work: ``matmul``, ``attention``, ``memory_bound``, ``host``.
+
+    ``host``: kernel launches, the loop's own time per micro-step, and per block the host time of
+    each technique in ``hosts`` (the device's ``host_overheads``; ``"expert"`` per MoE block).
+    """
     peak = gpu.peak_for(precision)
     flop_rate = peak * gpu.matmul_efficiency
     byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
@@ -40,7 +45,8 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str) -> dict[str, fl
     cfg = rank.workload.model
 
     def gemm(m: float, k: float, n: float, count: float = 1) -> float:
-        return count * max(2 * m * k * n / flop_rate, e * (m * k + k * n + m * n) / byte_rate)
+        rate = flop_rate * gpu.gemm_factor(min(k, n))
+        return count * max(2 * m * k * n / rate, e * (m * k + k * n + m * n) / byte_rate)
 
     matmul = attention = memory = 0.0
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
@@ -58,8 +64,10 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str) -> dict[str, fl
         matmul += gemm(t, s.h, s.vocab / s.tp, 3)
         memory += 4 * 4 * t * s.vocab / s.tp / byte_rate  # log-softmax: read, write; and back
     m = rank.forwards
-    return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m,
-            "launches": ops * m * gpu.op_overhead}  # fmt: skip
+    moe_blocks = sum(1 for i in rank.layers if cfg.moe is not None and cfg.moe.is_moe_block(i))
+    per_block = sum(gpu.host_overhead(h) * (moe_blocks if h == "expert" else len(rank.layers)) for h in hosts)
+    host = (ops * gpu.op_overhead + per_block) * m + gpu.step_overhead * rank.accumulation
+    return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m, "host": host}
 
 
 def _attention_gemms(gemm: Callable[..., float], rank: RankView) -> float:

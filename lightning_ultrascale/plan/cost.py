@@ -315,9 +315,9 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     flops_token = workload.model.flops_per_token(workload.seq_len)
     peak = gpu.peak_for(workload.precision)  # fp32 runs at the TF32 peak, not the bf16 one
     assert cost.view is not None
-    parts = model_compute(cost.view, gpu, workload.precision)
+    parts = model_compute(cost.view, gpu, workload.precision, [t.host for t in cost.terms if t.host])
     memory_bound = parts["memory_bound"] * (1 + sum(t.extra_memory_bound for t in cost.terms))
-    compute = (parts["matmul"] + parts["attention"] + memory_bound + parts["launches"]) * (
+    compute = (parts["matmul"] + parts["attention"] + memory_bound + parts["host"]) * (
         1 + sum(t.extra_compute for t in cost.terms)
     )
     optimizer = sum(t.step_bytes for t in cost.terms) / (gpu.memory_bandwidth * gpu.memory_efficiency)

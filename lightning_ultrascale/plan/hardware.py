@@ -9,6 +9,8 @@ YAML/dict with the same keys (``ultrascale-plan gpu=...`` reads ``conf/cluster``
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -44,6 +46,10 @@ class Hardware:
     #: (nccl-tests all_reduce busbw of 8-node DGX A100/H100 clusters)
     network_efficiency: float = 0.9
     matmul_efficiency: float = 0.75  # achieved / peak FLOP/s of a large (compute-bound) GEMM
+    #: a GEMM's efficiency relative to ``matmul_efficiency`` by its narrowest inner or output
+    #: width: ``((width, factor), ...)`` ascending, interpolated on log width, 1 beyond the last
+    #: (empty: no loss; a CPU's is measured, ``benchmarks/cpu_time_model.py``)
+    gemm_width_factors: tuple[tuple[int, float], ...] = ()
     #: HBM bandwidth (bytes/s): memory-bound kernels (norms, RoPE, SwiGLU, residual adds, the
     #: loss's softmax), the optimizer step, and GEMMs too narrow to be compute-bound (roofline).
     memory_bandwidth: float = 3.35e12
@@ -54,17 +60,47 @@ class Hardware:
     #: seconds of host time per kernel that the device does not hide (0 on a GPU whose kernels
     #: outlast their launch; an eager CPU pays its dispatch and autograd bookkeeping on every op)
     op_overhead: float = 0.0
+    #: host seconds per block and forward (with its backward) that a technique adds and the device
+    #: does not hide, by the name its plugin prices it under (``"tensor"``: every op on DTensors;
+    #: ``"fsdp"``: FSDP2's hooks; ``"context"``, ``"expert"``, ``"selective_op"``). Empty on GPUs;
+    #: measured on a CPU (``benchmarks/cpu_time_model.py``)
+    host_overheads: tuple[tuple[str, float], ...] = ()
+    #: host seconds per micro-step outside the model's ops that the device does not hide (the
+    #: training loop, data, logging; 0 on a GPU, where they overlap the queued kernels)
+    step_overhead: float = 0.0
     #: HBM the planner leaves free: CUDA context, NCCL buffers, allocator fragmentation.
     reserved_bytes: int = 6 * 2**30
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "fp32_flops" and value is None:
+            if (f.name == "fp32_flops" and value is None) or f.name in ("gemm_width_factors", "host_overheads"):
                 continue
             if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
-                if not (f.name in ("reserved_bytes", "op_overhead") and value == 0):
+                if not (f.name in _MAY_BE_ZERO and value == 0):
                     raise ConfigError(f"gpu.{f.name}={value!r} must be a positive number")
+
+    def host_overhead(self, technique: str) -> float:
+        """:attr:`host_overheads` of ``technique`` (0 where not listed)."""
+        return dict(self.host_overheads).get(technique, 0.0)
+
+    def gemm_factor(self, width: float) -> float:
+        """:attr:`gemm_width_factors` at ``width`` (log-linear between the measured widths).
+
+        Example:
+            >>> cpu = {"name": "cpu", "peak_flops": 1e11, "memory_bytes": 1}
+            >>> get_hardware(cpu | {"gemm_width_factors": ((64, 0.5), (256, 1.0))}).gemm_factor(128)
+            0.75
+        """
+        table = self.gemm_width_factors
+        if not table or width >= table[-1][0]:
+            return 1.0
+        if width <= table[0][0]:
+            return table[0][1]
+        for (w0, f0), (w1, f1) in itertools.pairwise(table):
+            if w0 <= width <= w1:
+                return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+        return 1.0
 
     @property
     def usable_bytes(self) -> int:
@@ -82,6 +118,8 @@ class Hardware:
             return self.peak_flops
         return self.fp32_flops if self.fp32_flops is not None else self.peak_flops / 2
 
+
+_MAY_BE_ZERO = ("reserved_bytes", "op_overhead", "step_overhead")
 
 #: Fitted on one published run (see ``GPUS["h100"]``); every other figure is a datasheet's.
 H100_MATMUL_EFFICIENCY = 0.60

@@ -115,7 +115,7 @@ class ContextParallel(ParallelPlugin):
         In the step (each microbatch waits for its attention); ring attention overlaps its K/V
         exchange with the attention of the block it holds, about half the step's compute.
         """
-        terms = CostTerms(hidden_by=0.5)
+        terms = CostTerms(hidden_by=0.5, host="context" if self.size > 1 else None)
         if self.size == 1:
             return terms
         s, e, t = rank.widths, rank.element_bytes, rank.tokens

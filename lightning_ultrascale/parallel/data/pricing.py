@@ -72,7 +72,8 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
     grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
     state = model_state(plan, zero, w.precision, reduce_dtype)
     unsharded = unsharded_numel(plan, zero)
-    terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state)
+    fsdp = zero == 3 and math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate") > 1
+    terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state, host="fsdp" if fsdp else None)
     terms.held_grads = _held_grads(rank, zero, state["grads"], unsharded, grad_bytes)
     compute_b = 2 if w.precision == "bf16-mixed" else 4
     if zero == 3 and c.pp > 1:

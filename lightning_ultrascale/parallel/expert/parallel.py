@@ -64,7 +64,7 @@ class ExpertParallel(ParallelPlugin):
 
     def plan_cost(self, rank: RankView) -> CostTerms:
         """Dispatch and combine forward, their reverses backward, of every routed row (uniform routing)."""
-        terms = CostTerms()
+        terms = CostTerms(host="expert" if self.size > 1 else None)
         moe = rank.workload.model.moe
         if self.size == 1 or moe is None:
             return terms
