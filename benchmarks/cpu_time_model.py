@@ -152,28 +152,34 @@ def tiny_models() -> dict[str, LlamaConfig]:
     moe = get_model_config("moe_tiny")
     return {
         "tiny": replace(get_model_config("llama_tiny"), **small, n_layers=1, name="tiny"),
+        "tiny4": replace(get_model_config("llama_tiny"), **small, n_layers=4, name="tiny4"),
         "tiny_moe": replace(moe, **small, n_layers=2, moe=replace(moe.moe, moe_ffn_dim=8), name="tiny_moe"),
     }
 
 
-#: (technique, tiny model, its layout, the layout it is compared with): the host time per block a
-#: technique adds, from one-block models (an MoE model's one MoE block for "expert").
-HOST_PROBES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
-    ("tensor", "tiny", _(tp=2, zero=0), _(dp=2, zero=0)),
-    ("fsdp", "tiny", _(dp=2, zero=3), _(dp=2, zero=0)),
-    ("context", "tiny", _(cp=2, zero=0), _(dp=2, zero=0)),
-    ("selective_op", "tiny", _(dp=2, zero=0, recompute="selective_op"), _(dp=2, zero=0)),
-    ("expert", "tiny_moe", _(dp=2, zero=0, ep=2), _(dp=2, zero=0)),
+#: (technique, tiny model, its layout, the layout it is compared with, blocks x forwards a rank
+#: runs in it): the host time per block and forward a technique adds, from nil-compute models
+#: (an MoE model's one MoE block for "expert"; a pipeline's 2 blocks per rank x 4 microbatches).
+HOST_PROBES: list[tuple[str, str, dict[str, Any], dict[str, Any], int]] = [
+    ("tensor", "tiny", _(tp=2, zero=0), _(dp=2, zero=0), 1),
+    ("fsdp", "tiny", _(dp=2, zero=3), _(dp=2, zero=0), 1),
+    ("context", "tiny", _(cp=2, zero=0), _(dp=2, zero=0), 1),
+    ("selective_op", "tiny", _(dp=2, zero=0, recompute="selective_op"), _(dp=2, zero=0), 1),
+    ("expert", "tiny_moe", _(dp=2, zero=0, ep=2), _(dp=2, zero=0), 1),
+    *(
+        (f"pipeline_{s}", "tiny4", _(pp=2, zero=0, schedule=s, microbatches=4), _(dp=2, zero=0, micro_batch_size=2), 8)
+        for s in ("1f1b", "interleaved_1f1b", "zbv")
+    ),
 ]
 
 
 def host_worker(model: str, layout: dict[str, Any]) -> float:
     """Seconds per step of a nil-compute model: the loop's and the layout's host time."""
-    clock = StepClock()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=Candidate.layout(**layout).strategy(), max_steps=20,
-                        callbacks=[clock], **QUIET_TRAINER)  # fmt: skip
+    clock, candidate = StepClock(), Candidate.layout(**layout)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=20, callbacks=[clock],
+                        **QUIET_TRAINER)  # fmt: skip
     module = LlamaModule(tiny_models()[model], optim=ADAMW)
-    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=8, micro_batch_size=layout.get("micro_batch_size", 1)))
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=8, micro_batch_size=candidate.batch_per_rank))
     return statistics.median(b - a for a, b in zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :]))
 
 
@@ -188,10 +194,10 @@ def host_times(gpu: Hardware) -> Hardware:
     gpu = replace(gpu, step_overhead=max(0.0, excess("tiny", _(dp=2, zero=0), gpu)))
     bases: dict[str, float] = {}
     overheads = []
-    for technique, model, layout, base in HOST_PROBES:
+    for technique, model, layout, base, units in HOST_PROBES:
         if model not in bases:
             bases[model] = excess(model, base, gpu)
-        overheads.append((technique, max(0.0, excess(model, layout, gpu) - bases[model])))
+        overheads.append((technique, max(0.0, excess(model, layout, gpu) - bases[model]) / units))
     return replace(gpu, host_overheads=tuple(overheads))
 
 

@@ -37,12 +37,17 @@ def gpus(data: dict[str, Any]) -> dict[str, Any]:
     return {name: {k: v for k, v in spec.items() if not k.startswith("_")} for name, spec in data["gpus"].items()}
 
 
+def data_kernels_fused(run: dict[str, Any]) -> bool:
+    """The run's stack fuses its memory-bound ops (``"kernels": "fused"``: Transformer Engine, torch.compile)."""
+    return run.get("kernels", "eager") == "fused"
+
+
 def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
     """The planner's tokens/s per GPU, MFU and peak memory (worst rank) for one published run."""
     gpu = get_hardware(profiles.get(run["gpu"], run["gpu"]))
     workload = Workload(
         get_model_config(run["model"]), run["seq_len"], run["global_batch_size"],
-        precision=run["precision"], reduce_dtype=run["reduce_dtype"],
+        precision=run["precision"], reduce_dtype=run["reduce_dtype"], fused_kernels=data_kernels_fused(run),
     )  # fmt: skip
     candidate = Candidate.layout(**run["layout"], reduce_dtype=run["reduce_dtype"])
     costs = estimate(workload, candidate, build_model(run["model"], device="meta"), gpu)

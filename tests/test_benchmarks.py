@@ -276,3 +276,13 @@ def test_mixed_precision_benchmark_matches_the_formula_part_by_part(tmp_path):
     timing = committed["step_time"]
     # Step time is a benchmark figure, not a test bound: present, measured side by side.
     assert set(timing["tokens_per_s"]) == {"zero1_before", "zero1_after", "zero2_before", "zero2_after"}
+
+
+def test_cpu_time_model_benchmark_quick_run_measures_a_profile_and_predicts(tmp_path):
+    result, stdout = _quick_run("cpu_time_model", tmp_path)
+    assert "cpu profile" in stdout and len(result["rows"]) == 3
+    profile = result["profile"]
+    assert profile["peak_flops"] > 1e9 and profile["memory_bandwidth"] > 1e9 and profile["op_overhead"] > 0
+    assert {name for name, _ in profile["host_overheads"]} >= {"tensor", "fsdp", "context", "expert"}
+    for row in result["rows"]:
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and math.isfinite(row["error"])

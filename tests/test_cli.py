@@ -29,6 +29,7 @@ from lightning_ultrascale.cli.train import (
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.parallel.dims import DataShape
+from lightning_ultrascale.parallel.plugin import APPLY_ORDER
 from lightning_ultrascale.strategy import UltraScaleStrategy
 from lightning_ultrascale.testing.spawn import free_port
 
@@ -790,3 +791,42 @@ def test_the_mixtral_recipe_layout_trains_on_cpu(tmp_path):
     rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
     assert len([r for r in rows if r.get("train/loss")]) == 3 and any(r.get("val/loss") for r in rows)
     assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+
+
+# ------------------------------------------------------------------------ parallel=auto
+def test_parallel_auto_trains_the_planner_s_best_layout_through_the_cli(tmp_path):
+    # The planner searches the job on its 2 CPU ranks (the built-in cpu profile), logs the choice
+    # and why the runner-up lost, and the run trains with it (benchmarks/auto_layout.py times the
+    # top 3: the chosen one is the fastest measured).
+    from lightning_ultrascale.plan import search
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = ["parallel=auto", *_train_overrides(steps=2)]
+    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from lightning_ultrascale.cli.plan import compose_run, workload
+
+    best = search(workload(compose_run(overrides)), 2, "cpu").best.candidate
+    logged = out.stderr + out.stdout
+    assert f"parallel=auto on 2 x cpu: {best.label()}" in logged and "the runner-up, " in logged
+    assert (run_dir / "checkpoints" / "last.ckpt").is_dir()
+
+
+def test_parallel_auto_builds_the_search_s_plugins_and_batch(tmp_path, monkeypatch):
+    from lightning_ultrascale.cli.plan import workload
+    from lightning_ultrascale.plan import search
+
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    cfg = _compose("parallel=auto", "parallel.auto.space={tp: [2]}")
+    best = search(workload(cfg), 2, "cpu", space={"tp": [2]}).best.candidate
+    trainer, _, data = build(cfg)
+    assert repr(list(trainer.strategy.applied_plugins())) == repr(
+        sorted(best.plugins, key=lambda p: APPLY_ORDER.index(p.applies_at))
+    )
+    assert data.micro_batch_size == best.batch_per_rank and best.tp == 2
+    with pytest.raises(ConfigError, match=r"parallel=auto chooses every plugin, but parallel\.tp is set too"):
+        build(_compose("parallel=auto", "+parallel/tp=default"))
+    with pytest.raises(ConfigError, match=r"trainer\.devices='auto': parallel=auto plans for a known number"):
+        build(_compose("parallel=auto", "trainer.devices=auto"))
+    assert not dist.is_initialized()

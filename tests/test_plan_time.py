@@ -40,7 +40,7 @@ def test_recomputation_costs_what_it_recomputes():
     assert full.time_parts["compute"] == pytest.approx(work * 4 / 3)  # the forward again
     # op-level: only the memory-bound kernels' forward again (a third of their time)
     assert ops.time_parts["compute"] - work == pytest.approx(none.time_parts["memory_bound"] / 3)
-    assert 0 < ops.time_parts["compute"] - work < 0.05 * work
+    assert 0 < ops.time_parts["compute"] - work < 0.1 * work  # (eager kernels: 5%)
 
 
 def test_parameter_gathers_hide_behind_the_forward_and_reductions_behind_the_backward():
@@ -113,3 +113,17 @@ def test_the_time_model_predicts_this_machine_s_step_times_as_committed():
     # "The time model on this machine": expert parallelism's dispatch is under-predicted most).
     assert statistics.median(errors) <= 0.15
     assert max(errors) <= 0.35
+
+
+def test_parallel_auto_chose_the_fastest_of_the_planner_s_top_three_as_committed():
+    # benchmarks/auto_layout.py: the default job with parallel=auto, the planner's three best
+    # layouts on the built-in cpu profile each timed. The chosen one within 10% of the fastest;
+    # the three are still today's search's.
+    from lightning_ultrascale.cli.plan import compose_run, workload
+    from lightning_ultrascale.plan import search
+
+    data = json.loads((ROOT / "results" / "auto_layout.json").read_text())
+    assert len(data["rows"]) == 3 and data["chosen_over_fastest"] <= 0.10
+    top = search(workload(compose_run(["parallel=auto"])), 2, "cpu").fitting[:3]
+    assert [row["layout"] for row in data["rows"]] == [p.candidate.label() for p in top]
+    assert [row["predicted_s"] for row in data["rows"]] == pytest.approx([p.step_time for p in top], rel=1e-9)

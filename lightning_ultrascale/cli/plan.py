@@ -142,8 +142,9 @@ def workload(cfg: DictConfig) -> Any:
         shape[key] = value
     reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
     return Workload(
-        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype
-    )
+        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
+        fused_kernels=kernels.get("name", "reference") != "reference",
+    )  # fmt: skip
 
 
 def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:

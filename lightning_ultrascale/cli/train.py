@@ -296,6 +296,23 @@ def _callbacks(cfg: DictConfig) -> list[Any]:
     return [c for c in built if not isinstance(c, ProgressBar)]  # Lightning refuses a bar it may not show
 
 
+def _auto_layout(cfg: DictConfig) -> list[Any] | None:
+    """``parallel=auto``: the planner's plugins, with ``data.micro_batch_size`` set to the layout's (else None)."""
+    if "auto" not in cfg.parallel:
+        return None
+    from lightning_ultrascale.cli.auto import choose_layout, world_size_of
+
+    others = [name for name, node in cfg.parallel.items() if name != "auto" and "_target_" in node]
+    if others:
+        raise ConfigError(
+            f"parallel=auto chooses every plugin, but parallel.{others[0]} is set too; valid: parallel=auto alone "
+            "(pin a size with parallel.auto.space, e.g. 'parallel.auto.space={tp: [2]}')"
+        )
+    chosen, micro_batch_size = choose_layout(cfg, world_size_of(cfg.trainer))
+    cfg.data.micro_batch_size = micro_batch_size
+    return chosen
+
+
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """Turn a composed config into (Trainer, LlamaModule, DataModule); validates everything first."""
     with config_keys(error_keys(cfg)):
@@ -439,13 +456,14 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     from lightning_ultrascale.guard import NonFiniteGuard
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
+    chosen = _auto_layout(cfg)
     module, datamodule, global_batch_size = _module_and_data(cfg)
     shape = _data_shape(datamodule, global_batch_size, module.config)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
         check_checkpoint_model(cfg.ckpt_path, module.hparams)
     strategy = UltraScaleStrategy(
-        *plugins(cfg.parallel),
+        *(chosen if chosen is not None else plugins(cfg.parallel)),
         seed=cfg.seed,
         async_checkpoint=cfg.checkpoint["async"],
         guard=NonFiniteGuard(skip_step=cfg.guard.skip_step),

@@ -7,9 +7,10 @@
   fall from compute-bound to memory-bound on their own. Backward runs each shape twice.
 - **Attention** at its kernel's efficiency: causal, so each of a rank's tokens attends to half the
   sequence on average; flash attention's backward recomputes the scores (2.5x the forward).
-- **Memory-bound kernels** by bytes at memory bandwidth: per block two RMSNorms, two residual adds,
-  RoPE on q and k, SwiGLU's product (read and written once forward, twice backward); the loss's
-  softmax over the vocabulary.
+- **Memory-bound kernels** by bytes at memory bandwidth: fused (``Workload.fused_kernels``), per
+  block two RMSNorms, two residual adds, RoPE on q and k, SwiGLU's product, each read and written
+  once forward and twice backward; eager, the elements our block's ops really move (counted:
+  ``EAGER_ELEMENTS``); the loss's softmax over the vocabulary.
 - **Host time**: kernels per block and for embedding, head and loss, counted by a dispatch mode on
   our Llama in eager mode (torch 2.13: 215 per dense block forward and backward, 307 per MoE
   block, 60 outside the blocks), times the device's unhidden ``op_overhead``, plus its
@@ -27,6 +28,14 @@ from lightning_ultrascale.parallel.pricing import RankView
 from lightning_ultrascale.plan.hardware import Hardware
 
 __all__ = ["model_compute"]
+
+#: Elements an eager block reads and writes per token outside its matmuls and attention, forward and
+#: backward: ``120 h + 14 f``, counted by a dispatch mode on our Llama at three widths (torch 2.13;
+#: views excluded).
+EAGER_ELEMENTS = (120, 14)
+#: An MoE block's routing on top (dispatch, permutation and combine of each token's k rows):
+#: ``24 k h`` (counted at k = 2: 168 h in all).
+EAGER_ROUTED_ELEMENTS = 24
 
 #: Kernels dispatched per block (forward + backward) and outside the blocks, counted on our Llama.
 OPS_PER_DENSE_BLOCK, OPS_PER_MOE_BLOCK, OPS_OUTSIDE_BLOCKS = 215, 307, 60
@@ -56,9 +65,14 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
         pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
         flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
         attention += 3.5 * flops / (peak * gpu.attention_efficiency)
-        f = (cfg.moe.top_k * cfg.moe.moe_ffn_dim) if moe else s.f / s.tp
-        per_token = 10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f
-        memory += 3 * t * per_token * e / byte_rate
+        # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times
+        f = (cfg.moe.top_k + cfg.moe.n_shared_experts) * cfg.moe.moe_ffn_dim if moe else s.f / s.tp
+        routed = EAGER_ROUTED_ELEMENTS * cfg.moe.top_k * s.h if moe else 0.0
+        if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
+            per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
+        else:  # eager, as counted on our block (EAGER_ELEMENTS)
+            per_token = EAGER_ELEMENTS[0] * s.h / s.sp + EAGER_ELEMENTS[1] * f + routed
+        memory += t * per_token * e / byte_rate
         ops += OPS_PER_MOE_BLOCK if moe else OPS_PER_DENSE_BLOCK
     if rank.last:
         matmul += gemm(t, s.h, s.vocab / s.tp, 3)

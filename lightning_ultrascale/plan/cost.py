@@ -89,6 +89,7 @@ _REDUCE_DTYPES = ("fp32", "bf16")
 class Workload:
     """What is trained: the model, the batch and the precision.
 
+    ``fused_kernels``: the norms, RoPE and SwiGLU run fused (``kernels=`` other than ``reference``).
     ``reduce_dtype``: the run's ``ZeRO(reduce_dtype=...)``, which the search gives every layout
     it builds (:func:`estimate` refuses a layout whose data plugin says otherwise).
 
@@ -104,6 +105,9 @@ class Workload:
     global_batch_size: int
     precision: str = "bf16-mixed"
     fused_cross_entropy: bool = False
+    #: the memory-bound ops run fused (our Triton/Liger kernels, torch.compile, Transformer Engine):
+    #: about one read and write per logical op; otherwise eager, as the reference kernels run them
+    fused_kernels: bool = False
     reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:

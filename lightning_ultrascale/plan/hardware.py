@@ -149,6 +149,20 @@ GPUS: dict[str, Hardware] = {
         fp32_flops=156e12,
         memory_bandwidth=2.039e12,
     ),
+    # Two processes of one thread on a 2-core x86 machine with gloo (the CI machine these figures were
+    # measured on by benchmarks/cpu_time_model.py's micro-benchmarks, rounded; re-measure yours with
+    # it). What `parallel=auto` plans a CPU job with.
+    "cpu": Hardware(
+        "cpu", peak_flops=104e9, fp32_flops=104e9, memory_bytes=24 * 2**30, gpus_per_node=2,
+        intra_node_bandwidth=1.5e9, inter_node_bandwidth=1.5e9, intra_node_latency=140e-6, inter_node_latency=140e-6,
+        link_efficiency=1.0, network_efficiency=1.0, matmul_efficiency=1.0,
+        gemm_width_factors=((32, 0.71), (64, 1.0), (256, 1.0), (512, 0.97)), memory_bandwidth=47e9,
+        memory_efficiency=1.0, attention_efficiency=0.41, op_overhead=2.5e-6, step_overhead=4.6e-3, reserved_bytes=0,
+        host_overheads=(
+            ("tensor", 22e-3), ("fsdp", 7.8e-3), ("context", 6.5e-3), ("selective_op", 6.5e-3), ("expert", 3.5e-3),
+            ("pipeline_1f1b", 0.0), ("pipeline_interleaved_1f1b", 0.78e-3), ("pipeline_zbv", 0.87e-3),
+        ),
+    ),
 }  # fmt: skip
 
 

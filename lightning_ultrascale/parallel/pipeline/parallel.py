@@ -181,7 +181,7 @@ class PipelineParallel(ParallelPlugin):
         Every stage on the rank sends its output (not the last stage) and its input's gradient
         (not the first): ``t x h`` activations per microbatch, on the critical path.
         """
-        terms = CostTerms()
+        terms = CostTerms(host=f"pipeline_{self.schedule}" if self.size > 1 else None)  # (its runtime's)
         if self.size == 1:
             return terms
         timeline = schedule_facts(self.schedule, self.size, self.microbatches, self.virtual_stages)
