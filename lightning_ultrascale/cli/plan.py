@@ -208,7 +208,7 @@ def render(result: Any, top: int = 10) -> str:
     lines += ["", "(GiB on the busiest rank; MFU from the time model, not measured)", "", "Popular alternatives:"]
     for family, priced, why in result.alternatives():
         label = priced.candidate.label() if priced is not None else "-"
-        lines.append(f"  {family:<32}{label:<58}{why}")
+        lines.append(f"  {family:<32}{label:<58} {why}")
     return "\n".join(lines)
 
 
