@@ -446,7 +446,7 @@ def test_data_blend_builds_a_weighted_blend_from_the_command_line(tmp_path, monk
     [
         ("model=nonexistent", r"model=nonexistent is unknown; valid: deepseek_v2_lite, .*llama_tiny"),
         ("data=web", r"data=web is unknown; valid: blend, pydoc, tokens"),
-        ("parallel=zero4", r"parallel=zero4 is unknown; valid: dp, hsdp, pp, zero1, zero2, zero3"),
+        ("parallel=zero4", r"parallel=zero4 is unknown; valid: auto, dp, hsdp, pp, zero1, zero2, zero3"),
         ("precision=fp8", r"precision=fp8 is unknown; valid: bf16_mixed, fp32"),
         ("logger=[csv,wandbx]", r"logger=wandbx is unknown; valid: csv, mlflow, tensorboard, wandb"),
     ],

@@ -73,7 +73,7 @@ def test_memory_prediction_within_5_percent_of_measured_peak_on_12_layouts():
         errors = [rank["memory_error"] for rank in row["ranks"]]
         assert min(errors) >= -0.05 and max(errors) <= 0.15, (row["layout"], errors)
         within += max(abs(e) for e in errors) <= 0.05
-    assert within >= 12
+    assert within >= 17
 
 
 def test_model_state_is_the_measured_one():
@@ -178,10 +178,12 @@ def test_nvidia_8b_layout_fits_an_h100_under_mixed_precision():
     assert _nvidia_peak("llama3_8b", "fp32")[1]["grads"] == 4 * psi
 
 
-@pytest.mark.parametrize(("model", "predicted"), [("llama3_70b", 96.1), ("llama3_405b", 115.9)])
+@pytest.mark.parametrize(("model", "predicted"), [("llama3_70b", 75.5), ("llama3_405b", 115.2)])
 def test_nvidia_70b_and_405b_layouts_are_priced_as_the_readme_says(model, predicted):
-    # Still above 74 GiB, though NVIDIA's runs fit: the activations (65.8 and 84.9 GiB of these
-    # peaks) are what the planner overestimates against Megatron with Transformer Engine kernels.
+    # Above 74 GiB, though NVIDIA's runs fit (the 70B by 1.5 GiB, on its first stage): torch's
+    # pipeline stages (ours) keep every microbatch's stage output until the step ends, Megatron's
+    # do not, and Transformer Engine's kernels save less (activations 45.7 and 84.9 GiB here).
+    # (96.1 GiB for the 70B while the last stage was counted keeping every microbatch's logits.)
     assert round(_nvidia_peak(model)[0], 1) == predicted
 
 
@@ -208,8 +210,8 @@ def test_published_runs_are_priced_as_committed():
     assert committed["summary"]["max_abs_memory_error"] <= 0.15
     [fit] = [run for run in data["runs"] if run.get("role", "").startswith("fit")]
     assert round(bench.fit_matmul_efficiency(fit, bench.gpus(data)), 2) == H100_MATMUL_EFFICIENCY
-    # Every run that trained on an 80 GB card fits, but NVIDIA's 70B (TP4 PP4 CP2 VP5): the planner
-    # counts 96 GiB of it, above 74 usable, where Megatron with Transformer Engine fit (README).
+    # Every run that trained on an 80 GB card fits, but NVIDIA's 70B under this library's
+    # pipeline (every microbatch's stage output kept until the step ends): 75.5 GiB of 74 (README).
     too_big = [r["name"] for r in committed["runs"] if not r["predicted"]["fits"]]
     assert too_big == ["nvidia-llama3.1-70b-64gpu"]
 

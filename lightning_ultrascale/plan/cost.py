@@ -240,6 +240,20 @@ def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
     return c.timeline.in_flight(pp_rank), c.timeline.stages_per_rank
 
 
+def _stage_outputs(c: Candidate, s: Widths, e: int, t: float, last: bool, held: tuple[float, int]) -> float:
+    """Bytes of stage outputs a pipeline rank keeps beyond its blocks' saved tensors.
+
+    torch's pipeline stages keep every microbatch's output of a stage but the last until the step
+    ends (measured: exact on the first stage); the last stage's logits live only while their
+    microbatch is in flight (our step runs the schedule with return_outputs=False).
+    ``held``: (microbatches in flight, stages on the rank).
+    """
+    in_flight, stages = held
+    outputs = stages - (1 if last else 0)
+    kept = c.n_microbatches * t * outputs * s.h / s.sp * e
+    return kept + (in_flight * t * 4 * s.vocab / s.tp if last else 0.0)
+
+
 def activation_memory(
     workload: Workload,
     c: Candidate,
@@ -274,12 +288,7 @@ def activation_memory(
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t
     in_flight, stages = _in_flight(c, pp_rank)
     per_microbatch = blocks + head + ids + rope
-    kept = per_microbatch * in_flight
-    if c.pp > 1:
-        # torch's pipeline stages keep every microbatch's output until the step ends: the hidden
-        # state of each stage but the last, the logits of the last.
-        outputs = stages - (1 if last else 0)
-        kept += c.n_microbatches * t * (outputs * s.h / s.sp * e + (4 * s.vocab / s.tp if last else 0))
+    kept = per_microbatch * in_flight + (_stage_outputs(c, s, e, t, last, (in_flight, stages)) if c.pp > 1 else 0.0)
     # The block moment: the last block of the rank's forward starts its backward.
     block_moment = 0.0
     if layers:
