@@ -1,13 +1,11 @@
 """The planner's cost model: formulas against the measured runs of ``benchmarks/plan.py`` and against the library."""
 
-import importlib.util
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+from benchmark_scripts import load_benchmark
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
@@ -37,15 +35,7 @@ def test_committed_measurements_cover_every_dim():
 def test_committed_predictions_are_what_the_cost_model_predicts_today():
     # The measurements are committed; the predictions beside them must be this code's (a change of
     # a formula without re-running benchmarks/plan.py fails here).
-    spec = importlib.util.spec_from_file_location("plan_benchmark", RESULTS.parent.parent / "plan.py")
-    bench = importlib.util.module_from_spec(spec)
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    try:
-        spec.loader.exec_module(bench)  # (the script pins one thread for its workers)
-    finally:
-        torch.set_num_threads(threads)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+    bench = load_benchmark("plan")
     layouts = [(model, c, 1) for model, c in bench.LAYOUTS] + bench.ACCUMULATED
     assert [row["layout"] for row in _results()["layouts"]] == [
         c.label() + (f" acc{acc}" if acc > 1 else "") for _, c, acc in layouts
@@ -192,9 +182,7 @@ def test_published_runs_are_priced_as_committed():
     # predictions must be today's (a formula change without a re-run fails here); the published
     # figures each name their source.
     root = Path(__file__).parent.parent / "benchmarks"
-    spec = importlib.util.spec_from_file_location("published_runs", root / "published_runs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("published_runs")
     data = json.loads((root / "published" / "runs.json").read_text())
     committed = json.loads((root / "results" / "published_runs.json").read_text())
     assert len(data["runs"]) >= 7 and all(run["source"].startswith("https://") for run in data["runs"])

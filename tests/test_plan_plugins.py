@@ -6,15 +6,13 @@ predict (computed here, in the real Lightning loop, not read from a file); and a
 this file is planned, by ``estimate`` and by ``search``, without a line of ``plan/`` knowing it.
 """
 
-import importlib.util
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from benchmark_scripts import load_benchmark
 from torch import nn
 
 from lightning_ultrascale import ZeRO
@@ -73,21 +71,6 @@ def test_the_retimed_layouts_now_overlap_their_data_reduction_with_backward():
 
 
 # ----------------------------------------------------------------------------- live: a run's own numbers
-def _plan_benchmark() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "plan_benchmark", Path(__file__).parent.parent / "benchmarks" / "plan.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    try:
-        spec.loader.exec_module(bench)  # (the script pins one thread for its workers)
-    finally:
-        torch.set_num_threads(threads)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-    return bench
-
-
 @pytest.mark.parametrize(
     "layout",
     [
@@ -103,7 +86,7 @@ def test_a_real_run_holds_and_sends_what_its_plugins_predict(layout):
     # Computed now, not read from a committed file: a change of a plugin's cost terms (or of what
     # the plugin really does) that makes the two disagree fails here. Model state exactly; traffic
     # per parallelism within 1% (scalar collectives below 256 B are not counted by either).
-    bench = _plan_benchmark()
+    bench = load_benchmark("plan")
     row = bench.compare("llama_tiny", Candidate.layout(**layout))
     for rank in row["ranks"]:
         measured = dict(rank["measured_model_state"])

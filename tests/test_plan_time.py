@@ -1,14 +1,12 @@
 """The planner's time model: its terms, and its predictions against step times measured on this machine."""
 
-import importlib.util
 import json
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
+from benchmark_scripts import load_benchmark
 
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan import Candidate, Hardware, Workload, estimate, get_hardware
@@ -77,24 +75,11 @@ def test_host_time_is_priced_per_technique_where_the_device_has_it():
 
 
 # ----------------------------------------------------------------------------- this machine
-def _cpu_benchmark():
-    spec = importlib.util.spec_from_file_location("cpu_time_model", ROOT / "cpu_time_model.py")
-    bench = importlib.util.module_from_spec(spec)
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    try:
-        spec.loader.exec_module(bench)  # (the script pins one thread for its workers)
-    finally:
-        torch.set_num_threads(threads)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-    return bench
-
-
 def test_the_time_model_predicts_this_machine_s_step_times_as_committed():
     # benchmarks/cpu_time_model.py: a cpu profile from micro-benchmarks only, then 11 two-rank
     # layouts measured and predicted side by side. The committed predictions must be today's
     # code's on the committed profile (a formula change without a re-run fails here).
-    bench = _cpu_benchmark()
+    bench = load_benchmark("cpu_time_model")
     data = json.loads((ROOT / "results" / "cpu_time_model.json").read_text())
     profile = data["profile"] | {
         key: tuple(tuple(pair) for pair in data["profile"][key]) for key in ("gemm_width_factors", "host_overheads")
