@@ -160,11 +160,23 @@ class Timeline:
 
     def peak_activations(self, rank: int) -> int:
         """Most ``(stage, microbatch)`` activations ``rank`` holds at once (freed by ``W`` or ``BW``)."""
+        return self._held(rank)[0]
+
+    def peak_moment(self, rank: int) -> float:
+        """The last instant at which ``rank`` holds :meth:`peak_activations` (what it has sent by then
+        may still be alive: the latest such instant is the worst)."""
+        return self._held(rank)[1]
+
+    def _held(self, rank: int) -> tuple[int, float]:
         ops = self.rank_ops(rank)
         freed = {(op.stage, op.microbatch): op.end for op in ops if op.kind in ("W", "BW")}
         ends = [(op.end, freed[op.stage, op.microbatch]) for op in ops if op.kind == "F"]
         # The count only grows when a forward ends, so the peak is at one of those instants.
-        return max(sum(1 for made, gone in ends if made <= t < gone) for t, _ in ends)
+        return max((sum(1 for made, gone in ends if made <= t < gone), t) for t, _ in ends)
+
+    def gradients_sent_before(self, rank: int, t: float) -> int:
+        """Input gradients ``rank`` has sent back by ``t``: backwards (``B``, ``BW``) of stages past the first."""
+        return sum(1 for op in self.rank_ops(rank) if op.kind in ("B", "BW") and op.stage > 0 and op.end <= t)
 
     def _label(self, op: Op) -> str:
         # torch's notation ("4F3": stage 4, forward, microbatch 3) where a rank holds several stages.
@@ -340,6 +352,8 @@ class ScheduleFacts:
     bubble: float  # the playbook's r_bubble: idle over compute time
     peak_activations: tuple[int, ...]  # per pp rank: (stage, microbatch) activations held at once
     stages_per_rank: int
+    #: per pp rank: the input gradients it has sent back by its activations' peak moment
+    gradients_sent_at_peak: tuple[int, ...] = ()
 
     def in_flight(self, pp_rank: int) -> float:
         """Microbatches' worth of the rank's activations held at once (its peak over its stages)."""
@@ -358,7 +372,8 @@ def schedule_facts(schedule: str, p: int, m: int, v: int | None = None) -> Sched
     stages_per_rank = v if schedule_info(schedule).multi else 1
     timeline = simulate(schedule, p, m, v if stages_per_rank > 1 else None)
     peaks = tuple(timeline.peak_activations(r) for r in range(p))
-    return ScheduleFacts(timeline.bubble_ratio, peaks, stages_per_rank)
+    sent = tuple(timeline.gradients_sent_before(r, timeline.peak_moment(r)) for r in range(p))
+    return ScheduleFacts(timeline.bubble_ratio, peaks, stages_per_rank, sent)
 
 
 __all__ = [

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
 from lightning_ultrascale.parallel.pipeline.stage import first_param_device
 from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
@@ -44,6 +45,7 @@ class PipelineStep(StepRunner):
         self._schedule: Any = None
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._token_scale: torch.Tensor | float = 1.0
+        self._sends = SendLedger()  # what the rank's stages sent, freed once done (pipeline/buffers.py)
 
     # ----------------------------------------------------------------------------- Lightning's hooks
     def training_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -116,11 +118,6 @@ class PipelineStep(StepRunner):
                 f"{option(pipeline, 'microbatches', pipeline.microbatches)}; "
                 f"valid batch sizes: multiples of {pipeline.microbatches}"
             )
-        position_ids = batch.get("position_ids")
-        if position_ids is None:
-            # Every stage needs the positions for RoPE; a hidden state under sequence
-            # parallelism is a sequence shard and cannot tell them.
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         n_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
         self._token_scale = loss_scale / (n_tokens * accumulate)
         losses: list[torch.Tensor] = []
@@ -128,11 +125,10 @@ class PipelineStep(StepRunner):
         holds_last = pipeline.n_stages - 1 in pipeline.local
         target = labels if holds_last else None
         schedule = self._torch_schedule()
-        # Every stage gets the positions and document ids of its microbatch (split with the tokens).
-        kwargs = {"position_ids": position_ids, "document_ids": batch.get("document_ids")}
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs = _stage_kwargs(batch)
         if train:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            with tracking_sends(self._sends):
+                schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
             schedule.eval(*args, target=target, losses=losses, **kwargs)
         loss = torch.zeros((), device=tokens.device)
@@ -165,6 +161,8 @@ class PipelineStep(StepRunner):
                 stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
                 for m in pipeline.stages
             ]
+            for stage in stages:
+                stage.init_freeing(self._sends)
             for module in pipeline.stages:
                 module.aux_loss_scale = lambda: self._token_scale
             schedule_class = get_schedule_class(pipeline.info.torch_class)
@@ -194,10 +192,12 @@ def _stage_class() -> type:
     torch 2.13's V-shaped schedules (ZBV, DualPipeV) hand input gradients between a rank's two
     stages even in ``eval``, where the backward itself is skipped and the hand-over asserts: every
     validation crashed. Without a backward the hand-over is skipped too.
+
+    Each microbatch's buffers are freed as soon as it is done with them (:class:`FreeingStage`).
     """
     from torch.distributed.pipelining import PipelineStage
 
-    class Stage(PipelineStage):
+    class Stage(FreeingStage, PipelineStage):
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             with self.submod.untracked():
                 return super()._forward_metadata_inference(*args, **kwargs)
@@ -215,6 +215,17 @@ def _stage_class() -> type:
                 super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     return Stage
+
+
+def _stage_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What every stage gets of its microbatch beside the hidden state (split with the tokens):
+    the positions (RoPE needs them, and a hidden state under sequence parallelism is a sequence
+    shard that cannot tell them) and the document ids, where the batch has them."""
+    tokens, position_ids = batch["input_ids"], batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+    kwargs = {"position_ids": position_ids, "document_ids": batch.get("document_ids")}
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _shape_only_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
