@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule  # noqa: E402
 from lightning_ultrascale.models import build_model, get_model_config  # noqa: E402
+from lightning_ultrascale.plan import GPUS  # noqa: E402
 from lightning_ultrascale.plan.cost import Candidate, Workload, estimate  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
@@ -197,7 +198,8 @@ def compare(model: str, candidate: Candidate, accumulation: int = 1) -> dict[str
     workload = Workload(get_model_config(model), SEQ_LEN, global_batch, precision="32-true")
     measured = run_workers(measure_worker, candidate.world_size, model, candidate, accumulation, timeout_s=600)
     meta = build_model(model, device="meta")
-    predicted = estimate(workload, candidate, meta, ranks=list(range(candidate.world_size)))
+    # (the cpu profile: gloo, whose pipeline sends free later, Hardware.sends_polled)
+    predicted = estimate(workload, candidate, meta, GPUS["cpu"], ranks=list(range(candidate.world_size)))
     ranks = []
     for rank, (m, p) in enumerate(zip(measured, predicted)):
         ranks.append(

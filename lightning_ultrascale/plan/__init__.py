@@ -19,7 +19,7 @@ Example:
 """
 
 from lightning_ultrascale.plan.candidate import Candidate
-from lightning_ultrascale.plan.cost import Cost, Workload, estimate
+from lightning_ultrascale.plan.cost import Cost, Workload, estimate, expert_load
 from lightning_ultrascale.plan.hardware import GPUS, Hardware, get_hardware
 from lightning_ultrascale.plan.search import NoLayoutFits, Priced, SearchResult, search
 from lightning_ultrascale.plan.shards import dry_run, predict_shards
@@ -35,6 +35,7 @@ __all__ = [
     "Workload",
     "dry_run",
     "estimate",
+    "expert_load",
     "get_hardware",
     "predict_shards",
     "search",

@@ -67,7 +67,7 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
         attention += 3.5 * flops / (peak * gpu.attention_efficiency)
         # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times
         f = (cfg.moe.top_k + cfg.moe.n_shared_experts) * cfg.moe.moe_ffn_dim if moe else s.f / s.tp
-        routed = EAGER_ROUTED_ELEMENTS * cfg.moe.top_k * s.h if moe else 0.0
+        routed = EAGER_ROUTED_ELEMENTS * cfg.moe.top_k * s.h * _expert_load(rank) if moe else 0.0
         if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
             per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
         else:  # eager, as counted on our block (EAGER_ELEMENTS)
@@ -100,11 +100,16 @@ def _dense_gemms(gemm: Callable[..., float], rank: RankView) -> float:
     return gemm(t, s.h, s.f / s.tp, 6) + gemm(t, s.f / s.tp, s.h, 3)
 
 
+def _expert_load(rank: RankView) -> float:
+    """How many times the mean routed rows the busiest expert rank runs (the others wait for it)."""
+    return rank.workload.expert_load if rank.layout.ep > 1 else 1.0
+
+
 def _moe_gemms(gemm: Callable[..., float], rank: RankView) -> float:
-    """Router; each local expert's share of the routed rows (uniform routing); shared experts."""
+    """Router; each local expert's share of the routed rows (times the busiest rank's load); shared experts."""
     moe, s, t = rank.workload.model.moe, rank.widths, rank.tokens
     local = moe.n_routed_experts / rank.layout.ep
-    rows = t * moe.top_k / local  # rows per local expert: t x k rows arrive, spread over them
+    rows = t * moe.top_k / local * _expert_load(rank)  # rows per local expert: t x k rows arrive, spread over them
     routed = gemm(rows, s.h, moe.moe_ffn_dim, 6 * local) + gemm(rows, moe.moe_ffn_dim, s.h, 3 * local)
     shared = moe.n_shared_experts * moe.moe_ffn_dim
     out = gemm(t, s.h, moe.n_routed_experts, 3)

@@ -67,6 +67,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError
@@ -79,7 +80,7 @@ from lightning_ultrascale.plan.compute import model_compute
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
 
-__all__ = ["Candidate", "Cost", "Workload", "estimate"]
+__all__ = ["Candidate", "Cost", "Workload", "estimate", "expert_load"]
 
 _PRECISIONS = ("32-true", "bf16-mixed")
 _REDUCE_DTYPES = ("fp32", "bf16")
@@ -92,6 +93,11 @@ class Workload:
     ``fused_kernels``: the norms, RoPE and SwiGLU run fused (``kernels=`` other than ``reference``).
     ``reduce_dtype``: the run's ``ZeRO(reduce_dtype=...)``, which the search gives every layout
     it builds (:func:`estimate` refuses a layout whose data plugin says otherwise).
+    ``expert_load``: under expert parallelism, the busiest rank's routed rows over the mean, per MoE
+    block (:func:`~lightning_ultrascale.plan.expert_load` computes it from a run's expert loads):
+    every rank of the group waits for that rank at each dispatch. 1.0 (uniform routing) unless told;
+    a young router is far from it (1.65 on ``benchmarks/cpu_time_model.py``'s ep2 run), a balanced
+    one near it, and ``capacity_factor`` bounds it.
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
@@ -109,12 +115,15 @@ class Workload:
     #: about one read and write per logical op; otherwise eager, as the reference kernels run them
     fused_kernels: bool = False
     reduce_dtype: str = "fp32"
+    expert_load: float = 1.0
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not planned; valid: {', '.join(_PRECISIONS)}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
+        if not self.expert_load >= 1.0:
+            raise ConfigError(f"expert_load={self.expert_load!r} is a max over a mean: at least 1.0 (1.0: uniform)")
         for name in ("seq_len", "global_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
@@ -159,6 +168,24 @@ class Cost:
 
 
 # ----------------------------------------------------------------------------- activations
+def expert_load(loads: torch.Tensor, ep: int) -> float:
+    """:attr:`Workload.expert_load` from a run's tokens per expert ``loads [MoE blocks, experts]``.
+
+    Expert rank ``r`` of ``ep`` holds experts ``r E/ep ..``; per block, its rows are the sum of
+    its experts' loads; the result is the busiest rank's over the mean, averaged over the blocks
+    (``LlamaModule.expert_stats.loads`` after a step holds the global loads of that step).
+
+    Example:
+        >>> expert_load(torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ep=2)
+        1.25
+    """
+    if loads.ndim != 2 or loads.shape[1] % ep:
+        raise ConfigError(f"expert_load needs loads [MoE blocks, experts] with experts divisible by ep={ep}")
+    per_rank = loads.float().view(loads.shape[0], ep, -1).sum(-1)
+    busiest = per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-9)
+    return float(busiest.mean())
+
+
 def widths(cfg: LlamaConfig, c: Candidate) -> Widths:
     if cfg.mla is not None:  # MLA: queries and keys of qk width, values of v width (approximation)
         head_dim = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
@@ -240,17 +267,23 @@ def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
     return c.timeline.in_flight(pp_rank), c.timeline.stages_per_rank
 
 
-def _stage_outputs(c: Candidate, s: Widths, e: int, t: float, last: bool, held: tuple[float, int]) -> float:
-    """Bytes of stage outputs a pipeline rank keeps beyond its blocks' saved tensors.
+def _stage_outputs(
+    c: Candidate, s: Widths, e: int, t: float, last: bool, held: tuple[float, int], pp_rank: int, polled: bool
+) -> float:
+    """Bytes of stage outputs and sent gradients a pipeline rank keeps beyond its blocks' saved tensors.
 
-    torch's pipeline stages keep every microbatch's output of a stage but the last until the step
-    ends (measured: exact on the first stage); the last stage's logits live only while their
-    microbatch is in flight (our step runs the schedule with return_outputs=False).
+    A stage keeps each output until its backward of it (``parallel/pipeline/buffers.py`` frees it
+    then, and the buffers it received into): the microbatches in flight. The last stage's logits
+    live only while their microbatch is in flight (our step runs with return_outputs=False). On a
+    backend whose sends are not ``polled`` (gloo), the gradients a multi-stage schedule sent back
+    live until the step ends: those sent by the rank's peak moment (the simulated timeline's).
     ``held``: (microbatches in flight, stages on the rank).
     """
     in_flight, stages = held
-    outputs = stages - (1 if last else 0)
-    kept = c.n_microbatches * t * outputs * s.h / s.sp * e
+    unit = t * s.h / s.sp * e  # one microbatch's hidden state
+    kept = in_flight * (stages - (1 if last else 0)) * unit
+    if not polled and c.timeline is not None and c.timeline.stages_per_rank > 1:
+        kept += c.timeline.gradients_sent_at_peak[pp_rank] * unit
     return kept + (in_flight * t * 4 * s.vocab / s.tp if last else 0.0)
 
 
@@ -262,11 +295,13 @@ def activation_memory(
     last: bool,
     pp_rank: int,
     backward_grads: int = 0,
+    polled: bool = True,
 ) -> dict[str, int]:
     """``{"activations", "working"}`` at this rank's peak moment (bytes).
 
     ``backward_grads``: gradient bytes that appear during backward and are not counted as held (a
     single rank's, ZeRO-3's shards without accumulation): present at the block moment, not the loss moment.
+    ``polled``: :attr:`Hardware.sends_polled` (a pipeline's sent gradients are freed once sent).
     """
     cfg, e = workload.model, workload.activation_bytes
     s = widths(cfg, c)
@@ -288,7 +323,9 @@ def activation_memory(
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t
     in_flight, stages = _in_flight(c, pp_rank)
     per_microbatch = blocks + head + ids + rope
-    kept = per_microbatch * in_flight + (_stage_outputs(c, s, e, t, last, (in_flight, stages)) if c.pp > 1 else 0.0)
+    held = (in_flight, stages)
+    outputs = _stage_outputs(c, s, e, t, last, held, pp_rank, polled) if c.pp > 1 else 0.0
+    kept = per_microbatch * in_flight + outputs
     # The block moment: the last block of the rank's forward starts its backward.
     block_moment = 0.0
     if layers:
@@ -378,7 +415,7 @@ def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims
 
 
 def _rank_cost(
-    workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int
+    workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int, polled: bool
 ) -> Cost:
     """Memory and traffic of one rank holding ``plan``: every plugin's terms composed (no time yet)."""
     spec = model.spec  # type: ignore[attr-defined]
@@ -392,7 +429,8 @@ def _rank_cost(
         raise ConfigError(f"the plugins of {c.label()} state {len(states)} model states; exactly one data plugin must")
     state, held = states[0], sum(t.held_grads for t in terms)
     # Gradients not held between steps still exist by the first block's backward.
-    act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"], 0 if held else state["grads"])
+    grads = 0 if held else state["grads"]
+    act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"], grads, polled)
     memory = {
         "params": state["params"],
         "optimizer": state["optimizer"],
@@ -418,10 +456,10 @@ def estimate(
 ) -> list[Cost]:
     """The cost of ``candidate`` on each of ``ranks`` (default: the first rank of every pipeline stage).
 
-    ``model``: the whole model on the meta device (``build_model(cfg, device="meta")``). The
-    layout is validated first by the real plugins (``UltraScaleStrategy.validate``): an invalid
-    one raises their :class:`~lightning_ultrascale.errors.ConfigError`. ``shard_cache``: a dict the
-    caller keeps across calls for the same model (the search does): shard plans depend on the sizes
+    ``gpu``: times each rank's step too (without it: memory as on NCCL, ``Hardware.sends_polled``).
+    ``model``: the whole model on the meta device (``build_model(cfg, device="meta")``). The layout
+    is validated first by the real plugins (``UltraScaleStrategy.validate``). ``shard_cache``: a
+    dict kept across calls for the same model (the search does): shard plans depend on the sizes
     and the pipeline placement only, not on batch sizes or recomputation.
 
     Example:
@@ -434,7 +472,7 @@ def estimate(
     """
     from lightning_ultrascale.plan.shards import predict_shards
 
-    c = candidate
+    c, polled = candidate, gpu is None or gpu.sends_polled
     _check_agrees(workload, c)
     strategy = c.strategy()
     world = c.world_size
@@ -453,7 +491,7 @@ def estimate(
             if (shape_key, rank) not in shard_cache:
                 shard_cache[shape_key, rank] = predict_shards(strategy, model, world, rank)
             plan = shard_cache[shape_key, rank]
-        cost = _rank_cost(workload, c, model, plan, rank, accumulation)
+        cost = _rank_cost(workload, c, model, plan, rank, accumulation, polled)
         if gpu is not None:
             step_time(workload, c, cost, dims, gpu)
         costs.append(cost)

@@ -70,11 +70,17 @@ class Hardware:
     step_overhead: float = 0.0
     #: HBM the planner leaves free: CUDA context, NCCL buffers, allocator fragmentation.
     reserved_bytes: int = 6 * 2**30
+    #: the backend reports a point-to-point send complete before anyone waits for it (NCCL: its
+    #: kernel has run), so a pipeline stage frees a sent input gradient at once; gloo does not:
+    #: the multi-stage schedules' sent gradients then live until the step ends
+    #: (``parallel/pipeline/buffers.py``)
+    sends_polled: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name == "fp32_flops" and value is None) or f.name in ("gemm_width_factors", "host_overheads"):
+            unchecked = ("gemm_width_factors", "host_overheads", "sends_polled")
+            if (f.name == "fp32_flops" and value is None) or f.name in unchecked:
                 continue
             if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
                 if not (f.name in _MAY_BE_ZERO and value == 0):
@@ -162,6 +168,7 @@ GPUS: dict[str, Hardware] = {
             ("tensor", 22e-3), ("fsdp", 7.8e-3), ("context", 6.5e-3), ("selective_op", 6.5e-3), ("expert", 3.5e-3),
             ("pipeline_1f1b", 0.0), ("pipeline_interleaved_1f1b", 0.78e-3), ("pipeline_zbv", 0.87e-3),
         ),
+        sends_polled=False,
     ),
 }  # fmt: skip
 
