@@ -6,10 +6,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from benchmark_scripts import load_benchmark
 
+from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
-from lightning_ultrascale.plan import Candidate, Hardware, Workload, estimate, get_hardware
+from lightning_ultrascale.plan import Candidate, Hardware, Workload, estimate, expert_load, get_hardware
 
 ROOT = Path(__file__).parent.parent / "benchmarks"
 H100 = get_hardware("h100")
@@ -28,6 +30,27 @@ def test_a_narrow_gemm_falls_from_compute_bound_to_memory_bound():
     assert narrow.time_parts["matmul"] > 1.2 * wide.time_parts["matmul"]
     fast_wide, fast_narrow = _cost(dict(dp=8, zero=1)), _cost(dict(tp=8, dp=1, zero=1))
     assert fast_narrow.time_parts["matmul"] == pytest.approx(fast_wide.time_parts["matmul"], rel=0.05)
+
+
+def test_expert_parallelism_runs_the_busiest_rank_s_routed_work():
+    # Every rank of an expert group meets the others at each dispatch: a step takes the routed
+    # work of the busiest rank. Without experts split (ep1) a rank runs all its rows regardless.
+    moe = get_model_config("mixtral_8x7b")
+    meta = build_model(moe, device="meta")
+
+    def routed(layout: dict, load: float) -> float:
+        workload = Workload(moe, 4096, 64, expert_load=load)
+        cost = estimate(workload, Candidate.layout(**layout), meta, H100)[0]
+        return cost.time_parts["matmul"] + cost.time_parts["memory_bound"]
+
+    ep, whole = dict(dp=8, zero=3, ep=8), dict(dp=8, zero=3)
+    assert routed(ep, 1.5) > 1.2 * routed(ep, 1.0)
+    assert routed(whole, 1.5) == routed(whole, 1.0)
+    # From a run's tokens per expert: experts 0-1 on rank 0, 2-3 on rank 1; per block max / mean.
+    loads = torch.tensor([[30.0, 10.0, 5.0, 5.0], [10.0, 10.0, 10.0, 10.0]])
+    assert expert_load(loads, ep=2) == pytest.approx((40 / 25 + 1.0) / 2)
+    with pytest.raises(ConfigError, match=r"expert_load=0\.5"):
+        Workload(moe, 4096, 64, expert_load=0.5)
 
 
 def test_recomputation_costs_what_it_recomputes():
