@@ -53,6 +53,23 @@ def test_expert_parallelism_runs_the_busiest_rank_s_routed_work():
         Workload(moe, 4096, 64, expert_load=0.5)
 
 
+def test_a_stack_s_tp_overlap_is_a_switch_that_hides_tp_traffic_behind_the_gemms():
+    # Off by default: this library's blocks wait for every TP collective. On (a published stack
+    # that overlaps them, e.g. NeMo's userbuffers), TP traffic hides behind the matmul time.
+    meta = build_model("llama3_70b", device="meta")
+    layout = Candidate.layout(tp=8, dp=1, zero=1)
+
+    def cost(overlap: bool):
+        workload = Workload(get_model_config("llama3_70b"), 8192, 8, tp_comm_overlap=overlap)
+        return estimate(workload, layout, meta, H100)[0]
+
+    ours, overlapped = cost(False), cost(True)
+    assert Workload(get_model_config("llama3_70b"), 8192, 8).tp_comm_overlap is False
+    assert ours.time_parts["tp"] > 0 and ours.time_parts["critical_comm"] >= ours.time_parts["tp"]
+    assert overlapped.time_parts["tp"] == ours.time_parts["tp"]  # the same bytes on the same links
+    assert overlapped.step_time == pytest.approx(ours.step_time - ours.time_parts["tp"], rel=1e-6)
+
+
 def test_recomputation_costs_what_it_recomputes():
     none = _cost(dict(dp=8, zero=3))
     full = _cost(dict(dp=8, zero=3, recompute="full"))

@@ -106,6 +106,9 @@ class CostTerms:
     forward_traffic: dict[str, int] = field(default_factory=dict)
     in_step: bool = True
     hidden_by: float = 0.0
+    #: the fraction of the step's matmul time that can hide ``traffic`` (collectives overlapped
+    #: with the GEMMs beside them, e.g. a stack's tensor-parallel communication overlap)
+    hidden_by_matmul: float = 0.0
     state: dict[str, int] | None = None
     held_grads: int = 0
     working: int = 0

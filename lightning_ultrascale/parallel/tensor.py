@@ -115,13 +115,15 @@ class TensorParallel(ParallelPlugin):
     def plan_cost(self, rank: RankView) -> CostTerms:
         """4 collectives per block (+ embedding, head) of ``t x h`` activations per forward, and the loss's.
 
-        On the critical path (nothing overlaps them in our blocks). Recomputation repeats a
+        On the critical path (nothing overlaps them in our blocks); behind the GEMMs beside them
+        for a stack that overlaps them (``Workload.tp_comm_overlap``). Recomputation repeats a
         block's forward collectives (2 per block) in backward; op-level recomputation keeps the
         reduce-scatter outputs under SP, not the all-reduces (measured: one again per block).
         """
         terms = CostTerms(host="tensor" if self.size > 1 else None)  # (every op of a block on DTensors)
         if self.size == 1:
             return terms
+        terms.hidden_by_matmul = 1.0 if rank.workload.tp_comm_overlap else 0.0
         c, s = rank.layout, rank.widths
         activation = rank.tokens * s.h * rank.element_bytes * rank.forwards
         n = 4 * len(rank.layers) + (1 if rank.first else 0) + (1 if rank.last else 0)

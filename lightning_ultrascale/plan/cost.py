@@ -93,6 +93,10 @@ class Workload:
     ``fused_kernels``: the norms, RoPE and SwiGLU run fused (``kernels=`` other than ``reference``).
     ``reduce_dtype``: the run's ``ZeRO(reduce_dtype=...)``, which the search gives every layout
     it builds (:func:`estimate` refuses a layout whose data plugin says otherwise).
+    ``tp_comm_overlap``: a time-model switch for stacks that overlap tensor-parallel collectives
+    with the GEMMs beside them (Megatron-Core's ``tp_comm_overlap`` through Transformer Engine's
+    userbuffers, torch's async TP). This library's blocks run them on the critical path: leave it
+    off to price a run of ours; ``benchmarks/published_runs.py`` turns it on for NeMo's 70B.
     ``expert_load``: under expert parallelism, the busiest rank's routed rows over the mean, per MoE
     block (:func:`~lightning_ultrascale.plan.expert_load` computes it from a run's expert loads):
     every rank of the group waits for that rank at each dispatch. 1.0 (uniform routing) unless told;
@@ -116,6 +120,7 @@ class Workload:
     fused_kernels: bool = False
     reduce_dtype: str = "fp32"
     expert_load: float = 1.0
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
@@ -380,7 +385,8 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
                 dim, took = _collective_seconds(key, payload, c, dims, gpu)
                 seconds[dim] = seconds.get(dim, 0.0) + took
                 spent += took
-            shown = max(0.0, spent - hidden_by * compute)
+            hidden = hidden_by * compute + (terms.hidden_by_matmul * parts["matmul"] if traffic is terms.traffic else 0)
+            shown = max(0.0, spent - hidden)
             critical, exposed = (critical + shown, exposed) if terms.in_step else (critical, exposed + shown)
         bubble += terms.bubble
     total = (compute + critical) * (1 + bubble) + exposed + optimizer
