@@ -59,7 +59,8 @@ class NonFiniteGuard:
         """
         loss = output.get("loss") if isinstance(output, dict) else output
         if isinstance(loss, torch.Tensor):
-            bad = ~torch.isfinite(loss.detach()).all()
+            # (a DTensor under loss parallelism: its local value is the replicated loss)
+            bad = ~torch.isfinite(_local(loss.detach())).all()
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return output
 

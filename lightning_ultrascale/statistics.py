@@ -1,17 +1,19 @@
 """What metrics and tests read of a layout, as a part of :class:`~lightning_ultrascale.UltraScaleStrategy`.
 
 Sums over the ranks that see different tokens (each counted once), maxima over pipeline stages,
-the averaged gradients a sharded optimizer keeps away from ``param.grad``, and the playbook's
-model-state bytes of this layout.
+the averaged gradients a sharded optimizer keeps away from ``param.grad``, the playbook's
+model-state bytes of this layout, and Lightning's ``reduce`` (``self.log(..., sync_dist=True)``)
+of a DTensor.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.utils.memory import ModelStateBytes, model_state_bytes
 
@@ -25,6 +27,14 @@ class LayoutStatistics(ModelParallelStrategy):
 
     layout: Layout
     parallel_dims: ParallelDims
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's reduce, of a DTensor too: under ``TensorParallel(loss_parallel=True)`` a
+        model's loss is a DTensor (cross-entropy on vocabulary shards), which c10d cannot reduce;
+        its full value is reduced like any tensor (``self.log(loss, sync_dist=True)`` works)."""
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return super().reduce(tensor, group, reduce_op)
 
     def sum_over_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a statistic over the ranks that see different tokens (and pipeline stages), each counted once.

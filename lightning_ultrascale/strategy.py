@@ -28,7 +28,8 @@ from typing_extensions import override
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
-from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, find_model
+from lightning_ultrascale.models.contract import check_model, check_module
+from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
@@ -201,6 +202,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         if isinstance(spec, ModelSpec):
             datamodule = getattr(getattr(self.lightning_module, "_trainer", None), "datamodule", None)
             self.validate(spec, DataShape.declared_by(datamodule))
+        check_module(self.lightning_module, self.applied_plugins())  # the model contract, if built yet
         self._setup_distributed()
         if self.root_device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
@@ -240,6 +242,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
                 "are sharded and hooked for that one. Build a new LightningModule (or reuse the same Trainer)"
             )
         self.validate(model.spec)
+        check_model(model, self.lightning_module, self.applied_plugins())
         # Fresh facts for this model (the mesh stays).
         self._layout = Layout(self.parallel_dims, self.mesh, self.precision_plugin.precision)
         for plugin in self.applied_plugins():
@@ -251,9 +254,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
                 model = new
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=self.root_device)
-            if not isinstance(model, SpecifiedModel):
-                raise TypeError(f"{type(model).__name__} needs init_weights(seed) to be built on the meta device")
-            model.init_weights(self.seed)
+            model.init_weights(self.seed)  # (the contract checked it exists)
         _PARALLELISED_BY[model] = self
         leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
         if leftover:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.documents import document_attention
 from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
-from lightning_ultrascale.models.shard_init import fill_normal_, local_indices
+from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -63,7 +62,6 @@ __all__ = [
 # Path components that activation checkpointing, torch.compile and FSDP1 insert into parameter
 # names. init_weights runs after those wrappers (the strategy's APPLY_ORDER), and seeding must not depend
 # on them.
-_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
 @dataclass(frozen=True)
@@ -287,21 +285,6 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
     smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
     scaled = torch.where(wavelen > old_len / s.low_freq_factor, inv_freq / s.factor, smoothed)
     return torch.where(wavelen < old_len / s.high_freq_factor, inv_freq, scaled)
-
-
-def param_seed(seed: int, fqn: str) -> int:
-    """Key of one parameter's draw: a 64-bit hash of the run seed and the parameter's name.
-
-    Depends on nothing else (rank, device, which other parameters exist), so every layout
-    initialises a parameter identically. 64 bits: Philox-4x32's key
-    (:mod:`~lightning_ultrascale.models.shard_init`); two of 405B's 1,137 names then share a key
-    with probability 3.5e-14 (with 32 bits, 1.5e-4).
-
-    Example:
-        >>> param_seed(0, "norm.weight") != param_seed(1, "norm.weight")
-        True
-    """
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{fqn}".encode(), digest_size=8).digest(), "little")
 
 
 class RMSNorm(nn.Module):
@@ -745,28 +728,17 @@ class Llama(nn.Module):
             load_hf_weights(self, self.pretrained)
             return
         for fqn, param in self.named_parameters():
-            name = ".".join(c for c in fqn.split(".") if c not in _WRAPPER_COMPONENTS)
+            name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
             if self.config.tie_embeddings and name == "output.weight":
                 name = "tok_embeddings.weight"  # a last pipeline stage holding only the tied head
             self._init_param(param, name, seed)
 
     def _init_param(self, param: Tensor, name: str, seed: int) -> None:
-        dtensor_type, distribute_tensor = _dtensor_api()
-        sharded = dtensor_type is not None and isinstance(param, dtensor_type)
-        local = param.to_local() if sharded else param  # type: ignore[attr-defined]
         std = self._init_std(name)
         if std is None:
-            local.fill_(1.0)
+            (param.to_local() if hasattr(param, "to_local") else param).fill_(1.0)  # type: ignore[operator]
             return
-        key = param_seed(seed, name)
-        indices = local_indices(param) if sharded else None
-        if sharded and indices is None:
-            # A placement that does not select along tensor dims (none of torch's parallelisms
-            # gives a parameter one): draw the whole parameter and let torch cut this rank's part.
-            full = fill_normal_(torch.empty(param.shape, device=local.device), key, std, param.shape)
-            local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())  # type: ignore[attr-defined]
-        else:
-            fill_normal_(local, key, std, param.shape, indices)
+        init_parameter(param, name, seed, std)
 
     def _init_std(self, name: str) -> float | None:
         """Standard deviation of a parameter's initial values; None for norms, which start at 1."""
@@ -782,10 +754,3 @@ class Llama(nn.Module):
         return self.config.flops_per_token(seq_len)
 
 
-def _dtensor_api() -> tuple[type | None, Any]:
-    # torch.distributed is missing from some builds (macOS wheels without USE_DISTRIBUTED).
-    if not torch.distributed.is_available():
-        return None, None
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    return DTensor, distribute_tensor

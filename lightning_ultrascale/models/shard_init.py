@@ -15,13 +15,15 @@ part runs as plain tensor ops on any device and gives the same words on CPU and 
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["fill_normal_", "local_indices", "normal_at", "philox4x32"]
+__all__ = ["fill_normal_", "init_by_name", "init_parameter", "local_indices", "normal_at", "param_seed", "philox4x32"]
 
 _MASK = 0xFFFFFFFF
 # Philox-4x32's multipliers and Weyl key increments (Random123's PHILOX_M4x32_* and PHILOX_W32_*).
@@ -199,3 +201,75 @@ def _row_offsets(indices: list[Tensor], shape: Sequence[int]) -> Tensor:
     for dim in range(len(shape) - 1):
         offsets = (offsets[:, None] + indices[dim] * math.prod(shape[dim + 1 :])).view(-1)
     return offsets
+
+
+# ----------------------------------------------------------------------------- per parameter
+def param_seed(seed: int, fqn: str) -> int:
+    """Key of one parameter's draw: a 64-bit hash of the run seed and the parameter's name.
+
+    Depends on nothing else (rank, device, which other parameters exist), so every layout
+    initialises a parameter identically. 64 bits: Philox-4x32's key
+    (:mod:`~lightning_ultrascale.models.shard_init`); two of 405B's 1,137 names then share a key
+    with probability 3.5e-14 (with 32 bits, 1.5e-4).
+
+    Example:
+        >>> param_seed(0, "norm.weight") != param_seed(1, "norm.weight")
+        True
+    """
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{fqn}".encode(), digest_size=8).digest(), "little")
+
+
+#: Names a wrapper inserts into a parameter's name (activation checkpointing, torch.compile, FSDP1).
+WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def init_parameter(param: Tensor, name: str, seed: int, std: float) -> None:
+    """Fill ``param`` (whole, or a rank's DTensor shard) with N(0, std) drawn from ``(seed, name)`` alone.
+
+    Each element is a pure function of :func:`param_seed` and its index in the full parameter,
+    so every layout, rank and device gets the same full tensor.
+    """
+    sharded = torch.distributed.is_available() and isinstance(param, _dtensor())
+    local = param.to_local() if sharded else param  # type: ignore[attr-defined]
+    key = param_seed(seed, name)
+    indices = local_indices(param) if sharded else None
+    if sharded and indices is None:
+        # A placement that does not select along tensor dims (none of torch's parallelisms
+        # gives a parameter one): draw the whole parameter and let torch cut this rank's part.
+        from torch.distributed.tensor import distribute_tensor
+
+        full = fill_normal_(torch.empty(param.shape, device=local.device), key, std, param.shape)
+        local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())  # type: ignore[attr-defined]
+    else:
+        fill_normal_(local, key, std, param.shape, indices)
+
+
+def init_by_name(model: nn.Module, seed: int, std_of: Callable[[str], float | None]) -> None:
+    """Initialise every parameter of ``model`` from ``(seed, its name)`` alone: what the model contract's
+    ``init_weights(seed)`` asks (the same weights under every layout, each rank drawing only its shard).
+
+    ``std_of(name)``: the standard deviation of a parameter's normal draw, or None for 1 (norms).
+    Wrapper components are removed from the names first.
+
+    Example:
+        >>> from torch import nn
+        >>> a, b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        >>> for m in (a, b):
+        ...     init_by_name(m, seed=0, std_of=lambda name: 0.02)
+        >>> torch.equal(a.weight, b.weight)
+        True
+    """
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+            std = std_of(name)
+            if std is None:
+                (param.to_local() if hasattr(param, "to_local") else param).fill_(1.0)
+            else:
+                init_parameter(param, name, seed, std)
+
+
+def _dtensor() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor

@@ -99,6 +99,7 @@ class TensorParallel(ParallelPlugin):
             prefix = f"{spec.layers}.{name}."
             plan = _styled(block_plans[name], prefix, layout.linear_styles, layout.dropped)
             parallelize_module(block, tp_mesh, plan)
+            _localise_head_counts(block.get_submodule(spec.attention), self.size)
         # parallelize_module swaps the embedding and head weights for two separate DTensors; a
         # tied model ties them again (both are sharded the same way: over the vocabulary).
         tie = getattr(model, "tie_weights", None)
@@ -150,6 +151,18 @@ class TensorParallel(ParallelPlugin):
                     full = f"{prefix}{name}.{param}"
                     if full in plan.shapes:
                         plan.shard(full, dim, "tp")
+
+
+#: Head-count attributes of an attention module that reshapes by them (the model contract):
+#: under TP a rank holds ``1/tp`` of the heads, so they become the rank's own counts.
+HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads")
+
+
+def _localise_head_counts(attention: nn.Module, tp: int) -> None:
+    for name in HEAD_COUNTS:
+        count = getattr(attention, name, None)
+        if isinstance(count, int) and not isinstance(count, bool):
+            setattr(attention, name, count // tp)  # (ParallelDims checked that tp divides the heads)
 
 
 def _sharded_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]:

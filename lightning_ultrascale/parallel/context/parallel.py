@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, option, require_positive_int
+from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.models.spec import ModelSpec, SequenceSplit, require_spec
 from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, attention_fn, local_positions
+from lightning_ultrascale.parallel.context.positions import PositionProbe
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
@@ -71,6 +73,8 @@ class ContextParallel(ParallelPlugin):
         self.kernel = kernel
         self._tp = 1
         self._rank = 0
+        self._probe: PositionProbe | None = None  # the first batch's positions: did the model read them?
+        self._probed = False
 
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"cp": self.size}
@@ -166,8 +170,9 @@ class ContextParallel(ParallelPlugin):
 
     def shard_batch(self, batch: Any) -> Any:
         """This rank's tokens, labels and positions of a batch every rank of its ``cp`` group received."""
-        if self.size == 1 or not isinstance(batch, dict) or "input_ids" not in batch:
+        if self.size == 1:
             return batch
+        check_batch(batch, repr(self))  # a batch it cannot split would train unsplit, silently wrong
         tokens = batch["input_ids"]
         seq_len = tokens.shape[1]
         # Checked per batch too: a DataModule that declares no shape is only known here.
@@ -180,4 +185,15 @@ class ContextParallel(ParallelPlugin):
         for key in SEQUENCE_KEYS:
             if key in out:
                 out[key] = out[key].index_select(1, index)
-        return out
+        return self._handshake(out)
+
+    def _handshake(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Watch the first batch's positions; at the next batch, refuse a model that never read them."""
+        if self._probed:
+            return batch
+        if self._probe is None:
+            self._probe = PositionProbe()
+            return batch | {"position_ids": self._probe.watch(batch["position_ids"])}
+        self._probe.check(repr(self))
+        self._probed = True
+        return batch

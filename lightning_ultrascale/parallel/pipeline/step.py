@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
 from lightning_ultrascale.parallel.pipeline.stage import first_param_device
 from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
@@ -110,7 +111,7 @@ class PipelineStep(StepRunner):
         the data-parallel ranks).
         """
         pipeline = self.pipeline
-        tokens, labels = batch["input_ids"], batch["labels"]
+        tokens, labels = check_batch(batch, repr(pipeline))["input_ids"], batch["labels"]
         self._loss_fn = _loss_fn_of(module)
         if tokens.shape[0] % pipeline.microbatches:
             raise ConfigError(

@@ -1,0 +1,217 @@
+"""The model contract: every hook a layout may need of a model, declared and checked in one place.
+
+A model trains under a layout when it has what that layout's plugins use. :func:`check_model`
+checks it for the chosen layout before any process group exists (``UltraScaleStrategy`` calls
+it) and names, for each missing hook, what it is for, how to add it and where a working one is.
+
+===========================  ==================  ============================  ===========================
+hook                         on                  needed by                     example
+===========================  ==================  ============================  ===========================
+``spec: ModelSpec``          the model           every layout                  ``Llama.spec``
+``init_weights(seed)``       the model           every layout (meta init)      ``Llama.init_weights``
+``flops_per_token(seq)``     the model           optional: MFU (n/a without)   ``Llama.flops_per_token``
+``spec.layers`` ModuleDict   the model           every layout                  ``Llama.layers``
+``forward(..., position_ids)``  the model        ContextParallel, Pipeline     ``Llama.forward``
+``forward_stage(...)``       the model           PipelineParallel              ``Llama.forward_stage``
+``loss_fn(logits, labels)``  the LightningModule PipelineParallel              ``LlamaModule.loss_fn``
+``attention_fn(q, k, v)``    each attention      ContextParallel (swapped)     ``Attention.attention_fn``
+``spec.tp_plan``             the spec            TensorParallel                ``llama_tp_plan``
+head counts                  each attention      TensorParallel                ``Attention.forward``
+``experts``, ``dispatcher``  each MoE module     ExpertParallel                ``MoE``
+``tie_weights()``            the model           optional: tied embeddings     ``Llama.tie_weights``
+``pop_aux_loss(blocks)``     the model           optional: aux losses (PP)     ``Llama.pop_aux_loss``
+===========================  ==================  ============================  ===========================
+
+``init_weights(seed)`` gives every parameter a value that depends only on ``seed`` and the
+parameter's name, never on the rank or on how it is sharded: the strategy calls it on each rank's
+shards. Head counts: read them from the projections' outputs (``view(b, s, -1, head_dim)``), or
+keep them as ``n_heads`` / ``n_kv_heads`` attributes of the attention module, which
+``TensorParallel`` sets to the rank's own counts.
+
+**Set by the library** (declared here; a model only provides the attribute): ``attention_fn``
+(ContextParallel: ring or all-to-all attention), ``dispatcher`` (ExpertParallel: the all-to-all),
+``sequence_split`` on any module that has it (ContextParallel: which chunks a rank holds), and
+``aux_loss_scale`` on pipeline stages (PipelineParallel).
+
+**The batch**: a dict of ``[batch, seq]`` tensors, :data:`BATCH_KEYS`: ``input_ids`` (long),
+``labels`` (``-100`` is ignored), and optionally ``position_ids`` and ``document_ids`` (packed
+documents' ids). Context and pipeline parallelism handle each key by name (split along the
+sequence or into microbatches; a CP rank keeps the whole document ids for its attention masks),
+so under them a batch of another type, or with another key, is refused (:func:`check_batch`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_ultrascale.models.spec import ModelSpec
+
+#: What a batch may hold under context and pipeline parallelism (each handled by name).
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+
+#: Attributes the plugins set on a model's modules (a model provides the attribute, never the value).
+SET_BY_LIBRARY = {
+    "attention_fn": "ContextParallel",
+    "dispatcher": "ExpertParallel",
+    "sequence_split": "ContextParallel",
+    "aux_loss_scale": "PipelineParallel",
+}
+
+EVERY = "every layout"
+
+
+class ContractError(TypeError):
+    """A model or batch lacks what the chosen layout needs; the message lists each missing hook."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One entry of the contract: what it is, which plugins need it, how to add it, an example."""
+
+    name: str
+    needed_by: str  # a plugin class name, or EVERY
+    how: str
+    example: str
+    present: Callable[[nn.Module, Any, ModelSpec], bool]
+
+
+def _attentions(model: nn.Module, spec: ModelSpec) -> list[nn.Module]:
+    layers = model.get_submodule(spec.layers)
+    return [block.get_submodule(spec.attention) for block in layers.children()]
+
+
+def _takes(fn: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True  # not introspectable: the runtime check (position handshake) decides
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _layers_are_numbered(model: nn.Module, spec: ModelSpec) -> bool:
+    layers = model.get_submodule(spec.layers) if _has_submodule(model, spec.layers) else None
+    return isinstance(layers, nn.ModuleDict) and list(layers.keys()) == [str(i) for i in range(len(layers))]
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("init_weights(seed)", EVERY,
+         "a method giving every parameter a value that depends only on the seed and the parameter's name "
+         "(the strategy builds the model on the meta device and calls it on each rank's shards)",
+         "lightning_ultrascale.models.llama.Llama.init_weights",
+         lambda m, module, spec: callable(getattr(m, "init_weights", None))),
+    Hook(f"{'spec.layers'} as an nn.ModuleDict keyed '0'..'n-1'", EVERY,
+         "hold the blocks in nn.ModuleDict({str(i): block ...}) (a pipeline stage drops the blocks it does not "
+         "run and keeps the others' names, so checkpoints stay layout independent)",
+         "lightning_ultrascale.models.llama.Llama.__init__",
+         lambda m, module, spec: _layers_are_numbered(m, spec)),
+    Hook("forward(..., position_ids=...)", "ContextParallel",
+         "accept position_ids [batch, seq] and build RoPE from them: a context-parallel rank holds chunks of "
+         "the sequence (zig-zag: two far apart), so positions counted from 0 are wrong",
+         "lightning_ultrascale.models.llama.Llama.forward",
+         lambda m, module, spec: _takes(m.forward, "position_ids")),
+    Hook("forward_stage(x, position_ids, blocks, embed=, head=)", "PipelineParallel",
+         "a method running the named blocks (with the embedding first if embed, the norm and head last if "
+         "head) on x: token ids on the first stage, the previous stage's hidden state elsewhere",
+         "lightning_ultrascale.models.llama.Llama.forward_stage",
+         lambda m, module, spec: callable(getattr(m, "forward_stage", None))),
+    Hook("loss_fn(logits, labels) on the LightningModule", "PipelineParallel",
+         "a method returning the mean loss of one microbatch (the last stage computes it; labels -100 ignored)",
+         "lightning_ultrascale.module.LlamaModule.loss_fn",
+         lambda m, module, spec: callable(getattr(module, "loss_fn", None))),
+    Hook("attention_fn(q, k, v) on each block's attention module", "ContextParallel",
+         "an attribute holding the attention kernel, called as attention_fn(q, k, v) with q, k, v of shape "
+         "[batch, heads, seq, head_dim] (context parallelism swaps it for ring or all-to-all attention)",
+         "lightning_ultrascale.models.llama.Attention",
+         lambda m, module, spec: all(hasattr(a, "attention_fn") for a in _attentions(m, spec))),
+    Hook("experts and dispatcher on each MoE block's spec.moe module", "ExpertParallel",
+         "the MoE module holds its experts' weights in `experts` (stacked [experts, ...] parameters, split over "
+         "the expert ranks) and routes rows through `dispatcher(experts, rows, counts)`, which expert "
+         "parallelism replaces with its all-to-all",
+         "lightning_ultrascale.models.moe.MoE",
+         lambda m, module, spec: all(
+             hasattr(moe, "experts") and hasattr(moe, "dispatcher")
+             for i in spec.moe_blocks if str(i) in m.get_submodule(spec.layers)
+             for moe in [m.get_submodule(f"{spec.layers}.{i}.{spec.moe}")]
+         )),
+    Hook("spec.tp_plan", "TensorParallel",
+         "ModelSpec(tp_plan=fn), fn(sequence_parallel) -> (top-level plan, {block name: block plan}) of DTensor "
+         "ParallelStyles",
+         "lightning_ultrascale.models.llama.llama_tp_plan",
+         lambda m, module, spec: spec.tp_plan is not None),
+)  # fmt: skip
+
+
+def check_model(model: nn.Module, module: Any, plugins: Sequence[Any]) -> None:
+    """Raise :class:`ContractError` naming every hook ``model`` (and its LightningModule ``module``)
+    lacks for ``plugins`` (the layout's plugins that split something; see the module docstring).
+
+    Example:
+        >>> from lightning_ultrascale.models import build_model
+        >>> from lightning_ultrascale.parallel import PipelineParallel
+        >>> check_model(build_model("llama_tiny", device="meta"), object(), [PipelineParallel(2)])
+        Traceback (most recent call last):
+        ...
+        lightning_ultrascale.models.contract.ContractError: Llama lacks what the layout needs: ...
+    """
+    spec = getattr(model, "spec", None)
+    if not isinstance(spec, ModelSpec):
+        raise ContractError(
+            f"{type(model).__name__} has no `spec: ModelSpec` attribute; every layout needs it (block list, "
+            "attention, embedding, norm and head names, sizes). Example: lightning_ultrascale.models.llama.Llama.spec"
+        )
+    active = {type(p).__name__ for p in plugins if (getattr(p, "size", 1) or 1) > 1}
+    missing = [
+        h for h in HOOKS if (h.needed_by == EVERY or h.needed_by in active) and not h.present(model, module, spec)
+    ]
+    if missing:
+        lines = [f"- {h.name} (needed by {h.needed_by}): {h.how}. Example: {h.example}" for h in missing]
+        raise ContractError(
+            f"{type(model).__name__} lacks what the layout needs:\n" + "\n".join(lines) + "\n(the model "
+            "contract: lightning_ultrascale.models.contract; README 'Your own model')"
+        )
+
+
+def check_module(module: nn.Module, plugins: Sequence[Any]) -> None:
+    """:func:`check_model` on the model ``module`` holds, if it holds one yet (a model built in
+    ``configure_model`` is checked once built, by the strategy)."""
+    for sub in module.modules():
+        if isinstance(getattr(sub, "spec", None), ModelSpec):
+            check_model(sub, module, plugins)
+            return
+
+
+def check_batch(batch: Any, technique: str) -> dict[str, Any]:
+    """``batch`` if it is a dict of :data:`BATCH_KEYS` with ``input_ids`` and ``labels``; else a
+    :class:`ContractError` naming the expected format (``technique`` splits every key of it)."""
+    if not isinstance(batch, dict):
+        raise ContractError(
+            f"{technique} needs each batch as a dict of [batch, seq] tensors ({', '.join(BATCH_KEYS)}; input_ids "
+            f"and labels required), got a {type(batch).__name__}: it splits each key by name (along the sequence "
+            "or into microbatches) and cannot split what it cannot name. Return such a dict from your DataModule "
+            "(UltraScaleDataModule does)"
+        )
+    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    absent = [k for k in ("input_ids", "labels") if k not in batch]
+    if unknown or absent:
+        raise ContractError(
+            f"{technique} handles each key of a batch by name, and knows {', '.join(BATCH_KEYS)}; got "
+            f"{', '.join(map(repr, batch))}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+            + (f" (missing: {', '.join(absent)})" if absent else "")
+            + ". Drop or rename the other keys in your DataModule (a key left unsplit would train on another "
+            "rank's tokens)"
+        )
+    return batch
