@@ -752,5 +752,3 @@ class Llama(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) of the whole model: see :meth:`LlamaConfig.flops_per_token`."""
         return self.config.flops_per_token(seq_len)
-
-
