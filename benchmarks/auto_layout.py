@@ -24,7 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L
 
 from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule
-from lightning_ultrascale.cli.plan import compose_run, workload
+from lightning_ultrascale.cli.plan import compose_run
+from lightning_ultrascale.cli.train import workload
 from lightning_ultrascale.plan import Candidate, search
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER

@@ -9,6 +9,7 @@ mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -147,7 +148,12 @@ class LlamaModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = Llama(self.config, pretrained=self.init_from, kernels=self.kernels)
+        pretrained = None
+        if self.init_from is not None:  # an HF directory (checked in __init__): loaded in init_weights, by shards
+            from lightning_ultrascale.models.hf import load_hf_weights
+
+            pretrained = functools.partial(load_hf_weights, path=self.init_from)
+        self.model = Llama(self.config, pretrained=pretrained, kernels=self.kernels)
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights(self.seed)
 

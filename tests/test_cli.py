@@ -805,7 +805,8 @@ def test_parallel_auto_trains_the_planner_s_best_layout_through_the_cli(tmp_path
     overrides = ["parallel=auto", *_train_overrides(steps=2)]
     out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    from lightning_ultrascale.cli.plan import compose_run, workload
+    from lightning_ultrascale.cli.plan import compose_run
+    from lightning_ultrascale.cli.train import workload
 
     best = search(workload(compose_run(overrides)), 2, "cpu").best.candidate
     logged = out.stderr + out.stdout
@@ -814,7 +815,7 @@ def test_parallel_auto_trains_the_planner_s_best_layout_through_the_cli(tmp_path
 
 
 def test_parallel_auto_builds_the_search_s_plugins_and_batch(tmp_path, monkeypatch):
-    from lightning_ultrascale.cli.plan import workload
+    from lightning_ultrascale.cli.train import workload
     from lightning_ultrascale.plan import search
 
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ultrascale.cli.plan import compose_run, workload
+from lightning_ultrascale.cli.plan import compose_run
 from lightning_ultrascale.cli.plan import main as plan_main
-from lightning_ultrascale.cli.train import plugins
+from lightning_ultrascale.cli.train import plugins, workload
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan import Candidate, NoLayoutFits, Workload, estimate, get_hardware, search

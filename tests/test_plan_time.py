@@ -146,7 +146,8 @@ def test_parallel_auto_chose_the_fastest_of_the_planner_s_top_three_as_committed
     # benchmarks/auto_layout.py: the default job with parallel=auto, the planner's three best
     # layouts on the built-in cpu profile each timed. The chosen one within 10% of the fastest;
     # the three are still today's search's.
-    from lightning_ultrascale.cli.plan import compose_run, workload
+    from lightning_ultrascale.cli.plan import compose_run
+    from lightning_ultrascale.cli.train import workload
     from lightning_ultrascale.plan import search
 
     data = json.loads((ROOT / "results" / "auto_layout.json").read_text())

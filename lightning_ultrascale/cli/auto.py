@@ -42,12 +42,11 @@ def device_profile(gpu: Any, accelerator: str) -> Any:
     )
 
 
-def choose_layout(cfg: DictConfig, world_size: int) -> tuple[list[Any], int]:
-    """The planner's best layout for ``cfg``'s job on ``world_size`` ranks: (plugins, data.micro_batch_size).
+def choose_layout(cfg: DictConfig, world_size: int, workload: Any) -> tuple[list[Any], int]:
+    """The planner's best layout for ``cfg``'s ``workload`` on ``world_size`` ranks: (plugins, data.micro_batch_size).
 
     Logs the chosen layout, its predicted step time and memory, and why the runner-up lost.
     """
-    from lightning_ultrascale.cli.plan import workload
     from lightning_ultrascale.plan import search
 
     auto = cfg.parallel.auto
@@ -55,7 +54,7 @@ def choose_layout(cfg: DictConfig, world_size: int) -> tuple[list[Any], int]:
     space = OmegaConf.to_container(pins, resolve=True) if isinstance(pins, DictConfig) else dict(pins or {})
     assert isinstance(space, Mapping)
     gpu = device_profile(auto.get("gpu"), str(cfg.trainer.accelerator))
-    result = search(workload(cfg), world_size, gpu, space=space)  # type: ignore[arg-type]
+    result = search(workload, world_size, gpu, space=space)  # type: ignore[arg-type]
     best = result.best
     runner = result.fitting[1] if len(result.fitting) > 1 else None
     why = (

@@ -120,33 +120,6 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
     return agree
 
 
-def workload(cfg: DictConfig) -> Any:
-    """The :class:`~lightning_ultrascale.plan.Workload` a composed run config trains."""
-    from lightning_ultrascale.cli.train import _model_config
-    from lightning_ultrascale.plan import Workload
-
-    precision = str(cfg.precision.precision)
-    if precision not in ("32-true", "bf16-mixed"):  # FP8 recipes: their bf16-mixed base (matmuls faster still)
-        precision = "bf16-mixed"
-    kernels = cfg.get("kernels") or {}
-    fused = bool(kernels.get("fused_cross_entropy")) or kernels.get("name", "reference") != "reference"
-    shape = {}
-    for key in ("seq_len", "global_batch_size"):
-        value = cfg.data.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            # A data node of one's own (data._target_=...) may not declare them: the planner needs both.
-            raise ConfigError(
-                f"data.{key}={value!r}: the planner prices a step of data.seq_len tokens x data.global_batch_size "
-                f"sequences; give both as positive integers (e.g. data.{key}={8192 if key == 'seq_len' else 256})"
-            )
-        shape[key] = value
-    reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
-    return Workload(
-        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
-        fused_kernels=kernels.get("name", "reference") != "reference",
-    )  # fmt: skip
-
-
 def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:
     space: dict[str, list[Any]] = {}
     for item in items:
@@ -170,6 +143,7 @@ def plan(
 ) -> Any:
     """Search the composed run's workload on ``world_size`` GPUs; print the table; return the result."""
     from lightning_ultrascale.cli.keys import error_keys
+    from lightning_ultrascale.cli.train import workload
     from lightning_ultrascale.plan import get_hardware, search
 
     cfg = compose_run(overrides)

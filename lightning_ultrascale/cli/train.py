@@ -308,7 +308,7 @@ def _auto_layout(cfg: DictConfig) -> list[Any] | None:
             f"parallel=auto chooses every plugin, but parallel.{others[0]} is set too; valid: parallel=auto alone "
             "(pin a size with parallel.auto.space, e.g. 'parallel.auto.space={tp: [2]}')"
         )
-    chosen, micro_batch_size = choose_layout(cfg, world_size_of(cfg.trainer))
+    chosen, micro_batch_size = choose_layout(cfg, world_size_of(cfg.trainer), workload(cfg))
     cfg.data.micro_batch_size = micro_batch_size
     return chosen
 
@@ -360,6 +360,32 @@ def _data_shape(datamodule: Any, global_batch_size: int | None, model: LlamaConf
     if shape.seq_len > model.max_seq_len:
         raise ConfigError(f"{shape.option('seq_len')} exceeds model.max_seq_len={model.max_seq_len} of {model.name}")
     return dataclasses.replace(shape, global_batch_size=global_batch_size)
+
+
+def workload(cfg: DictConfig) -> Any:
+    """The :class:`~lightning_ultrascale.plan.Workload` a composed run config trains."""
+    from lightning_ultrascale.plan import Workload
+
+    precision = str(cfg.precision.precision)
+    if precision not in ("32-true", "bf16-mixed"):  # FP8 recipes: their bf16-mixed base (matmuls faster still)
+        precision = "bf16-mixed"
+    kernels = cfg.get("kernels") or {}
+    fused = bool(kernels.get("fused_cross_entropy")) or kernels.get("name", "reference") != "reference"
+    shape = {}
+    for key in ("seq_len", "global_batch_size"):
+        value = cfg.data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            # A data node of one's own (data._target_=...) may not declare them: the planner needs both.
+            raise ConfigError(
+                f"data.{key}={value!r}: the planner prices a step of data.seq_len tokens x data.global_batch_size "
+                f"sequences; give both as positive integers (e.g. data.{key}={8192 if key == 'seq_len' else 256})"
+            )
+        shape[key] = value
+    reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
+    return Workload(
+        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
+        fused_kernels=kernels.get("name", "reference") != "reference",
+    )  # fmt: skip
 
 
 def _model_config(model: DictConfig) -> LlamaConfig:

@@ -28,22 +28,19 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
-from lightning_ultrascale.models.documents import document_attention
+from lightning_ultrascale.models.layers import FeedForward, RMSNorm, causal_attention
+from lightning_ultrascale.models.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params, mla_tp_plan
 from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
 from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from lightning_ultrascale.models.mla import MLAConfig
 
 __all__ = [
     "Attention",
@@ -128,8 +125,6 @@ class LlamaConfig:
         if isinstance(self.moe, Mapping):
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.mla, Mapping):
-            from lightning_ultrascale.models.mla import MLAConfig
-
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
 
     @property
@@ -219,8 +214,6 @@ class LlamaConfig:
             8030261248
         """
         if self.mla is not None:
-            from lightning_ultrascale.models.mla import mla_num_params
-
             attention = mla_num_params(self)
         else:
             attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
@@ -271,8 +264,6 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
         torch.Size([8])
     """
     if cfg.mla is not None:
-        from lightning_ultrascale.models.mla import mla_inv_freq
-
         return mla_inv_freq(cfg, device=device)
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
@@ -285,36 +276,6 @@ def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) ->
     smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
     scaled = torch.where(wavelen > old_len / s.low_freq_factor, inv_freq / s.factor, smoothed)
     return torch.where(wavelen < old_len / s.high_freq_factor, inv_freq, scaled)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, normalised in fp32 then cast back before the weight, as HF does."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.kernel: Callable[[Tensor, Tensor, float], Tensor] = reference.rms_norm  # Llama.use_kernels sets it
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.kernel(x, self.weight, self.eps)
-
-
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Tensor:
-    """Causal SDPA of ``q [b, heads, s, d]`` over ``k, v [b, kv_heads, s, d]`` (grouped-query).
-
-    ``documents``: the window's ``document_ids [b, s]``; attention then stays inside each
-    document (:func:`~lightning_ultrascale.models.documents.document_attention`).
-    """
-    if documents is not None:
-        return document_attention(q, k, v, documents)
-    # Expanding kv heads ourselves instead of `enable_gqa=True` keeps every SDPA backend
-    # (flash, memory-efficient, cuDNN, CPU) eligible; repeat_interleave is HF's `repeat_kv`
-    # order: query head j reads kv head j // n_rep.
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -348,20 +309,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; w1 is HF's gate_proj, w3 up_proj, w2 down_proj."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.swiglu: Callable[[Tensor, Tensor], Tensor] = reference.swiglu
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.swiglu(self.w1(x), self.w3(x)))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
@@ -373,8 +320,6 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.mla is not None:
-            from lightning_ultrascale.models.mla import MLAttention
-
             self.attention: nn.Module = MLAttention(cfg)
         else:
             self.attention = Attention(cfg)
@@ -438,8 +383,6 @@ def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     if cfg.mla is not None:
-        from lightning_ultrascale.models.mla import mla_tp_plan
-
         return mla_tp_plan(residual, cfg.mla)
     # One conversion of each sub-layer's input, shared by its column-parallel projections: with
     # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
@@ -513,11 +456,14 @@ class Llama(nn.Module):
         torch.Size([1, 8, 320])
     """
 
-    def __init__(self, config: LlamaConfig, pretrained: str | None = None, kernels: Kernels | None = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, pretrained: Callable[[nn.Module], None] | None = None, kernels: Kernels | None = None
+    ) -> None:
         super().__init__()
         config.validate()
         self.config = config
-        #: An HF model directory whose weights :meth:`init_weights` loads instead of drawing new ones.
+        #: A loader :meth:`init_weights` calls with the model instead of drawing new weights, e.g.
+        #: ``functools.partial(lightning_ultrascale.models.hf.load_hf_weights, path=DIR)`` (each rank its shards).
         self.pretrained = pretrained
         self.spec = ModelSpec(
             name=config.name,
@@ -723,9 +669,7 @@ class Llama(nn.Module):
         for moe in self.moe_layers().values():
             moe.router.expert_bias.zero_()
         if self.pretrained is not None:
-            from lightning_ultrascale.models.hf import load_hf_weights
-
-            load_hf_weights(self, self.pretrained)
+            self.pretrained(self)
             return
         for fqn, param in self.named_parameters():
             name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)

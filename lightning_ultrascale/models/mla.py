@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,11 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, dis
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.llama import LlamaConfig, RMSNorm, apply_rope, causal_attention
+from lightning_ultrascale.kernels.reference import apply_rope
+from lightning_ultrascale.models.layers import RMSNorm, causal_attention
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.models.llama import LlamaConfig
 
 __all__ = [
     "MLA_HF_NAMES",

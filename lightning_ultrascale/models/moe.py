@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.models.layers import FeedForward
 from lightning_ultrascale.models.spec import SequenceSplit
 
 __all__ = [
@@ -361,7 +362,6 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, cfg: MoEConfig) -> None:
         super().__init__()
-        from lightning_ultrascale.models.llama import FeedForward
 
         self.cfg = cfg
         self.router = Router(dim, cfg)
