@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
-from lightning_ultrascale.models.contract import check_model, check_module
+from lightning_ultrascale.models.contract import check_init, check_model, check_module, init_reference
 from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
@@ -37,6 +37,7 @@ from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin, resolve_dims
 from lightning_ultrascale.parallel.step import StepRunner
 from lightning_ultrascale.statistics import LayoutStatistics
+from lightning_ultrascale.utils.comm import collective_device
 from lightning_ultrascale.utils.grad import clip_grad_norm_
 from lightning_ultrascale.watchdog import WatchedRanks
 
@@ -243,6 +244,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
             )
         self.validate(model.spec)
         check_model(model, self.lightning_module, self.applied_plugins())
+        reference = init_reference(model)  # (meta: a copy costs nothing) for check_init
         # Fresh facts for this model (the mesh stays).
         self._layout = Layout(self.parallel_dims, self.mesh, self.precision_plugin.precision)
         for plugin in self.applied_plugins():
@@ -255,6 +257,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=self.root_device)
             model.init_weights(self.seed)  # (the contract checked it exists)
+            check_init(model, reference, self.seed, collective_device())
         _PARALLELISED_BY[model] = self
         leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
         if leftover:

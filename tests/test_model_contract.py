@@ -61,6 +61,30 @@ def test_a_model_that_ignores_the_positions_context_parallelism_hands_it_is_refu
         _run(lambda: [ContextParallel(2)], 2, read_positions=False)
 
 
+class _GlobalStreamModule(OwnModule):
+    """Lightning's example's initialisation: one global random stream, drawn on each rank's shards."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+
+        def init_weights(seed: int) -> None:
+            torch.manual_seed(seed)
+            for p in self.model.parameters():
+                torch.nn.init.normal_(p.to_local() if hasattr(p, "to_local") else p, std=0.02)
+
+        self.model.init_weights = init_weights
+
+
+def test_an_initialisation_that_depends_on_the_sharding_is_refused():
+    # Each layout would start from other weights (the example's step-0 loss 6.041 vs 5.987), silently.
+    with pytest.raises(WorkerError, match="depends on the rank or the sharding"):
+        record_run(
+            _GlobalStreamModule,
+            lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // 2, seed=0),
+            steps=1, strategy=lambda: UltraScaleStrategy(ZeRO(3)), world_size=2,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("technique", ["ContextParallel(size=2)", "PipelineParallel(size=2)"])
 def test_a_batch_that_cannot_be_split_by_name_is_refused(technique):
     tokens = torch.zeros(2, 8, dtype=torch.long)

@@ -42,13 +42,18 @@ so under them a batch of another type, or with another key, is refused (:func:`c
 
 from __future__ import annotations
 
+import copy
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS
 from lightning_ultrascale.models.spec import ModelSpec
 
 #: What a batch may hold under context and pipeline parallelism (each handled by name).
@@ -215,3 +220,81 @@ def check_batch(batch: Any, technique: str) -> dict[str, Any]:
             "rank's tokens)"
         )
     return batch
+
+
+# ----------------------------------------------------------------------------- initialisation
+def init_reference(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` before any plugin touches it (meta: no memory), for :func:`check_init`."""
+    return copy.deepcopy(model) if any(p.is_meta for p in model.parameters()) else None
+
+
+def check_init(model: nn.Module, reference: nn.Module | None, seed: int, device: torch.device) -> None:
+    """Refuse an ``init_weights(seed)`` that depends on the rank or the sharding, on every rank.
+
+    The strategy initialises each rank's shards; a model whose ``init_weights`` draws from a
+    global random stream (``torch.manual_seed`` + ``nn.init`` on shards) starts each layout from
+    other weights, silently. One parameter (the smallest matrix of the rank's first block) is
+    initialised again, whole, on ``reference`` (the model before any plugin, all else left on the
+    meta device) and compared with the rank's shard of it. Every rank learns the verdict (one
+    all-reduce of a flag), so every rank raises.
+    """
+    found = _probe(model, reference) if reference is not None else None
+    bad = 0.0
+    if found is not None:
+        _, param, whole = found
+        try:
+            reference.init_weights(seed)  # type: ignore[operator, union-attr]
+            bad = float(not _same(param, whole.detach()))
+        except Exception as err:  # a model whose init needs every parameter real
+            warnings.warn(
+                f"could not check that init_weights(seed) ignores the layout ({err}); make it depend on (seed, "
+                "parameter name) alone (lightning_ultrascale.models.shard_init.init_by_name)",
+                stacklevel=2,
+            )
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([bad], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = float(flag.item())
+    if bad:
+        raise ContractError(
+            f"{type(model).__name__}.init_weights(seed) depends on the rank or the sharding: a parameter "
+            f"({found[0] if found else 'on another rank'}) initialised on this layout's shards differs from the same "
+            "parameter initialised whole. Every layout would start from other weights. Give each parameter values "
+            "that depend only on (seed, its name): lightning_ultrascale.models.shard_init.init_by_name(self, seed, "
+            "std_of) does (example: tests/own_model.py, README 'Your own model')"
+        )
+
+
+def _probe(model: nn.Module, reference: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+    """(name, the layout's parameter, the reference's copy materialised on its device) of the smallest
+    matrix in the rank's first block; the reference's copy is empty until its ``init_weights`` runs."""
+    spec = model.spec  # type: ignore[attr-defined]
+    blocks = list(model.get_submodule(spec.layers).keys())  # type: ignore[operator]
+    if not blocks:
+        return None
+    prefix = f"{spec.layers}.{blocks[0]}."
+    matrices = []
+    for fqn, param in model.named_parameters():
+        name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+        if name.startswith(prefix) and param.dim() == 2:
+            matrices.append((param.numel(), name, param))
+    if not matrices:
+        return None
+    _, name, param = min(matrices, key=lambda m: m[0])
+    owner, _, attr = name.rpartition(".")
+    module = reference.get_submodule(owner)
+    local = param.to_local() if hasattr(param, "to_local") else param
+    whole = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=local.device))
+    setattr(module, attr, whole)
+    return name, param, whole
+
+
+def _same(param: torch.Tensor, whole: torch.Tensor) -> bool:
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        expected = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        mine = param.to_local()
+    else:
+        expected, mine = whole, param
+    return mine.shape == expected.shape and torch.allclose(mine.float(), expected.float(), rtol=1e-5, atol=1e-8)

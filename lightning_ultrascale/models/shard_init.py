@@ -229,6 +229,8 @@ def init_parameter(param: Tensor, name: str, seed: int, std: float) -> None:
     Each element is a pure function of :func:`param_seed` and its index in the full parameter,
     so every layout, rank and device gets the same full tensor.
     """
+    if param.is_meta:
+        return  # nothing to draw into (a model built on meta, partly materialised: only those parameters)
     sharded = torch.distributed.is_available() and isinstance(param, _dtensor())
     local = param.to_local() if sharded else param  # type: ignore[attr-defined]
     key = param_seed(seed, name)
