@@ -101,6 +101,13 @@ def test_context_parallelism_refuses_a_tensor_batch_instead_of_training_on_it_un
         ContextParallel(2).shard_batch(torch.zeros(2, 8, dtype=torch.long))
 
 
+def test_a_pipeline_names_the_batch_format_instead_of_an_index_error():
+    from lightning_ultrascale.parallel.pipeline.step import PipelineStep
+
+    with pytest.raises(ContractError, match=r"PipelineParallel.*dict of \[batch, seq\] tensors"):
+        PipelineStep(PipelineParallel(2)).run(OwnModule(), torch.zeros(2, 8, dtype=torch.long), train=True)
+
+
 # ----------------------------------------------------------------------------- named causes
 class _NoStage(Transformer):
     forward_stage = None  # not callable: no pipeline hook

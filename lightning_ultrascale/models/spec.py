@@ -89,7 +89,9 @@ class SpecifiedModel(Protocol):
     """An ``nn.Module`` that declares its :class:`ModelSpec` and can initialise itself.
 
     ``init_weights(seed)`` must give every parameter a value that depends only on ``seed`` and the
-    parameter's fully qualified name, never on the rank or on how the model is sharded.
+    parameter's fully qualified name, never on the rank or on how the model is sharded. The whole
+    contract, per layout (``flops_per_token`` is optional there), is
+    :mod:`lightning_ultrascale.models.contract`.
     """
 
     spec: ModelSpec
