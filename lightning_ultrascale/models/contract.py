@@ -224,8 +224,14 @@ def check_batch(batch: Any, technique: str) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- initialisation
 def init_reference(model: nn.Module) -> nn.Module | None:
-    """A copy of ``model`` before any plugin touches it (meta: no memory), for :func:`check_init`."""
-    return copy.deepcopy(model) if any(p.is_meta for p in model.parameters()) else None
+    """A copy of ``model`` before any plugin touches it (meta: no memory), for :func:`check_init`.
+
+    None (nothing to check) for a model built whole, or one whose ``init_weights`` loads a
+    checkpoint (a ``pretrained`` loader: the values are the file's, whatever the layout).
+    """
+    if getattr(model, "pretrained", None) is not None or not any(p.is_meta for p in model.parameters()):
+        return None
+    return copy.deepcopy(model)
 
 
 def check_init(model: nn.Module, reference: nn.Module | None, seed: int, device: torch.device) -> None:
