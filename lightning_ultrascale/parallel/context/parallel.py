@@ -143,7 +143,7 @@ class ContextParallel(ParallelPlugin):
         cp_mesh = layout.mesh["cp"]
         self._rank = cp_mesh.get_local_rank()
         self._tp = layout.dims.tp
-        fn = attention_fn(self.method, cp_mesh.get_group(), self.kernel)
+        fn = self._noting_forwards(attention_fn(self.method, cp_mesh.get_group(), self.kernel))
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
             if not hasattr(attention, "attention_fn"):
@@ -188,12 +188,24 @@ class ContextParallel(ParallelPlugin):
         return self._handshake(out)
 
     def _handshake(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Watch the first batch's positions; at the next batch, refuse a model that never read them."""
+        """Watch the first batch's positions; at a batch after a forward has run (the attention
+        reports it), refuse a model that never read them."""
         if self._probed:
             return batch
         if self._probe is None:
             self._probe = PositionProbe()
             return batch | {"position_ids": self._probe.watch(batch["position_ids"])}
-        self._probe.check(repr(self))
-        self._probed = True
+        if self._probe.forward_seen:
+            self._probe.check(repr(self))
+            self._probed = True
         return batch
+
+    def _noting_forwards(self, fn: Any) -> Any:
+        """``fn``, telling the position handshake that a forward ran (its RoPE came before)."""
+
+        def attention(*args: Any, **kwargs: Any) -> Any:
+            if self._probe is not None and not self._probed:
+                self._probe.forward_seen = True
+            return fn(*args, **kwargs)
+
+        return attention

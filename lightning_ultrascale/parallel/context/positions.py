@@ -5,8 +5,9 @@ model the global ``position_ids`` of its tokens. A model that ignores them and c
 from 0 rotates its queries and keys by the wrong angles and trains, silently, on a different
 model (1.9e-5 from one process after a few steps on a tiny one). The first training batch's
 positions are therefore a :class:`Watched` tensor: an op that computes with them marks them
-read, an op that only moves or reshapes them passes the mark on to its result. The next batch
-finds out (:meth:`PositionProbe.check`).
+read, an op that only moves or reshapes them passes the mark on to its result. The first batch
+after a forward has run (the attention that context parallelism installs reports it) finds out
+(:meth:`PositionProbe.check`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PositionProbe:
 
     def __init__(self) -> None:
         self.read = False
+        self.forward_seen = False  # the attention ran since the positions were handed out
 
     def watch(self, positions: torch.Tensor) -> torch.Tensor:
         return _wrap(positions, self)
