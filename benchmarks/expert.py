@@ -110,8 +110,8 @@ from lightning_ultrascale import (  # noqa: E402
 from lightning_ultrascale.data.corpus import load_default_corpus_tokens  # noqa: E402
 from lightning_ultrascale.data.datasets import PackedDataset  # noqa: E402
 from lightning_ultrascale.models import build_model, get_model_config  # noqa: E402
+from lightning_ultrascale.models.common.moe import GroupedExperts, MoEConfig  # noqa: E402
 from lightning_ultrascale.models.llama import Llama  # noqa: E402
-from lightning_ultrascale.models.moe import GroupedExperts, MoEConfig  # noqa: E402
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
 from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402

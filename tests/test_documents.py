@@ -13,7 +13,7 @@ from lightning_ultrascale import ContextParallel, ExpertParallel, PipelineParall
 from lightning_ultrascale.data.prepare import tokenize_corpus
 from lightning_ultrascale.data.tokenizer import load_tokenizer
 from lightning_ultrascale.models import build_model, documents
-from lightning_ultrascale.models.documents import document_attention, document_mask, document_tiles, memo
+from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
 from lightning_ultrascale.testing import run_workers

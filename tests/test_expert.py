@@ -31,7 +31,7 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
-from lightning_ultrascale.models.moe import GroupedExperts, MoE, MoEConfig, attach_aux_loss
+from lightning_ultrascale.models.common.moe import GroupedExperts, MoE, MoEConfig, attach_aux_loss
 from lightning_ultrascale.parallel.context.attention import local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.pipeline.schedules import SCHEDULES

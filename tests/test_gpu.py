@@ -41,7 +41,7 @@ def nccl():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_document_attention_on_cuda_equals_the_cpu_reference(dtype):
     # bf16: FlashAttention's variable-length kernel; fp32: SDPA with the boolean mask.
-    from lightning_ultrascale.models.documents import document_attention, uses_varlen
+    from lightning_ultrascale.models.common.documents import document_attention, uses_varlen
 
     lengths = [[100, 3, 700, 1, 220], [1024]]
     docs = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths])
@@ -63,7 +63,7 @@ def test_document_attention_on_cuda_equals_the_cpu_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_masked_ring_block_on_cuda_equals_the_reference(dtype):
     # The memory-efficient kernel with a document bias, and a row the mask leaves empty.
-    from lightning_ultrascale.models.documents import document_mask
+    from lightning_ultrascale.models.common.documents import document_mask
     from lightning_ultrascale.parallel.context.attention import KERNELS
 
     g = torch.Generator(device="cuda").manual_seed(0)

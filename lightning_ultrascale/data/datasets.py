@@ -11,7 +11,7 @@ which keeps the global token count, the loss normaliser (utils/loss.py), indepen
 * ``mask``: items also carry ``position_ids`` (restarting at 0 at each document start, and at the
   window's first token, as Megatron's ``reset_position_ids`` and torchtitan do) and
   ``document_ids`` (0 at the window's first token, +1 at each document start), from which the
-  model keeps attention inside each document (models/documents.py).
+  model keeps attention inside each document (models/common/documents.py).
 
 ``mask_eos_loss`` (either mode) ignores the label of each token whose next token starts another
 document (eos predicting the next document's bos): documents are independent, so it is noise.

@@ -5,7 +5,7 @@ and shared-expert feed-forwards) compute in FP8; the embedding, the output head,
 router and the attention core (softmax) stay in high precision. A linear is converted only where
 its shapes suit the recipe (blockwise: both dims multiples of 128; torchao's recipes: multiples
 of 16, what FP8 tensor cores take), after tensor parallelism divides them; every other one is
-listed with its reason. Routed experts (:class:`~lightning_ultrascale.models.moe.GroupedExperts`,
+listed with its reason. Routed experts (:class:`~lightning_ultrascale.models.common.moe.GroupedExperts`,
 stacked weights and a grouped GEMM) are not linears and stay in high precision.
 
 Recipes:

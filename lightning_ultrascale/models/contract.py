@@ -145,7 +145,7 @@ HOOKS: tuple[Hook, ...] = (
          "the MoE module holds its experts' weights in `experts` (stacked [experts, ...] parameters, split over "
          "the expert ranks) and routes rows through `dispatcher(experts, rows, counts)`, which expert "
          "parallelism replaces with its all-to-all",
-         "lightning_ultrascale.models.moe.MoE",
+         "lightning_ultrascale.models.common.moe.MoE",
          lambda m, module, spec: all(
              hasattr(moe, "experts") and hasattr(moe, "dispatcher")
              for i in spec.moe_blocks if str(i) in m.get_submodule(spec.layers)
@@ -165,11 +165,11 @@ def check_model(model: nn.Module, module: Any, plugins: Sequence[Any]) -> None:
 
     Example:
         >>> from lightning_ultrascale.models import build_model
-        >>> from lightning_ultrascale.parallel import PipelineParallel
+        >>> from lightning_ultrascale import PipelineParallel
         >>> check_model(build_model("llama_tiny", device="meta"), object(), [PipelineParallel(2)])
         Traceback (most recent call last):
         ...
-        lightning_ultrascale.models.contract.ContractError: Llama lacks what the layout needs: ...
+        lightning_ultrascale.models.contract.ContractError: Llama lacks what the layout needs:...
     """
     spec = getattr(model, "spec", None)
     if not isinstance(spec, ModelSpec):

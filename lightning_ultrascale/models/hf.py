@@ -1,5 +1,10 @@
 """Convert configs and weights from and to Hugging Face ``transformers``.
 
+The architecture-independent part: dispatch by architecture, key renames, expert splitting and
+fusing, loading by shards. Each family's config translation is its own: ``models/llama/hf.py``
+(Llama, Mixtral), ``models/deepseek/hf.py`` (DeepSeek-V3), ``models/common/hf.py`` (the keys all
+spell alike).
+
 Three architectures: ``LlamaForCausalLM`` (dense), ``MixtralForCausalLM`` (softmax-routed
 experts) and ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited router
 with its ``e_score_correction_bias``, shared experts, dense first blocks; also Moonlight and other
@@ -20,7 +25,6 @@ Example (fine-tune from a downloaded checkpoint):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -32,9 +36,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
-from lightning_ultrascale.models.mla import MLA_HF_NAMES, MLAConfig, YarnScaling
-from lightning_ultrascale.models.moe import MoEConfig
+from lightning_ultrascale.models.common.hf import hf_field
+from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepseek_v3_to_hf
+from lightning_ultrascale.models.deepseek.mla import MLA_HF_NAMES
+from lightning_ultrascale.models.llama import Llama, LlamaConfig
+from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
 
 __all__ = [
     "config_from_hf",
@@ -132,155 +138,8 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         8
     """
     if hf_architecture(cfg)[0] == "DeepseekV3Config":
-        return _deepseek_v3_to_hf(cfg)
-    s = cfg.rope_scaling
-    return {
-        **_common_to_hf(cfg),
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rope_scaling": None
-        if s is None
-        else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        },
-        "mlp_bias": False,
-    } | _moe_to_hf(cfg)
-
-
-def _common_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """The config keys every architecture we convert spells the same way."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-    }
-
-
-def _moe_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    if cfg.moe is None:
-        return {}
-    return {
-        "intermediate_size": cfg.moe.moe_ffn_dim,
-        "num_local_experts": cfg.moe.n_routed_experts,
-        "num_experts_per_tok": cfg.moe.top_k,
-        "router_aux_loss_coef": cfg.moe.aux_loss_coeff,
-    }
-
-
-def _deepseek_v3_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """``DeepseekV3Config`` keyword arguments (and ``config.json`` keys, DeepSeek's spelling)."""
-    moe, mla = cfg.moe, cfg.mla
-    assert moe is not None and mla is not None
-    y = mla.yarn
-    return {
-        **_common_to_hf(cfg),
-        "moe_intermediate_size": moe.moe_ffn_dim,
-        "num_key_value_heads": cfg.n_heads,
-        "n_shared_experts": moe.n_shared_experts,
-        "n_routed_experts": moe.n_routed_experts,
-        "num_experts_per_tok": moe.top_k,
-        "routed_scaling_factor": moe.routed_scaling_factor,
-        "n_group": moe.n_group,
-        "topk_group": moe.topk_group,
-        "norm_topk_prob": moe.norm_topk_prob,
-        "first_k_dense_replace": moe.first_k_dense,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "q_lora_rank": mla.q_lora_rank,
-        "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_nope_head_dim,
-        "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim,
-        "rope_scaling": None if y is None else {"type": "yarn", **dataclasses.asdict(y)},
-        "rope_interleave": True,  # MLAttention reads DeepSeek's interleaved rotary rows
-    }
-
-
-def _rope_from_hf(hf_config: Any) -> tuple[Any, RopeScaling | None]:
-    """RoPE theta and Llama-3 scaling of a transformers config."""
-    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in `rope_theta` / `rope_scaling`.
-    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"hf rope_type={rope_type!r} is not supported; valid: 'default', 'llama3'")
-    if rope_type != "llama3":
-        return rope_theta, None
-    return rope_theta, RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-    )
-
-
-def _hf_field(hf_config: Any, *names: str, default: Any = None) -> Any:
-    """The first of ``names`` that ``hf_config`` has (transformers configs alias some; config.json does not)."""
-    for name in names:
-        value = getattr(hf_config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _deepseek_v3_from_hf(hf_config: Any) -> tuple[MoEConfig, MLAConfig]:
-    """The MoE and MLA parts of a ``DeepseekV3Config`` (or of its ``config.json``)."""
-    unsupported = {
-        "scoring_func": (_hf_field(hf_config, "scoring_func", default="sigmoid"), "sigmoid"),
-        "topk_method": (_hf_field(hf_config, "topk_method", default="noaux_tc"), "noaux_tc"),
-        "moe_layer_freq": (_hf_field(hf_config, "moe_layer_freq", default=1), 1),
-        "rope_interleave": (_hf_field(hf_config, "rope_interleave", default=True), True),
-    }
-    for option, (value, supported) in unsupported.items():
-        if value != supported:
-            raise ConfigError(f"hf {option}={value!r} is not supported; valid: {supported!r}")
-    if getattr(hf_config, "quantization_config", None):
-        raise ConfigError(
-            "hf quantization_config is set (DeepSeek's released weights are FP8 blocks with scales): "
-            "dequantize them to bf16 first; valid: an unquantized checkpoint"
-        )
-    rope = dict(_hf_field(hf_config, "rope_parameters", "rope_scaling", default={}))
-    yarn = None
-    if rope.get("rope_type", rope.get("type", "default")) == "yarn":
-        fields = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-        yarn = YarnScaling(**{k: rope[k] for k in fields if rope.get(k) is not None})
-    moe = MoEConfig(
-        n_routed_experts=_hf_field(hf_config, "n_routed_experts", "num_local_experts"),
-        top_k=hf_config.num_experts_per_tok,
-        moe_ffn_dim=hf_config.moe_intermediate_size,
-        n_shared_experts=_hf_field(hf_config, "n_shared_experts", default=0),
-        first_k_dense=_hf_field(hf_config, "first_k_dense_replace", default=0),
-        router="sigmoid",
-        n_group=_hf_field(hf_config, "n_group", default=1),
-        topk_group=_hf_field(hf_config, "topk_group", default=1),
-        norm_topk_prob=bool(_hf_field(hf_config, "norm_topk_prob", default=True)),
-        routed_scaling_factor=float(_hf_field(hf_config, "routed_scaling_factor", default=1.0)),
-        # DeepSeek-V3's training settings (its config.json keeps none): sequence-wise aux loss 1e-4, bias step 1e-3.
-        aux_loss="sequence",
-        aux_loss_coeff=1e-4,
-        bias_update_rate=1e-3,
-    )
-    mla = MLAConfig(
-        kv_lora_rank=hf_config.kv_lora_rank,
-        qk_nope_head_dim=hf_config.qk_nope_head_dim,
-        qk_rope_head_dim=hf_config.qk_rope_head_dim,
-        v_head_dim=hf_config.v_head_dim,
-        q_lora_rank=hf_config.q_lora_rank,
-        yarn=yarn,
-    )
-    return moe, mla
+        return deepseek_v3_to_hf(cfg)
+    return llama_to_hf(cfg)
 
 
 def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
@@ -317,19 +176,11 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     _check_supported(hf_config, deepseek_v3)
     moe, mla = None, None
     if deepseek_v3:
-        moe, mla = _deepseek_v3_from_hf(hf_config)
-        rope = _hf_field(hf_config, "rope_parameters", default={})
-        rope_theta, scaling = rope.get("rope_theta", _hf_field(hf_config, "rope_theta", default=10000.0)), None
+        moe, mla = deepseek_v3_from_hf(hf_config)
+        rope = hf_field(hf_config, "rope_parameters", default={})
+        rope_theta, scaling = rope.get("rope_theta", hf_field(hf_config, "rope_theta", default=10000.0)), None
     else:
-        rope_theta, scaling = _rope_from_hf(hf_config)
-        if getattr(hf_config, "num_local_experts", None):  # Mixtral
-            moe = MoEConfig(
-                n_routed_experts=hf_config.num_local_experts,
-                top_k=hf_config.num_experts_per_tok,
-                moe_ffn_dim=hf_config.intermediate_size,
-                aux_loss="switch",
-                aux_loss_coeff=float(getattr(hf_config, "router_aux_loss_coef", 0.0)),
-            )
+        rope_theta, scaling, moe = llama_from_hf(hf_config)
     return LlamaConfig(
         moe=moe,
         mla=mla,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_ultrascale.models.documents import document_attention, document_mask, document_tiles, memo
+from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
 METHODS = ("ring", "zigzag_ring", "all_to_all")
@@ -344,7 +344,7 @@ def ring_plan(method: str, size: int, local_len: int, documents: Tensor | None =
 
     With documents, an off-diagonal block is cut to the rows and columns that share a document
     (:func:`_shrink`) or dropped, and the diagonal block is cut into tiles at document starts
-    (:func:`~lightning_ultrascale.models.documents.document_tiles`).
+    (:func:`~lightning_ultrascale.models.common.documents.document_tiles`).
 
     Example:
         >>> docs = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]])  # each rank's half is its own document

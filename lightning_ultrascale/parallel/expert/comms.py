@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from lightning_ultrascale.models.moe import Dispatcher, GroupedExperts
+from lightning_ultrascale.models.common.moe import Dispatcher, GroupedExperts
 
 
 class AllToAllDispatcher(Dispatcher):

@@ -143,7 +143,7 @@ class PipelineParallel(ParallelPlugin):
         if not callable(getattr(model, "forward_stage", None)):
             raise TypeError(
                 f"{type(model).__name__} has no forward_stage(x, position_ids, blocks, embed=, head=); "
-                "pipeline parallelism runs the model stage by stage through it (see models/llama.py)"
+                "pipeline parallelism runs the model stage by stage through it (see models/llama/model.py)"
             )
         pp_mesh = layout.mesh["pp"]
         self.group = pp_mesh.get_group()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_ultrascale.models.moe import attach_aux_loss
+from lightning_ultrascale.models.common.moe import attach_aux_loss
 from lightning_ultrascale.models.spec import ModelSpec
 
 

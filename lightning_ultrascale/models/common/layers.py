@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.kernels import reference
-from lightning_ultrascale.models.documents import document_attention
+from lightning_ultrascale.models.common.documents import document_attention
 
 __all__ = ["FeedForward", "RMSNorm", "causal_attention"]
 
@@ -35,7 +35,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None =
     """Causal SDPA of ``q [b, heads, s, d]`` over ``k, v [b, kv_heads, s, d]`` (grouped-query).
 
     ``documents``: the window's ``document_ids [b, s]``; attention then stays inside each
-    document (:func:`~lightning_ultrascale.models.documents.document_attention`).
+    document (:func:`~lightning_ultrascale.models.common.documents.document_attention`).
     """
     if documents is not None:
         return document_attention(q, k, v, documents)

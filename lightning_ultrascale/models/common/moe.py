@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
-from lightning_ultrascale.models.layers import FeedForward
+from lightning_ultrascale.models.common.layers import FeedForward
 from lightning_ultrascale.models.spec import SequenceSplit
 
 __all__ = [

@@ -28,7 +28,6 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,9 +35,10 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
-from lightning_ultrascale.models.layers import FeedForward, RMSNorm, causal_attention
-from lightning_ultrascale.models.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params, mla_tp_plan
-from lightning_ultrascale.models.moe import ExpertStats, MoE, MoEConfig
+from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, causal_attention
+from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
+from lightning_ultrascale.models.deepseek.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
+from lightning_ultrascale.models.llama.parallel import llama_tp_plan
 from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
 
@@ -51,14 +51,9 @@ __all__ = [
     "RopeScaling",
     "TransformerBlock",
     "apply_rope",
-    "llama_tp_plan",
     "param_seed",
     "rope_inv_freq",
 ]
-
-# Path components that activation checkpointing, torch.compile and FSDP1 insert into parameter
-# names. init_weights runs after those wrappers (the strategy's APPLY_ORDER), and seeding must not depend
-# on them.
 
 
 @dataclass(frozen=True)
@@ -91,8 +86,8 @@ class LlamaConfig:
     """Architecture of a Llama 3 model. ``validate()`` checks it; :class:`Llama` calls it.
 
     ``rope_scaling``, ``moe`` and ``mla`` may be given as mappings (as they come from a YAML file);
-    they are turned into :class:`RopeScaling`, :class:`~lightning_ultrascale.models.moe.MoEConfig`
-    and :class:`~lightning_ultrascale.models.mla.MLAConfig`. With ``moe`` the blocks from
+    they are turned into :class:`RopeScaling`, :class:`~lightning_ultrascale.models.common.moe.MoEConfig`
+    and :class:`~lightning_ultrascale.models.deepseek.mla.MLAConfig`. With ``moe`` the blocks from
     ``moe.first_k_dense`` on have a mixture-of-experts feed-forward (the others the dense SwiGLU of
     width ``ffn_hidden_dim``); with ``mla`` attention is DeepSeek's multi-head latent attention.
 
@@ -286,7 +281,7 @@ class Attention(nn.Module):
     ``attention_fn(q, k, v)`` is the attention itself (kv heads not expanded); context
     parallelism replaces it with ring or all-to-all attention over the sequence's ranks. With
     packed documents it is called ``attention_fn(q, k, v, documents)`` (the window's
-    ``document_ids``, see :mod:`~lightning_ultrascale.models.documents`).
+    ``document_ids``, see :mod:`~lightning_ultrascale.models.common.documents`).
     """
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -313,7 +308,7 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
 
     ``feed_forward`` is the dense SwiGLU or, in the MoE blocks of an MoE config, an
-    :class:`~lightning_ultrascale.models.moe.MoE`; ``attention`` is grouped-query attention or MLA.
+    :class:`~lightning_ultrascale.models.common.moe.MoE`; ``attention`` is grouped-query attention or MLA.
     """
 
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
@@ -337,96 +332,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """Tensor-parallel plan ``(top_level, {block name: block plan})`` of DTensor ``ParallelStyle``s (torchtitan's).
-
-    Megatron pairing: wq/wk/wv and w1/w3 split columns (heads / hidden units), wo and w2 split rows
-    and reduce. The embedding is vocab-parallel; the output projection keeps logits sharded over
-    the vocabulary as a DTensor (``use_local_output=False``) so the loss can run under
-    ``torch.distributed.tensor.parallel.loss_parallel()`` without gathering ``[b, s, vocab]``.
-    With ``sequence_parallel`` the residual stream between blocks is sharded over the sequence
-    (``Shard(1)``): norms run on sequence shards, and the attention/MLP inputs are all-gathered
-    (the all-reduces become reduce-scatters after wo/w2).
-
-    An MoE feed-forward is not split over ``tp``: its input is gathered, every tp rank routes the
-    same tokens to the same experts (split over ``ep`` instead), and its output is the residual
-    layout again. Splitting experts over tp as well would cut each expert's GEMMs into slivers
-    and add two collectives per MoE layer for weights that expert parallelism already divides.
-
-    Example:
-        >>> from lightning_ultrascale.models import get_model_config
-        >>> top, blocks = llama_tp_plan(get_model_config("llama_tiny"), sequence_parallel=True)
-        >>> sorted(top), "attention.wq" in blocks["0"]
-        (['norm', 'output', 'tok_embeddings'], True)
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    residual = Shard(1) if sequence_parallel else Replicate()
-    top: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
-    }
-    attention = _attention_tp_plan(cfg, residual)
-    dense, moe = _feed_forward_tp_plans(residual)
-    norms = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    moe_blocks = set(cfg.moe_blocks())
-    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
-    return top, blocks
-
-
-def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
-    """Heads split over tp: q/k/v column-parallel, wo row-parallel back into the residual layout."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    if cfg.mla is not None:
-        return mla_tp_plan(residual, cfg.mla)
-    # One conversion of each sub-layer's input, shared by its column-parallel projections: with
-    # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
-    # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
-    # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
-    return {
-        "attention": PrepareModuleInput(
-            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-    }
-
-
-def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The dense SwiGLU's plan (hidden units split over tp) and an MoE's (gathered, not split)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        RowwiseParallel,
-    )
-
-    dense = {
-        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-    }
-    moe = {
-        "feed_forward": PrepareModuleInputOutput(
-            input_layouts=(residual,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(residual,),
-        )
-    }
-    return dense, moe
-
-
 class Llama(nn.Module):
     """Llama 3 decoder: ``forward(tokens [b, s], position_ids [b, s] | None) -> logits [b, s, vocab]``.
 
@@ -438,7 +343,7 @@ class Llama(nn.Module):
 
     ``position_ids`` only set the RoPE angles (context parallelism passes each rank's positions);
     attention is causal over the local sequence, and also within documents when ``document_ids``
-    (the whole window's, ``[b, s]``: :mod:`~lightning_ultrascale.models.documents`) are given.
+    (the whole window's, ``[b, s]``: :mod:`~lightning_ultrascale.models.common.documents`) are given.
     Positions default to ``0 .. s-1`` with ``s`` the length of the first argument, so a stage that
     receives sequence-sharded hidden states must pass them.
 

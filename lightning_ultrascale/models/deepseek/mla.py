@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.kernels.reference import apply_rope
-from lightning_ultrascale.models.layers import RMSNorm, causal_attention
+from lightning_ultrascale.models.common.layers import RMSNorm, causal_attention
 
 if TYPE_CHECKING:
     from lightning_ultrascale.models.llama import LlamaConfig

@@ -1,0 +1,105 @@
+"""Llama's tensor-parallel plan: which of its modules split over ``tp``, and how (DTensor styles).
+
+The model (:mod:`.model`) declares it in its ``ModelSpec.tp_plan``; ``TensorParallel`` applies it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_ultrascale.models.deepseek.mla import mla_tp_plan
+
+if TYPE_CHECKING:
+    from lightning_ultrascale.models.llama.model import LlamaConfig
+
+__all__ = ["llama_tp_plan"]
+
+
+def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Tensor-parallel plan ``(top_level, {block name: block plan})`` of DTensor ``ParallelStyle``s (torchtitan's).
+
+    Megatron pairing: wq/wk/wv and w1/w3 split columns (heads / hidden units), wo and w2 split rows
+    and reduce. The embedding is vocab-parallel; the output projection keeps logits sharded over
+    the vocabulary as a DTensor (``use_local_output=False``) so the loss can run under
+    ``torch.distributed.tensor.parallel.loss_parallel()`` without gathering ``[b, s, vocab]``.
+    With ``sequence_parallel`` the residual stream between blocks is sharded over the sequence
+    (``Shard(1)``): norms run on sequence shards, and the attention/MLP inputs are all-gathered
+    (the all-reduces become reduce-scatters after wo/w2).
+
+    An MoE feed-forward is not split over ``tp``: its input is gathered, every tp rank routes the
+    same tokens to the same experts (split over ``ep`` instead), and its output is the residual
+    layout again. Splitting experts over tp as well would cut each expert's GEMMs into slivers
+    and add two collectives per MoE layer for weights that expert parallelism already divides.
+
+    Example:
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> top, blocks = llama_tp_plan(get_model_config("llama_tiny"), sequence_parallel=True)
+        >>> sorted(top), "attention.wq" in blocks["0"]
+        (['norm', 'output', 'tok_embeddings'], True)
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    attention = _attention_tp_plan(cfg, residual)
+    dense, moe = _feed_forward_tp_plans(residual)
+    norms = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    moe_blocks = set(cfg.moe_blocks())
+    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
+    return top, blocks
+
+
+def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
+    """Heads split over tp: q/k/v column-parallel, wo row-parallel back into the residual layout."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    if cfg.mla is not None:
+        return mla_tp_plan(residual, cfg.mla)
+    # One conversion of each sub-layer's input, shared by its column-parallel projections: with
+    # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
+    # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
+    # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+    }
+
+
+def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dense SwiGLU's plan (hidden units split over tp) and an MoE's (gathered, not split)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
+
+    dense = {
+        "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    moe = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(residual,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(residual,),
+        )
+    }
+    return dense, moe
