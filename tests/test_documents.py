@@ -12,7 +12,8 @@ from llama_runs import DEEPSEEK_V3_TINY, MOE_TINY, SGD, run_tiny_llama
 from lightning_ultrascale import ContextParallel, ExpertParallel, PipelineParallel, Recompute, TensorParallel, ZeRO
 from lightning_ultrascale.data.prepare import tokenize_corpus
 from lightning_ultrascale.data.tokenizer import load_tokenizer
-from lightning_ultrascale.models import build_model, documents
+from lightning_ultrascale.models import build_model
+from lightning_ultrascale.models.common import documents
 from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
