@@ -59,14 +59,6 @@ from lightning_ultrascale.models.spec import ModelSpec
 #: What a batch may hold under context and pipeline parallelism (each handled by name).
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 
-#: Attributes the plugins set on a model's modules (a model provides the attribute, never the value).
-SET_BY_LIBRARY = {
-    "attention_fn": "ContextParallel",
-    "dispatcher": "ExpertParallel",
-    "sequence_split": "ContextParallel",
-    "aux_loss_scale": "PipelineParallel",
-}
-
 EVERY = "every layout"
 
 
@@ -117,7 +109,7 @@ HOOKS: tuple[Hook, ...] = (
          "(the strategy builds the model on the meta device and calls it on each rank's shards)",
          "lightning_ultrascale.models.llama.Llama.init_weights",
          lambda m, module, spec: callable(getattr(m, "init_weights", None))),
-    Hook(f"{'spec.layers'} as an nn.ModuleDict keyed '0'..'n-1'", EVERY,
+    Hook("spec.layers as an nn.ModuleDict keyed '0'..'n-1'", EVERY,
          "hold the blocks in nn.ModuleDict({str(i): block ...}) (a pipeline stage drops the blocks it does not "
          "run and keeps the others' names, so checkpoints stay layout independent)",
          "lightning_ultrascale.models.llama.Llama.__init__",

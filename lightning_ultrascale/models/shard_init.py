@@ -223,8 +223,9 @@ def param_seed(seed: int, fqn: str) -> int:
 WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
-def init_parameter(param: Tensor, name: str, seed: int, std: float) -> None:
-    """Fill ``param`` (whole, or a rank's DTensor shard) with N(0, std) drawn from ``(seed, name)`` alone.
+def init_parameter(param: Tensor, name: str, seed: int, std: float | None) -> None:
+    """Fill ``param`` (whole, or a rank's DTensor shard) with N(0, std) drawn from ``(seed, name)`` alone;
+    with ``std=None``, with ones (norms).
 
     Each element is a pure function of :func:`param_seed` and its index in the full parameter,
     so every layout, rank and device gets the same full tensor.
@@ -233,6 +234,9 @@ def init_parameter(param: Tensor, name: str, seed: int, std: float) -> None:
         return  # nothing to draw into (a model built on meta, partly materialised: only those parameters)
     sharded = torch.distributed.is_available() and isinstance(param, _dtensor())
     local = param.to_local() if sharded else param  # type: ignore[attr-defined]
+    if std is None:
+        local.fill_(1.0)
+        return
     key = param_seed(seed, name)
     indices = local_indices(param) if sharded else None
     if sharded and indices is None:
@@ -264,11 +268,7 @@ def init_by_name(model: nn.Module, seed: int, std_of: Callable[[str], float | No
     with torch.no_grad():
         for fqn, param in model.named_parameters():
             name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
-            std = std_of(name)
-            if std is None:
-                (param.to_local() if hasattr(param, "to_local") else param).fill_(1.0)
-            else:
-                init_parameter(param, name, seed, std)
+            init_parameter(param, name, seed, std_of(name))
 
 
 def _dtensor() -> Any:

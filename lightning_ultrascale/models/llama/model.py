@@ -580,14 +580,7 @@ class Llama(nn.Module):
             name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
             if self.config.tie_embeddings and name == "output.weight":
                 name = "tok_embeddings.weight"  # a last pipeline stage holding only the tied head
-            self._init_param(param, name, seed)
-
-    def _init_param(self, param: Tensor, name: str, seed: int) -> None:
-        std = self._init_std(name)
-        if std is None:
-            (param.to_local() if hasattr(param, "to_local") else param).fill_(1.0)  # type: ignore[operator]
-            return
-        init_parameter(param, name, seed, std)
+            init_parameter(param, name, seed, self._init_std(name))
 
     def _init_std(self, name: str) -> float | None:
         """Standard deviation of a parameter's initial values; None for norms, which start at 1."""
