@@ -29,6 +29,7 @@ from lightning_ultrascale.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
 from lightning_ultrascale.models.contract import check_init, check_model, check_module, init_reference
+from lightning_ultrascale.models.hf_adapter import adapt_in
 from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
@@ -203,6 +204,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         if isinstance(spec, ModelSpec):
             datamodule = getattr(getattr(self.lightning_module, "_trainer", None), "datamodule", None)
             self.validate(spec, DataShape.declared_by(datamodule))
+        adapt_in(self.lightning_module)  # a Hugging Face causal LM gets the contract in place
         check_module(self.lightning_module, self.applied_plugins())  # the model contract, if built yet
         self._setup_distributed()
         if self.root_device.type == "cuda":
@@ -233,6 +235,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
     def parallelize(self) -> nn.Module:
         """Apply every plugin in order, then materialise and initialise the weights (idempotent)."""
         assert self.lightning_module is not None
+        adapt_in(self.lightning_module)
         model, name = find_model(self.lightning_module)
         owner = _PARALLELISED_BY.get(model)
         if owner is self:

@@ -10,7 +10,7 @@ hook                         on                  needed by                     e
 ``spec: ModelSpec``          the model           every layout                  ``Llama.spec``
 ``init_weights(seed)``       the model           every layout (meta init)      ``Llama.init_weights``
 ``flops_per_token(seq)``     the model           optional: MFU (n/a without)   ``Llama.flops_per_token``
-``spec.layers`` ModuleDict   the model           every layout                  ``Llama.layers``
+``spec.layers`` blocks       the model           every layout                  ``Llama.layers``
 ``forward(..., position_ids)``  the model        ContextParallel, Pipeline     ``Llama.forward``
 ``forward_stage(...)``       the model           PipelineParallel              ``Llama.forward_stage``
 ``loss_fn(logits, labels)``  the LightningModule PipelineParallel              ``LlamaModule.loss_fn``
@@ -92,6 +92,8 @@ def _takes(fn: Any, name: str) -> bool:
 
 def _layers_are_numbered(model: nn.Module, spec: ModelSpec) -> bool:
     layers = model.get_submodule(spec.layers) if _has_submodule(model, spec.layers) else None
+    if isinstance(layers, nn.ModuleList):
+        return True  # the strategy holds it as Blocks (models.blocks): names kept, blocks droppable
     return isinstance(layers, nn.ModuleDict) and list(layers.keys()) == [str(i) for i in range(len(layers))]
 
 
@@ -109,9 +111,9 @@ HOOKS: tuple[Hook, ...] = (
          "(the strategy builds the model on the meta device and calls it on each rank's shards)",
          "lightning_ultrascale.models.llama.Llama.init_weights",
          lambda m, module, spec: callable(getattr(m, "init_weights", None))),
-    Hook("spec.layers as an nn.ModuleDict keyed '0'..'n-1'", EVERY,
-         "hold the blocks in nn.ModuleDict({str(i): block ...}) (a pipeline stage drops the blocks it does not "
-         "run and keeps the others' names, so checkpoints stay layout independent)",
+    Hook("spec.layers as an nn.ModuleList, or an nn.ModuleDict keyed '0'..'n-1'", EVERY,
+         "hold the blocks in nn.ModuleList([...]) or nn.ModuleDict({str(i): block ...}) (a pipeline stage drops "
+         "the blocks it does not run and keeps the others' names, so checkpoints stay layout independent)",
          "lightning_ultrascale.models.llama.Llama.__init__",
          lambda m, module, spec: _layers_are_numbered(m, spec)),
     Hook("forward(..., position_ids=...)", "ContextParallel",

@@ -17,10 +17,12 @@ from torch import nn
 class ModelSpec:
     """Structure and sizes of a decoder-only transformer, for validation and for the plugins.
 
-    Module names are attribute paths relative to the model (``"layers"``) or to one block
-    (``"attention"``). ``layers`` must be an ``nn.ModuleDict`` keyed ``"0" .. "n-1"`` so that a
-    pipeline stage can drop the blocks it does not own and keep the fully qualified names
-    (checkpoints and per-parameter seeding stay layout independent).
+    Module names are attribute paths relative to the model (``"layers"``, or ``"model.layers"`` in a
+    Hugging Face model) or to one block (``"attention"``). ``layers`` is an ``nn.ModuleDict`` keyed
+    ``"0" .. "n-1"``, or an ``nn.ModuleList`` that the strategy turns into one in place
+    (:func:`~lightning_ultrascale.models.blocks.as_blocks`), so that a pipeline stage can drop the
+    blocks it does not own and keep the fully qualified names (checkpoints and per-parameter
+    seeding stay layout independent).
 
     Example:
         >>> from lightning_ultrascale.models import build_model
@@ -99,6 +101,24 @@ class SpecifiedModel(Protocol):
     def init_weights(self, seed: int) -> None: ...
 
     def flops_per_token(self, seq_len: int) -> float: ...
+
+
+def piece(model: nn.Module, name: str) -> nn.Module | None:
+    """The module at the (possibly dotted) ``name`` of a spec (``"model.embed_tokens"``), or None
+    where it is absent or dropped (a pipeline stage that does not run it)."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        parent = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return None
+    found = getattr(parent, attr, None)
+    return found if isinstance(found, nn.Module) else None
+
+
+def drop_piece(model: nn.Module, name: str) -> None:
+    """Set the module at the (possibly dotted) ``name`` to None: a pipeline stage that does not run it."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, None)
 
 
 def require_spec(model: nn.Module) -> ModelSpec:

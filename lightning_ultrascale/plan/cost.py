@@ -425,7 +425,8 @@ def _rank_cost(
 ) -> Cost:
     """Memory and traffic of one rank holding ``plan``: every plugin's terms composed (no time yet)."""
     spec = model.spec  # type: ignore[attr-defined]
-    layers = sorted({int(n.split(".")[1]) for n in plan.shapes if n.startswith(f"{spec.layers}.")})
+    prefix = f"{spec.layers}."
+    layers = sorted({int(n[len(prefix) :].split(".")[0]) for n in plan.shapes if n.startswith(prefix)})
     first = f"{spec.embedding}.weight" in plan.shapes
     last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
     view = RankView(workload, c, plan, tuple(layers), first, last, accumulation, widths(workload.model, c))

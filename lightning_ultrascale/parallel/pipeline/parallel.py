@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, require_spec
+from lightning_ultrascale.models.spec import ModelSpec, piece, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import ParallelMesh
@@ -205,8 +205,8 @@ class PipelineParallel(ParallelPlugin):
         if _tied_weights(model, spec) and last and not first:  # the head's own copy of the tied weight
             plan.shapes[f"{spec.head}.weight"] = plan.shapes[f"{spec.embedding}.weight"]
         for name in list(plan.shapes):
-            piece = name.split(".", 1)[0]
-            held = pieces[piece] if piece in pieces else any(name.startswith(k) for k in kept)
+            owner = next((p for p in pieces if name.startswith(f"{p}.")), None)
+            held = pieces[owner] if owner is not None else any(name.startswith(k) for k in kept)
             if not held:
                 del plan.shapes[name]
 
@@ -224,5 +224,5 @@ class PipelineParallel(ParallelPlugin):
 
 
 def _tied_weights(model: nn.Module, spec: ModelSpec) -> bool:
-    embedding, head = getattr(model, spec.embedding, None), getattr(model, spec.head, None)
+    embedding, head = piece(model, spec.embedding), piece(model, spec.head)
     return embedding is not None and head is not None and head.weight is embedding.weight

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, option
-from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.models.spec import ModelSpec, piece
 
 _OWNER = "PipelineParallel"
 
@@ -47,8 +47,8 @@ def piece_costs(model: nn.Module, spec: ModelSpec) -> PieceCosts:
     """FLOPs per token of the embedding, every block and the head of ``model`` (may be on meta)."""
     blocks = model.get_submodule(spec.layers)
     # A lookup: reading one row forward, adding one row backward; ~ dim FLOPs, not dim x vocab.
-    embedding_cost = 2.0 * spec.dim if getattr(model, spec.embedding, None) is not None else 0.0
-    head_cost = _matmul_flops(getattr(model, spec.head, None)) + _matmul_flops(getattr(model, spec.final_norm, None))
+    embedding_cost = 2.0 * spec.dim if piece(model, spec.embedding) is not None else 0.0
+    head_cost = _matmul_flops(piece(model, spec.head)) + _matmul_flops(piece(model, spec.final_norm))
     return PieceCosts(
         embedding=embedding_cost,
         blocks=tuple(_matmul_flops(blocks[str(i)]) for i in range(spec.n_layers)),

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.models.common.moe import attach_aux_loss
-from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.models.spec import ModelSpec, drop_piece
 
 
 class StageModule(nn.Module):
@@ -45,11 +45,11 @@ class StageModule(nn.Module):
         self._tracking = True
         layers = model.get_submodule(spec.layers)
         if first:
-            self.add_module(spec.embedding, model.get_submodule(spec.embedding))
-        self.add_module(spec.layers, nn.ModuleDict({name: layers[name] for name in self.block_names}))
+            _attach(self, spec.embedding, model.get_submodule(spec.embedding))
+        _attach(self, spec.layers, nn.ModuleDict({name: layers[name] for name in self.block_names}))
         if last:
-            self.add_module(spec.final_norm, model.get_submodule(spec.final_norm))
-            self.add_module(spec.head, model.get_submodule(spec.head))
+            _attach(self, spec.final_norm, model.get_submodule(spec.final_norm))
+            _attach(self, spec.head, model.get_submodule(spec.head))
 
     def forward(self, x: Tensor, position_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
         model = self.__dict__["_model"]
@@ -84,6 +84,17 @@ class StageModule(nn.Module):
         return f"index={self.index}, blocks={self.block_names}, first={self.first}, last={self.last}"
 
 
+def _attach(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Register ``module`` at the dotted ``name`` under ``root`` (plain containers in between), so the
+    stage's parameter names are the model's (``model.layers.3.mlp...`` in a Hugging Face model)."""
+    *path, last = name.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    root.add_module(last, module)
+
+
 def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: bool, last: bool) -> set[str]:
     """Drop from ``model`` every piece its rank's stages do not run (on the meta device: free).
 
@@ -97,7 +108,7 @@ def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: 
             dropped.add(f"{spec.layers}.{name}")
     pieces = ([] if first else [spec.embedding]) + ([] if last else [spec.final_norm, spec.head])
     for piece in pieces:
-        setattr(model, piece, None)
+        drop_piece(model, piece)
         dropped.add(piece)
     return dropped
 
