@@ -11,6 +11,7 @@ Example:
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.fp8.precision import FP8Precision
+from lightning_ultrascale.hf_module import HFCausalLMModule
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
 from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.context import ContextParallel
@@ -28,6 +29,7 @@ __all__ = [
     "DataParallel",
     "ExpertParallel",
     "FP8Precision",
+    "HFCausalLMModule",
     "LlamaConfig",
     "LlamaModule",
     "OptimConfig",

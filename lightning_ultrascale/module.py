@@ -75,7 +75,10 @@ def _hf_directory(init_from: str | None, config: LlamaConfig) -> str | None:
 
     wrong = hf_directory_config(init_from[3:]).architecture_differences(config)
     if wrong:
-        raise ConfigError(f"model.init_from={init_from} is another architecture: {', '.join(wrong)}")
+        raise ConfigError(
+            f"model.init_from={init_from} is another architecture than model={config.name}: {', '.join(wrong)}. "
+            f"To train the directory's own architecture: model=hf model.path={init_from[3:]}"
+        )
     return init_from[3:]
 
 
@@ -144,6 +147,16 @@ class LlamaModule(L.LightningModule):
         """The model's spec, available before the model is built (the strategy validates with it)."""
         with torch.device("meta"):
             return Llama(self.config).spec
+
+    @property
+    def model_name(self) -> str:
+        """The model's name, for messages."""
+        return self.config.name
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model takes."""
+        return self.config.max_seq_len
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -330,6 +330,11 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
     init_from = cfg.model.get("init_from")
     kernels = cfg.get("kernels") or {}
+    settings = OmegaConf.to_container(cfg.data, resolve=True)
+    assert isinstance(settings, dict)
+    global_batch_size = settings.pop("global_batch_size", None)
+    if cfg.model.name == "hf":
+        return _hf_module(cfg, OptimConfig(**optim)), instantiate(settings, "data"), global_batch_size
     module = LlamaModule(
         _model_config(cfg.model),
         optim=OptimConfig(**optim),
@@ -338,13 +343,41 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
         kernels=kernels.get("name", "reference"),
         fused_cross_entropy=kernels.get("fused_cross_entropy"),
     )
-    settings = OmegaConf.to_container(cfg.data, resolve=True)
-    assert isinstance(settings, dict)
-    global_batch_size = settings.pop("global_batch_size", None)
     return module, instantiate(settings, "data"), global_batch_size
 
 
-def _data_shape(datamodule: Any, global_batch_size: int | None, model: LlamaConfig) -> DataShape | None:
+#: Keys of ``model=hf``: the directory decides the architecture, so no other key applies.
+HF_MODEL_KEYS = ("name", "path", "pretrained")
+
+
+def _hf_module(cfg: DictConfig, optim: Any) -> Any:
+    """``model=hf model.path=DIR``: the HF model of the directory, as transformers defines it."""
+    from lightning_ultrascale.hf_module import HFCausalLMModule
+
+    path = hf_path(cfg.model)
+    unknown = [k for k in cfg.model if k not in HF_MODEL_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"model.{unknown[0]}={cfg.model[unknown[0]]!r} does not apply to model=hf, whose architecture is its "
+            f"directory's config.json; valid: {', '.join(f'model.{k}' for k in HF_MODEL_KEYS)}"
+        )
+    kernels = (cfg.get("kernels") or {}).get("name", "reference")
+    if kernels != "reference":
+        raise ConfigError(
+            f"kernels={kernels} swaps our Llama's ops; model=hf runs transformers' own: kernels=reference"
+        )
+    pretrained = bool(cfg.model.get("pretrained", True))
+    return HFCausalLMModule(path, optim=optim, seed=cfg.seed, pretrained=pretrained)
+
+
+def hf_path(model: DictConfig) -> str:
+    """``model.path`` of ``model=hf``, or a one-line error saying how to give it."""
+    if OmegaConf.is_missing(model, "path") or not model.get("path"):
+        raise ConfigError("model=hf needs model.path=DIR, an HF model directory (config.json, *.safetensors)")
+    return str(model.path)
+
+
+def _data_shape(datamodule: Any, global_batch_size: int | None, module: Any) -> DataShape | None:
     """The batch shape the DataModule declares, checked against the model; None where it declares none."""
     from lightning_ultrascale.parallel.dims import DataShape
 
@@ -357,8 +390,10 @@ def _data_shape(datamodule: Any, global_batch_size: int | None, model: LlamaConf
                 "data.global_batch_size=null (then trainer.accumulate_grad_batches sets the accumulation)"
             )
         return None
-    if shape.seq_len > model.max_seq_len:
-        raise ConfigError(f"{shape.option('seq_len')} exceeds model.max_seq_len={model.max_seq_len} of {model.name}")
+    if shape.seq_len > module.max_seq_len:
+        raise ConfigError(
+            f"{shape.option('seq_len')} exceeds model.max_seq_len={module.max_seq_len} of {module.model_name}"
+        )
     return dataclasses.replace(shape, global_batch_size=global_batch_size)
 
 
@@ -396,6 +431,10 @@ def _model_config(model: DictConfig) -> LlamaConfig:
     """
     from lightning_ultrascale.models import LlamaConfig, get_model_config
 
+    if model.name == "hf":  # the planner prices our Llama's architecture: the directory's, converted
+        from lightning_ultrascale.models.hf import hf_directory_config
+
+        return hf_directory_config(hf_path(model))
     preset = get_model_config(model.name)
     settings = OmegaConf.to_container(model, resolve=True)
     assert isinstance(settings, dict)
@@ -484,7 +523,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     chosen = _auto_layout(cfg)
     module, datamodule, global_batch_size = _module_and_data(cfg)
-    shape = _data_shape(datamodule, global_batch_size, module.config)
+    shape = _data_shape(datamodule, global_batch_size, module)
     if cfg.ckpt_path is not None:
         check_checkpoint_path(cfg.ckpt_path)
         check_checkpoint_model(cfg.ckpt_path, module.hparams)

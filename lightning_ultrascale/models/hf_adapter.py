@@ -59,7 +59,17 @@ from lightning_ultrascale.models.contract import ContractError
 from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, local_indices
 from lightning_ultrascale.models.spec import ModelSpec, piece
 
-__all__ = ["ATTENTION", "FAMILIES", "adapt", "adapt_in", "hf_tp_plan", "is_hf_causal_lm"]
+__all__ = [
+    "ATTENTION",
+    "FAMILIES",
+    "adapt",
+    "adapt_in",
+    "check_supported",
+    "clean_name",
+    "hf_tp_plan",
+    "init_hf_weights",
+    "is_hf_causal_lm",
+]
 
 #: The ``model_type`` s trained as they are (each tested against one process in every layout).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
@@ -101,7 +111,7 @@ def adapt(model: nn.Module) -> nn.Module:
     if isinstance(getattr(model, "spec", None), ModelSpec):
         return model
     cfg = model.config
-    _check_supported(cfg)
+    check_supported(cfg)
     prefix = model.base_model_prefix
     layers = as_blocks(model, f"{prefix}.layers")
     _register_attention()
@@ -137,7 +147,8 @@ def adapt(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_supported(cfg: Any) -> None:
+def check_supported(cfg: Any) -> None:
+    """Refuse, by name, an HF config this library would train differently from transformers."""
     kind = getattr(cfg, "model_type", None)
     if kind not in FAMILIES:
         raise ContractError(
@@ -185,7 +196,10 @@ class _AdaptedCausalLM:
         if seed is None:
             super().init_weights()  # type: ignore[misc]
             return
-        init_hf_weights(self, seed)  # type: ignore[arg-type]
+        init_hf_weights(self, seed)  # type: ignore[arg-type]  # (buffers, and what no file holds)
+        loader = getattr(self, "pretrained", None)
+        if loader is not None:  # e.g. models.hf_weights.load_hf_directory: each rank reads its shards
+            loader(self)
 
     def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
         _refuse_padding(kwargs.get("attention_mask"))
@@ -464,7 +478,8 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
     return dict(keys) if isinstance(keys, dict) else default
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
+    """A parameter's name without the components wrappers insert (activation checkpointing, compile)."""
     return ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
 
 
@@ -473,7 +488,7 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for fqn, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         if id(t) not in seen:
             seen.add(id(t))
-            yield _clean(fqn), t
+            yield clean_name(fqn), t
 
 
 def _record_init(model: nn.Module) -> dict[str, tuple[str, Any]]:
@@ -535,7 +550,7 @@ def _stand_ins(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
                     continue
                 if id(t) not in made:  # a tied tensor gets one stand-in
                     made[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    names[id(made[id(t)])] = _clean(f"{prefix}.{key}" if prefix else key)
+                    names[id(made[id(t)])] = clean_name(f"{prefix}.{key}" if prefix else key)
                 saved.append((store, key, t))
                 store[key] = made[id(t)]
     try:

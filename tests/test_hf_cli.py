@@ -1,0 +1,78 @@
+"""``model=hf model.path=DIR`` on the command line: any HF directory's architecture and weights, in any
+layout; its first loss is transformers' own cross-entropy on the same batch."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hf_models import hf_config
+from hydra import compose, initialize_config_dir
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
+from lightning_ultrascale.data import UltraScaleDataModule
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.contract import ContractError
+
+TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
+DATA = ["data.seq_len=64", "data.micro_batch_size=2", "data.global_batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+    """Tiny random Mixtral and Qwen2 written by transformers' save_pretrained (HF's own init, its own files)."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    for family in ("mixtral", "qwen2"):
+        AutoModelForCausalLM.from_config(hf_config(family)).save_pretrained(root / family)
+    return root
+
+
+def _transformers_first_loss(directory):
+    """transformers' cross-entropy of the model in ``directory`` on the run's first global batch (one process)."""
+    data = UltraScaleDataModule(source="pydoc", seq_len=64, micro_batch_size=4, val_fraction=0.05, seed=0)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():  # (router loss excluded: output_router_logits is off); labels are shifted already
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = model.loss_function(logits, None, model.config.vocab_size, shift_labels=batch["labels"])
+    return float(loss)
+
+
+@pytest.mark.parametrize(("family", "layout"), [("mixtral", "parallel.ep=2"), ("qwen2", "parallel.tp=2")])
+def test_an_hf_directory_trains_from_the_command_line_from_transformers_loss(tmp_path, directories, family, layout):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    steps = ["trainer.max_steps=1", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0"]
+    cmd = [*TRAIN, "model=hf", f"model.path={directories / family}", layout, *DATA, *steps]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
+    first = next(float(r["train/loss"]) for r in rows if r.get("train/loss"))
+    expected = _transformers_first_loss(directories / family)
+    assert abs(first - expected) / expected <= 1e-5, (first, expected)
+
+
+def _build(*overrides):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return build(compose("train", overrides=hydra_argv(list(overrides))))
+
+
+def test_hf_settings_are_checked_before_any_process_group(tmp_path, monkeypatch, directories):
+    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"model=hf needs model.path=DIR"):
+        _build("model=hf")
+    with pytest.raises(ConfigError, match=r"model.n_layers=2 does not apply to model=hf.*valid: model.name, model.pa"):
+        _build("model=hf", f"model.path={directories / 'qwen2'}", "model.n_layers=2")
+    with pytest.raises(ConfigError, match=r"another architecture than model=llama_tiny.*model=hf model.path="):
+        _build(f"model.init_from=hf:{directories / 'mixtral'}")
+    gpt2 = tmp_path / "gpt2"
+    AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2)
+    with pytest.raises(ContractError, match=r"model_type='gpt2' is not among .*llama, mistral, qwen2"):
+        _build("model=hf", f"model.path={gpt2}")
+    with pytest.raises(ConfigError, match=r"splits MoE experts, but model qwen2 has none"):
+        _build("model=hf", f"model.path={directories / 'qwen2'}", "parallel.ep=2", *DATA)
