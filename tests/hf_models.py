@@ -22,7 +22,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 16},  # per-head q/k norms, head_dim != hidden / heads
     "mistral": {"sliding_window": None},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
-}
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8,
+                  "norm_topk_prob": True},
+}  # fmt: skip
 
 
 def hf_config(family: str, **overrides: Any) -> Any:

@@ -1,31 +1,47 @@
 """Hugging Face causal LMs trained as they are (models/hf_adapter.py): no spec, plan or hook written by
 the user; every layout matches one process, and the trained model saves as a Hugging Face model."""
 
+import lightning as L
 import pytest
-from hf_models import HFModule
+import torch
+from hf_models import HFModule, hf_config
+from transformers import AutoModelForCausalLM
 
 from lightning_ultrascale import (
     ContextParallel,
     ExpertParallel,
+    FP8Precision,
     PipelineParallel,
+    Recompute,
     TensorParallel,
     UltraScaleDataModule,
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
+from lightning_ultrascale.models.contract import ContractError
+from lightning_ultrascale.models.hf_adapter import adapt
+from lightning_ultrascale.models.hf_weights import save_pretrained
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, assert_parity, record_run, relative_error
+from lightning_ultrascale.testing.spawn import run_workers
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 32, 4, 3
 
 
-def _run(family, plugins=None, world_size=1, dp=1):
+def _data(dp=1, accumulate=1):
+    return UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp // accumulate, seed=0)
+
+
+def _run(family, plugins=None, world_size=1, dp=1, accumulate=1, precision=None):
+    trainer_kwargs = {"plugins": [precision]} if precision is not None else {}
     strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
     return record_run(
         lambda: HFModule(family),
-        lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0),
+        lambda: _data(dp, accumulate),
         steps=STEPS,
         strategy=strategy,
         world_size=world_size,
+        accumulate_grad_batches=accumulate,
+        **trainer_kwargs,
     )
 
 
@@ -48,12 +64,16 @@ LAYOUTS = {
 }
 CASES = [(f, layout) for f in ("llama", "qwen2", "mixtral") for layout in LAYOUTS] + [
     ("mixtral", "ep2"),
+    ("mixtral", "recompute"),
+    ("qwen3_moe", "ep2"),
+    ("qwen3_moe", "pp2-1f1b"),
     ("qwen3", "tp2-sp"),
     ("qwen3", "cp2"),
     ("mistral", "pp2-zbv"),
 ]
 
 
+MORE_LAYOUTS = {"ep2": (lambda: [ExpertParallel(2)], 2), "recompute": (lambda: [Recompute("full"), ZeRO(2)], 2)}
 HEAD, EMBEDDING = "model.lm_head.weight", "model.model.embed_tokens.weight"
 
 
@@ -68,8 +88,110 @@ def _one_copy(run):
 @pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{layout}" for f, layout in CASES])
 def test_a_hugging_face_model_trains_like_one_process(family, layout):
     # SGD: 1e-5 on losses, gradients and parameters (FACTS: AdamW amplifies reduction-order noise).
-    plugins, dp = (lambda: [ExpertParallel(2)], 2) if layout == "ep2" else LAYOUTS[layout]
+    plugins, dp = LAYOUTS[layout] if layout in LAYOUTS else MORE_LAYOUTS[layout]
     run = _run(family, plugins, 2, dp)
     if family == "qwen2" and layout.startswith("pp"):
         run = _one_copy(run)
     assert_parity(run, _reference(family), rtol=1e-5)
+
+
+def test_fp8_trains_a_hugging_face_model_like_one_process_with_the_same_quantisation():
+    # ZeRO-3 on 2 ranks of 4 sequences each against one process accumulating 2 micro-batches of 4:
+    # the same tensorwise scales per micro-batch (as tests/test_fp8_training.py).
+    fp8 = FP8Precision("tensorwise", "32-true")
+    reference = _run("llama", accumulate=2, precision=fp8)
+    run = _run("llama", lambda: [ZeRO(3)], 2, dp=2, precision=fp8)
+    assert_parity(run, reference, rtol=1e-5)
+
+
+def _train_and_save(family, plugins, dp, directory):
+    L.seed_everything(0, verbose=False)
+    recorder, module = ParityRecorder(), HFModule(family)
+    strategy = UltraScaleStrategy(*plugins())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=[recorder], **QUIET_TRAINER
+    )
+    trainer.fit(module, datamodule=_data(dp))
+    save_pretrained(module.model, directory)
+    return recorder.record
+
+
+@pytest.mark.parametrize(("family", "layout"), [("qwen2", "pp2-zbv"), ("mixtral", "ep2"), ("llama", "tp2-sp")])
+def test_a_trained_model_saves_as_hugging_face_and_loads_back(tmp_path, family, layout):
+    plugins, dp = LAYOUTS[layout] if layout in LAYOUTS else MORE_LAYOUTS[layout]
+    record = run_workers(_train_and_save, 2, family, plugins, dp, tmp_path / "hf", timeout_s=300)[0]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    params = {f"model.{n}": p for n, p in loaded.named_parameters()}
+    tied = loaded.config.tie_word_embeddings
+    assert params.keys() == {n for n in record.params if n != HEAD or not tied}
+    for name, value in params.items():
+        assert torch.equal(value, record.params[name]), name
+    assert type(loaded).__name__ == type(adapt(AutoModelForCausalLM.from_config(hf_config(family)))).__name__
+
+
+# ----------------------------------------------------------------------------- refused, by name
+def _adapted(family="llama", **overrides):
+    with torch.device("meta"):
+        return adapt(AutoModelForCausalLM.from_config(hf_config(family, **overrides)))
+
+
+def test_a_family_not_tested_here_is_refused_by_name():
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2))
+    with pytest.raises(ContractError, match=r"model_type='gpt2' is not among .*: llama, mistral, qwen2, qwen3, mix"):
+        adapt(gpt2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"attention_dropout": 0.1}, r"config.attention_dropout=0.1 is not supported.*set config.attention_dropout"),
+        ({"output_router_logits": True}, r"config.output_router_logits=True is not supported"),
+    ],
+)
+def test_settings_that_would_train_differently_are_refused(overrides, message):
+    family = "mixtral" if "output_router_logits" in overrides else "llama"
+    with pytest.raises(ContractError, match=message):
+        _adapted(family, **overrides)
+
+
+def test_labels_shifted_twice_padding_masks_and_short_sliding_windows_are_refused():
+    model = _adapted()
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    tokens = torch.randint(0, 300, (2, 16))
+    shifted = torch.cat((tokens[:, 1:], torch.full((2, 1), -100)), dim=1)  # what UltraScaleDataModule gives
+    with pytest.raises(ContractError, match=r"labels already shifted.*shift_labels=batch\['labels'\]"):
+        model(input_ids=tokens, labels=shifted)
+    assert model(input_ids=tokens, labels=tokens).loss is not None  # HF's own convention: unshifted
+    with pytest.raises(ContractError, match=r"attention_mask with padding"):
+        model(input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill_(1, torch.tensor([0]), 0))
+    model(input_ids=tokens, attention_mask=torch.ones_like(tokens))  # all ones: nothing to mask
+    windowed = _adapted("mistral", sliding_window=8)
+    windowed.to_empty(device="cpu")
+    windowed.init_weights(0)
+    with pytest.raises(ContractError, match=r"sliding_window=8 is shorter than the sequence \(16\)"):
+        windowed(input_ids=tokens)
+
+
+def test_tensor_parallelism_refuses_an_embedding_padding_index():
+    model = _adapted(pad_token_id=0)
+    with pytest.raises(ContractError, match=r"config.pad_token_id=0 .*padding_idx.*set config.pad_token_id=None"):
+        model.spec.tp_plan(False)
+
+
+def test_the_initial_weights_follow_hf_distributions_drawn_per_parameter_name():
+    a, b = _adapted("mixtral"), _adapted("mixtral")
+    for model, seed in ((a, 0), (b, 0)):
+        model.to_empty(device="cpu")
+        model.init_weights(seed)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    std = a.config.initializer_range
+    assert abs(float(a.model.layers[0].mlp.experts.gate_up_proj.std()) - std) < 0.1 * std
+    assert torch.equal(a.model.layers[0].input_layernorm.weight, torch.ones(32))
+    other = _adapted("mixtral", num_hidden_layers=2)  # fewer blocks: the same names get the same values
+    other.to_empty(device="cpu")
+    other.init_weights(0)
+    assert torch.equal(other.model.layers[1].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight)

@@ -69,6 +69,7 @@ __all__ = [
     "hf_tp_plan",
     "init_hf_weights",
     "is_hf_causal_lm",
+    "tied_names",
 ]
 
 #: The ``model_type`` s trained as they are (each tested against one process in every layout).
@@ -205,6 +206,8 @@ class _AdaptedCausalLM:
         _refuse_padding(kwargs.get("attention_mask"))
         _refuse_shifted(kwargs.get("labels"), input_ids)
         kwargs["attention_mask"] = None
+        if kwargs.get("use_cache") is None:  # (config.use_cache: a KV cache grows in training, and again on recompute)
+            kwargs["use_cache"] = False
         if kwargs.get("position_ids") is None and input_ids is not None:
             # From the tokens: HF counts them from the embedding's output, a sequence shard under SP.
             kwargs["position_ids"] = torch.arange(input_ids.shape[-1], device=input_ids.device)[None]
@@ -444,7 +447,7 @@ def init_hf_weights(model: nn.Module, seed: int) -> None:
     and on any device), fills constants and copies computed buffers (RoPE's ``inv_freq``).
     An embedding's ``padding_idx`` row is zeroed, as HF does.
     """
-    tied = _tied_names(model)
+    tied = tied_names(model)
     if tied and all(piece(model, n.rpartition(".")[0]) is not None for pair in tied.items() for n in pair):
         model.tie_weights()  # type: ignore[operator]  # (to_empty gives each module its own Parameter)
     plan = _record_init(model)
@@ -469,7 +472,7 @@ def init_hf_weights(model: nn.Module, seed: int) -> None:
             _zero_row(module.weight, module.padding_idx)
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
+def tied_names(model: nn.Module) -> dict[str, str]:
     """``{tied copy: the name it draws from}`` when the config ties the head to the embedding."""
     if not getattr(model.config, "tie_word_embeddings", False):  # type: ignore[union-attr]
         return {}

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.hf_adapter import clean_name
+from lightning_ultrascale.models.hf_adapter import clean_name, tied_names
 from lightning_ultrascale.models.shard_init import local_indices
 from lightning_ultrascale.models.spec import piece
 
@@ -183,6 +183,8 @@ def save_pretrained(model: nn.Module, directory: str | Path, **kwargs: Any) -> N
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, state)  # (pipeline stages: another rank holds the other blocks)
         state = {n: t for part in parts for n, t in part.items()}
+    for copy in tied_names(model):  # a tied head is the embedding: saved once, as HF does
+        state.pop(copy, None)
     if not distributed or dist.get_rank() == 0:
         model.save_pretrained(directory, state_dict=state, **kwargs)  # type: ignore[operator]
     if distributed:
