@@ -133,14 +133,38 @@ class Transformer(nn.Module):
         return self.output(self.norm(h)) if head else h
 
 
+class ListTransformer(Transformer):
+    """The same model holding its blocks in an ``nn.ModuleList``, indexed by number (as HF models do)."""
+
+    def __init__(self, cfg: dict[str, int], read_positions: bool = True) -> None:
+        super().__init__(cfg, read_positions)
+        self.layers = nn.ModuleList(list(self.layers.values()))  # type: ignore[assignment]
+
+    def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        names = [str(i) for i in range(self.cfg["n_layers"])]
+        return self.forward_stage(tokens, position_ids, names, embed=True, head=True)
+
+    def forward_stage(
+        self, x: Tensor, position_ids: Tensor | None, blocks: Sequence[str], *, embed: bool, head: bool
+    ) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device)[None]
+        cos, sin = self.rope(position_ids)
+        h = self.tok_embeddings(x) if embed else x
+        for name in blocks:
+            h = self.layers[int(name)](h, cos, sin)
+        return self.output(self.norm(h)) if head else h
+
+
 class OwnModule(L.LightningModule):
-    def __init__(self, read_positions: bool = True, lr: float = 0.1) -> None:
+    def __init__(self, read_positions: bool = True, lr: float = 0.1, blocks_in_a_list: bool = False) -> None:
         super().__init__()
         self.read_positions, self.lr, self.model = read_positions, lr, None
+        self.model_class = ListTransformer if blocks_in_a_list else Transformer
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = Transformer(CONFIG, self.read_positions)
+            self.model = self.model_class(CONFIG, self.read_positions)
             if not any(p.is_meta for p in self.model.parameters()):  # (the strategy builds on meta, then inits)
                 self.model.init_weights(0)
 

@@ -20,10 +20,10 @@ from lightning_ultrascale.testing.parity import assert_parity, record_run
 SEQ_LEN, GLOBAL_BATCH, STEPS = 32, 4, 3
 
 
-def _run(plugins=None, world_size=1, dp=1, read_positions=True):
+def _run(plugins=None, world_size=1, dp=1, read_positions=True, blocks_in_a_list=False):
     strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
     return record_run(
-        lambda: OwnModule(read_positions),
+        lambda: OwnModule(read_positions, blocks_in_a_list=blocks_in_a_list),
         lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0),
         steps=STEPS,
         strategy=strategy,
@@ -52,6 +52,13 @@ def test_a_users_own_model_trains_like_one_process(layout, reference):
     # parallelism leaves a DTensor; SGD: 1e-5 on losses, gradients and parameters.
     plugins, dp = LAYOUTS[layout]
     assert_parity(_run(plugins, 2, dp), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["pp2-1f1b", "zero3"])
+def test_blocks_held_in_a_module_list_train_like_one_process(layout, reference):
+    # The strategy holds them as Blocks (same names): a pipeline stage drops the others' by number.
+    plugins, dp = LAYOUTS[layout]
+    assert_parity(_run(plugins, 2, dp, blocks_in_a_list=True), reference, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- silent cases

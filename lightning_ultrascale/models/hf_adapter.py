@@ -94,9 +94,14 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
 
 
 def adapt_in(root: nn.Module) -> None:
-    """:func:`adapt` the outermost HF causal LM under ``root`` that declares no spec yet (if any)."""
+    """What the strategy gives the model under ``root`` in place before any check: :func:`adapt` to the
+    outermost HF causal LM that declares no spec yet; blocks kept in an ``nn.ModuleList`` held as
+    :class:`~lightning_ultrascale.models.blocks.Blocks` (same names) to a model that declares one."""
     for module in root.modules():
-        if isinstance(getattr(module, "spec", None), ModelSpec):
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, ModelSpec):
+            if isinstance(getattr(module, spec.layers.split(".")[0], None), nn.Module):
+                as_blocks(module, spec.layers)
             return
         if is_hf_causal_lm(module):
             adapt(module)
