@@ -189,6 +189,10 @@ class PluginComposition:
             raise RuntimeError(f"parameters outside the parallelised model are still meta tensors: {leftover[:5]}")
         return model
 
+    def parallelised(self, root: nn.Module) -> bool:
+        """Whether the model ``root`` holds (or is) was rewritten by this strategy."""
+        return _PARALLELISED_BY.get(find_model(root)[0]) is self
+
     def clip_grad_norm(self, model: nn.Module, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (what the optimizer steps) to a global L2 norm of at most ``max_norm``.
 
