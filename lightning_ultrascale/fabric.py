@@ -35,7 +35,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.strategies.strategy import Strategy, _BackwardSyncControl, _validate_keys_for_strict_loading
@@ -121,7 +123,18 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
 
     @override
     def active_precision(self) -> Any:
-        return self.precision
+        return self.precision.plugin if isinstance(self.precision, TrainerPrecision) else self.precision
+
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        # A Trainer precision plugin (FP8Precision) given to L.Fabric(plugins=[...]) takes Fabric's interface.
+        self._precision = TrainerPrecision(precision) if isinstance(precision, pl.plugins.Precision) else precision
 
     @override
     def _configure_launcher(self) -> None:
@@ -144,6 +157,8 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
             sync.bind(model)
         self.step.bind(self.layout)
         self._watch(model)
+        if isinstance(self.precision, TrainerPrecision):
+            self.precision.model = module
         return module
 
     @override
@@ -312,6 +327,37 @@ def _point_at(optimizer: Optimizer, names: dict[nn.Parameter, str], params: dict
                 "fabric.setup; build it on model.parameters()"
             )
         group["params"] = [params[names[p]] for p in group["params"]]
+
+
+class TrainerPrecision(Precision):
+    """A Trainer precision plugin (``FP8Precision``) in Fabric's interface: ``L.Fabric(plugins=[FP8Precision()])``.
+
+    Its forward context, its model rewrite (``parallel_plugin``, which the strategy applies in
+    order with the others, hence no ``convert_module`` here) and its work after each step are the
+    plugin's; backward and the optimizer step are Fabric's (the Trainer's run LightningModule hooks).
+    """
+
+    def __init__(self, plugin: pl.plugins.Precision) -> None:
+        self.plugin = plugin
+        self.precision = plugin.precision
+        #: The module set up (``after_step`` reads its FP8 weights).
+        self.model: nn.Module | None = None
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.plugin.forward_context()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.plugin.module_init_context()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = optimizer.step(**kwargs)
+        after_step = getattr(self.plugin, "after_step", None)
+        if after_step is not None and self.model is not None:
+            after_step(self.model)
+        return output
 
 
 class _SyncControl(_BackwardSyncControl):

@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_ultrascale import (
     ContextParallel,
+    FP8Precision,
     LlamaModule,
     PipelineParallel,
     TensorParallel,
@@ -55,8 +56,10 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": matrices}, {"params": vectors}], lr=SGD.lr)
 
 
-def _reference(steps: int, accumulate: int = 1, clip: float | None = None) -> RunRecord:
+def _reference(steps: int, accumulate: int = 1, clip: float | None = None, fp8: str | None = None) -> RunRecord:
     model = build_model("llama_tiny", seed=0)
+    if fp8 is not None:  # the same quantisation, on one process
+        FP8Precision(fp8, "32-true").swap.convert(model, tp=1)
     optimizer = _sgd(model)
     record, batches = RunRecord(), iter(_loader(GLOBAL_BATCH // accumulate))
     for _ in range(steps):
@@ -82,12 +85,15 @@ def _fabric_fit(
     meta: bool = True,
     accumulate: int = 1,
     clip: float | None = None,
+    fp8: str | None = None,
     save_at: int | None = None,
     path: str | None = None,
     load: str | None = None,
 ) -> RunRecord:
     """A Fabric loop on 2 processes: ``steps`` SGD steps (counted from a loaded checkpoint's), recorded."""
-    fabric = L.Fabric(strategy=UltraScaleStrategy(*LAYOUTS[layout]()), accelerator="cpu", devices=2)
+    precision = [FP8Precision(fp8, "32-true")] if fp8 is not None else []
+    strategy = UltraScaleStrategy(*LAYOUTS[layout]())
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=2, plugins=precision)
     fabric.launch()
     if meta:  # each rank allocates its shards only, initialised by name (UltraScaleStrategy(seed=0))
         with fabric.init_module(empty_init=True):
@@ -141,6 +147,14 @@ def test_fabric_accumulation_and_clipping_match_one_process():
     # ZeRO-1 over 2 ranks, 2 micro-steps a step (no_backward_sync), every step clipped by the global norm.
     run = run_workers(_fabric_fit, 2, "zero1-dp2", 3, accumulate=2, clip=0.5)[0]
     assert_parity(run, _reference(steps=3, accumulate=2, clip=0.5), rtol=1e-5)
+
+
+def test_fp8_under_fabric_quantises_like_one_process():
+    # The Trainer's FP8Precision given to Fabric: the swap applies first, ZeRO-3 all-gathers the
+    # tensorwise weights in FP8 (scales refreshed after each step); each rank's micro-batch is
+    # quantised as the one-process run's micro-batches are (test_fp8_training.py).
+    run = run_workers(_fabric_fit, 2, "zero3-dp2", 3, fp8="tensorwise")[0]
+    assert_parity(run, _reference(steps=3, accumulate=2, fp8="tensorwise"), rtol=1e-5)
 
 
 def _trainer_fit(steps: int, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
