@@ -6,20 +6,21 @@ sizes resolved when Fabric is created, the plugins applied in ``APPLY_ORDER`` on
 device, ``init_weights(seed)`` on each rank's shards) and maps Fabric's calls onto the pieces
 the Trainer's strategy uses:
 
-==============================  ==========================================================
-Fabric                          here
-==============================  ==========================================================
-``fabric.init_module(empty_init=True)``  the model on the meta device (built whole otherwise)
-``fabric.setup(model, opt)``    the plugins rewrite the model; the optimizer is pointed at
-                                the new parameters by name; the gradient syncs bind and attach
-``model(...)``                  the Layout's step contexts (loss parallel) around the forward
-``fabric.setup_dataloaders``    each batch becomes this rank's part (context parallelism)
-``fabric.backward(loss)``       the step runner's token weight and backward contexts
-``fabric.no_backward_sync``     the gradient syncs hold reductions back (accumulation)
-``optimizer.step()``            gradients made the mean over every labelled token first
-``fabric.clip_gradients``       the global norm, each gradient counted once in any layout
-``fabric.save`` / ``load``      the any-layout checkpoint the Trainer writes (``checkpoint.py``)
-==============================  ==========================================================
+=========================================  ===============================================================
+Fabric                                     here
+=========================================  ===============================================================
+``fabric.init_module(empty_init=True)``    the model on the meta device (or pass it built whole)
+``fabric.setup(model, optimizer)``         the plugins rewrite the model; the optimizer is pointed at the
+                                           new parameters by name; the gradient syncs bind and attach
+``L.Fabric(plugins=[FP8Precision()])``     its FP8 swap applies first, with the other plugins
+``model(...)``                             the Layout's step contexts (loss parallel) around the forward
+``fabric.setup_dataloaders``               each batch becomes this rank's part (context parallelism)
+``fabric.backward(loss)``                  the step runner's token weight and backward contexts
+``fabric.no_backward_sync``                the gradient syncs hold reductions back (accumulation)
+``optimizer.step()``                       first, gradients become the mean over every labelled token
+``fabric.clip_gradients(max_norm=...)``    the global norm, each gradient counted once in any layout
+``fabric.save`` / ``fabric.load``          the any-layout checkpoint the Trainer writes (``checkpoint.py``)
+=========================================  ===============================================================
 
 Pipeline parallelism is refused: its schedule runs forward and backward itself, which a loop
 written around ``model(...)`` and ``fabric.backward`` cannot hand it; the Trainer runs it.
@@ -83,14 +84,20 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         process_group_backend: ``"nccl"`` / ``"gloo"``; default: by device.
         timeout: timeout of every collective.
 
+    Attributes:
+        global_step: optimizer steps taken (saved in checkpoints, restored by ``fabric.load``).
+        accumulate: backward passes per optimizer step, as the last step counted them.
+
     Example:
         >>> import lightning as L
         >>> from lightning_ultrascale import ZeRO
         >>> from lightning_ultrascale.fabric import UltraScaleStrategy
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> from lightning_ultrascale.models.llama import Llama
         >>> fabric = L.Fabric(strategy=UltraScaleStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
         >>> fabric.launch()  # doctest: +SKIP
         >>> with fabric.init_module(empty_init=True):  # doctest: +SKIP
-        ...     model = build_model("llama_tiny", device="meta")
+        ...     model = Llama(get_model_config("llama_tiny"))
         >>> model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))  # doctest: +SKIP
     """
 
@@ -112,9 +119,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
                     f"lightning.Trainer(strategy=lightning_ultrascale.UltraScaleStrategy({plugin!r}, ...))"
                 )
         self._backward_sync_control = _SyncControl(self.step)
-        #: Optimizer steps taken (saved in checkpoints as ``global_step``, restored by ``fabric.load``).
         self.global_step = 0
-        #: Backward passes per optimizer step, as the last step counted them.
         self.accumulate = 1
         self._backwards = 0
         self._hooks: list[Any] = []
@@ -295,8 +300,9 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
                 "fabric.load(path, state): give the state to restore in place, a dict holding the model fabric.setup "
                 f"set up (e.g. {{'model': model, 'optimizer': optimizer}}), got {type(state).__name__}"
             )
-        where = checkpoint_location(self.broadcast(path))
-        check_checkpoint_path(where, "fabric.load(path)")
+        path = self.broadcast(path)
+        check_checkpoint_path(path, "path")
+        where = checkpoint_location(path)
         if not _is_sharded_checkpoint(where):
             raise ConfigError(
                 f"fabric.load(path={path}) is a single-file checkpoint; UltraScaleStrategy loads the DCP directories "
@@ -391,6 +397,8 @@ class LayoutBatches:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
+        if "loader" not in self.__dict__:  # (being copied or unpickled)
+            raise AttributeError(name)
         return getattr(self.__dict__["loader"], name)
 
 

@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_ultrascale import (
     ContextParallel,
+    ExpertParallel,
     FP8Precision,
     LlamaModule,
     PipelineParallel,
@@ -35,6 +36,7 @@ LAYOUTS = {
     "tp2-sp": lambda: [TensorParallel(2)],
     "zero1-dp2": lambda: [ZeRO(stage=1, bucket_mb=0.1)],
     "cp2": lambda: [ContextParallel(2)],
+    "ep2-zero3": lambda: [ExpertParallel(2), ZeRO(stage=3)],
 }
 
 
@@ -56,8 +58,10 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": matrices}, {"params": vectors}], lr=SGD.lr)
 
 
-def _reference(steps: int, accumulate: int = 1, clip: float | None = None, fp8: str | None = None) -> RunRecord:
-    model = build_model("llama_tiny", seed=0)
+def _reference(
+    steps: int, accumulate: int = 1, clip: float | None = None, fp8: str | None = None, model_name: str = "llama_tiny"
+) -> RunRecord:
+    model = build_model(model_name, seed=0)
     if fp8 is not None:  # the same quantisation, on one process
         FP8Precision(fp8, "32-true").swap.convert(model, tp=1)
     optimizer = _sgd(model)
@@ -86,6 +90,7 @@ def _fabric_fit(
     accumulate: int = 1,
     clip: float | None = None,
     fp8: str | None = None,
+    model_name: str = "llama_tiny",
     save_at: int | None = None,
     path: str | None = None,
     load: str | None = None,
@@ -97,9 +102,9 @@ def _fabric_fit(
     fabric.launch()
     if meta:  # each rank allocates its shards only, initialised by name (UltraScaleStrategy(seed=0))
         with fabric.init_module(empty_init=True):
-            model = Llama(get_model_config("llama_tiny"))
+            model = Llama(get_model_config(model_name))
     else:
-        model = build_model("llama_tiny", seed=0)
+        model = build_model(model_name, seed=0)
     model, optimizer = fabric.setup(model, _sgd(model))
     scheduler = LambdaLR(optimizer, lambda step: 1.0)  # LlamaModule's schedule under SGD's settings
     dp = fabric.strategy.distributed_sampler_kwargs
@@ -141,6 +146,13 @@ def reference() -> RunRecord:
 @pytest.mark.parametrize("layout", ["zero3-dp2", "tp2-sp", "cp2"])
 def test_a_fabric_loop_trains_like_one_process(reference, layout, meta):
     assert_parity(run_workers(_fabric_fit, 2, layout, 3, meta=meta)[0], reference, rtol=1e-5)
+
+
+def test_expert_parallelism_under_fabric_trains_like_one_process():
+    # moe_tiny's experts split over 2 ranks (all-to-all dispatch), ZeRO-3 over the rest; each rank's
+    # micro-batch is routed as one process routes its micro-batches.
+    run = run_workers(_fabric_fit, 2, "ep2-zero3", 3, model_name="moe_tiny")[0]
+    assert_parity(run, _reference(steps=3, accumulate=2, model_name="moe_tiny"), rtol=1e-5)
 
 
 def test_fabric_accumulation_and_clipping_match_one_process():
@@ -191,6 +203,20 @@ def test_checkpoints_go_from_fabric_to_the_trainer_and_back_in_any_layout(tmp_pa
             assert_parity(RunRecord(run.losses), continued, rtol=1e-5, check_params=False)
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from None
+
+
+def _forward_a_batch_of_its_own() -> None:
+    fabric = L.Fabric(strategy=UltraScaleStrategy(*LAYOUTS["cp2"]()), accelerator="cpu", devices=2)
+    fabric.launch()
+    model = fabric.setup(build_model("llama_tiny", seed=0))
+    batch = next(iter(_loader(GLOBAL_BATCH)))
+    with pytest.raises(ConfigError, match=r"this rank's part before the model sees it.*fabric\.setup_dataloaders"):
+        model(batch["input_ids"], labels=batch["labels"])
+
+
+def test_context_parallelism_refuses_a_batch_that_bypassed_setup_dataloaders():
+    # It would train on whole sequences through ring attention: every rank's positions wrong, silently.
+    run_workers(_forward_a_batch_of_its_own, 2)
 
 
 def test_pipeline_parallelism_under_fabric_is_refused_naming_the_trainer():
