@@ -19,6 +19,7 @@ Fabric                                     here
 ``fabric.no_backward_sync``                the gradient syncs hold reductions back (accumulation)
 ``optimizer.step()``                       first, gradients become the mean over every labelled token
 ``fabric.clip_gradients(max_norm=...)``    the global norm, each gradient counted once in any layout
+``fabric.clip_gradients(clip_val=...)``    element-wise on each rank's pieces, partial sums reduced first
 ``fabric.save`` / ``fabric.load``          the any-layout checkpoint the Trainer writes (``checkpoint.py``)
 =========================================  ===============================================================
 
@@ -67,6 +68,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.utils.grad import clip_grad_value_
 
 
 class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
@@ -252,6 +254,11 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of the gradients is {float(norm)}: not finite")
         return norm
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
 
     # ----------------------------------------------------------------------------- checkpoints
     @override

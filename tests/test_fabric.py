@@ -59,7 +59,12 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _reference(
-    steps: int, accumulate: int = 1, clip: float | None = None, fp8: str | None = None, model_name: str = "llama_tiny"
+    steps: int,
+    accumulate: int = 1,
+    max_norm: float | None = None,
+    clip_val: float | None = None,
+    fp8: str | None = None,
+    model_name: str = "llama_tiny",
 ) -> RunRecord:
     model = build_model(model_name, seed=0)
     if fp8 is not None:  # the same quantisation, on one process
@@ -73,8 +78,10 @@ def _reference(
             loss = model(batch["input_ids"], labels=batch["labels"]) / accumulate
             loss.backward()
             total += loss.item()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if clip_val is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_val)
         optimizer.step()
         optimizer.zero_grad()
         record.losses.append(total)
@@ -88,7 +95,8 @@ def _fabric_fit(
     *,
     meta: bool = True,
     accumulate: int = 1,
-    clip: float | None = None,
+    max_norm: float | None = None,
+    clip_val: float | None = None,
     fp8: str | None = None,
     model_name: str = "llama_tiny",
     save_at: int | None = None,
@@ -122,17 +130,19 @@ def _fabric_fit(
                 loss = model(batch["input_ids"], batch.get("position_ids"), labels=batch["labels"]) / accumulate
                 fabric.backward(loss)
             total += _whole(loss)
-        if clip is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=clip)
+        if max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=max_norm)
+        if clip_val is not None:
+            fabric.clip_gradients(model, optimizer, clip_val=clip_val)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         record.losses.append(float(fabric.all_reduce(total, reduce_op="mean")))
         if fabric.strategy.global_step == save_at:
             fabric.save(path, state)
-    if clip is not None:
+    if max_norm is not None:
         with pytest.raises(ConfigError, match=r"norm_type=1\.0\).*valid: 2\.0"):
-            fabric.clip_gradients(model, optimizer, max_norm=clip, norm_type=1.0)
+            fabric.clip_gradients(model, optimizer, max_norm=max_norm, norm_type=1.0)
     record.params = {n: _whole(p) for n, p in model.module.named_parameters()}
     return record
 
@@ -155,10 +165,19 @@ def test_expert_parallelism_under_fabric_trains_like_one_process():
     assert_parity(run, _reference(steps=3, accumulate=2, model_name="moe_tiny"), rtol=1e-5)
 
 
-def test_fabric_accumulation_and_clipping_match_one_process():
-    # ZeRO-1 over 2 ranks, 2 micro-steps a step (no_backward_sync), every step clipped by the global norm.
-    run = run_workers(_fabric_fit, 2, "zero1-dp2", 3, accumulate=2, clip=0.5)[0]
-    assert_parity(run, _reference(steps=3, accumulate=2, clip=0.5), rtol=1e-5)
+@pytest.mark.parametrize(
+    ("layout", "accumulate", "clip"),
+    [
+        # ZeRO-1 over 2 ranks, 2 micro-steps a step (no_backward_sync), every step clipped by the global norm
+        ("zero1-dp2", 2, {"max_norm": 0.5}),
+        # every element clipped, the sequence-parallel norm weights' partial-sum gradients too
+        ("tp2-sp", 1, {"clip_val": 1e-3}),
+    ],
+    ids=["zero1-dp2-acc2-max_norm", "tp2-sp-clip_val"],
+)
+def test_fabric_accumulation_and_clipping_match_one_process(layout, accumulate, clip):
+    run = run_workers(_fabric_fit, 2, layout, 3, accumulate=accumulate, **clip)[0]
+    assert_parity(run, _reference(steps=3, accumulate=accumulate, **clip), rtol=1e-5)
 
 
 def test_fp8_under_fabric_quantises_like_one_process():
@@ -232,6 +251,7 @@ def test_pipeline_parallelism_under_fabric_is_refused_naming_the_trainer():
         (lambda: [TensorParallel(3)], r"tp=3.*divisors: 1, 2"),
         (lambda: [ContextParallel(2, method="ringz")], r"method='ringz'\) is unknown; valid: ring, zigzag_ring"),
     ],
+    ids=["zero-stage", "tp-size", "cp-method"],
 )
 def test_a_bad_option_names_itself_and_the_valid_values_before_any_process(plugins, message):
     with pytest.raises(ConfigError, match=message):
