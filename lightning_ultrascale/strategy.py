@@ -34,6 +34,7 @@ from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.statistics import LayoutStatistics
+from lightning_ultrascale.utils.grad import clip_grad_value_
 from lightning_ultrascale.watchdog import WatchedRanks
 
 if TYPE_CHECKING:
@@ -204,9 +205,13 @@ class UltraScaleStrategy(
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
         # Lightning clips with torch's clip_grad_norm_, which cannot mix sharded DTensor gradients
-        # with replicated ones; ours counts every gradient exactly once in any layout.
+        # with replicated ones; ours counts every gradient exactly once in any layout. By value:
+        # torch's refuses partial sums (sequence-parallel norm weights); ours reduces them first.
         assert self.lightning_module is not None
         plugin, (model, _) = self.precision_plugin, find_model(self.lightning_module)
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(  # type: ignore[method-assign]
             model, plugin.main_params(optimizer), float(clip_val)
+        )
+        plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), float(clip_val)
         )
