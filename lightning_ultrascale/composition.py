@@ -176,7 +176,7 @@ class PluginComposition:
             new = plugin.apply(model, self.layout)
             if new is not model:
                 if not name:
-                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a LightningModule")
+                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a module")
                 root.set_submodule(name, new)
                 model = new
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
