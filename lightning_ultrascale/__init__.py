@@ -6,10 +6,16 @@ Example:
     >>> trainer = L.Trainer(strategy=UltraScaleStrategy(DataParallel()), accelerator="cpu", devices=2)  # doctest: +SKIP
     >>> data = UltraScaleDataModule(seq_len=256, micro_batch_size=8)
     >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=data)  # doctest: +SKIP
+
+Under Lightning Fabric the same plugins go to :class:`FabricStrategy` (``lightning_ultrascale.fabric``):
+
+    >>> from lightning_ultrascale import FabricStrategy, ZeRO
+    >>> fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
 """
 
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
 from lightning_ultrascale.fp8.precision import FP8Precision
 from lightning_ultrascale.hf_module import HFCausalLMModule
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
@@ -29,6 +35,7 @@ __all__ = [
     "DataParallel",
     "ExpertParallel",
     "FP8Precision",
+    "FabricStrategy",
     "HFCausalLMModule",
     "LlamaConfig",
     "LlamaModule",

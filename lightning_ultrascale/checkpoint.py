@@ -6,7 +6,12 @@ A checkpoint is a DCP directory holding, by the full model's parameter names:
 - ``optimizer_<i>.state.<name>.<key>``: each parameter's optimizer state at the parameter's own
   shape (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``), and
   ``optimizer_<i>.param_groups.<name>.<hyperparameter>``: torch's flattened optimizer format;
-- Lightning's loops, LR schedulers, callbacks and data position in its ``meta.pt``.
+- Lightning's loops, LR schedulers, callbacks and data position in its ``meta.pt``; a checkpoint
+  Lightning Fabric saves (``fabric.py``) has ``global_step``, ``lr_schedulers`` and the data
+  loaders' positions there instead, which a Trainer takes as its loop position
+  (:func:`trainer_progress`), and the user's own entries. Names may differ by a wrapper's prefix
+  (a bare model's ``layers.0...``, a LightningModule's ``model.layers.0...``): each loads the
+  other's (:func:`checkpoint_names`).
 
 Every rank writes the chunks it holds, whatever holds them: a replica (DP), a DTensor shard (FSDP,
 TP), a pipeline stage's own parameters, a sharded optimizer's flat range (``data/flat_chunks.py``).
@@ -17,14 +22,17 @@ whose last stage holds the head's copy finds it in a one-process checkpoint, and
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import shutil
 import zipfile
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
@@ -48,31 +56,42 @@ if TYPE_CHECKING:
     from lightning_ultrascale.parallel.step import StepRunner
 
 
-def parameter_names(module: nn.Module) -> dict[nn.Parameter, list[str]]:
-    """Every name of every parameter (a tied weight has two), in ``named_parameters`` order."""
+def _same(name: str) -> str:
+    return name
+
+
+def parameter_names(module: nn.Module, rename: Callable[[str], str] = _same) -> dict[nn.Parameter, list[str]]:
+    """Every name of every parameter (a tied weight has two), in ``named_parameters`` order.
+
+    ``rename``: how a checkpoint names them (:func:`checkpoint_names`), if not as ``module`` does.
+    """
     names: dict[nn.Parameter, list[str]] = defaultdict(list)
     for name, p in module.named_parameters(remove_duplicate=False):
-        names[p].append(name)
+        names[p].append(rename(name))
     return names
 
 
-def optimizer_names(module: nn.Module, syncs: Sequence[GradientSync]) -> dict[nn.Parameter, list[str]]:
+def optimizer_names(
+    module: nn.Module, syncs: Sequence[GradientSync], rename: Callable[[str], str] = _same
+) -> dict[nn.Parameter, list[str]]:
     """:func:`parameter_names`, plus a parameter's names for the tensor the optimizer steps in its place (a master)."""
-    names = parameter_names(module)
+    names = parameter_names(module, rename)
     for sync in syncs:
         for param, alias in sync.optimizer_aliases().items():
             names[alias] = names[param]  # type: ignore[index]
     return names
 
 
-def named_optimizer_state(module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync]) -> dict[str, Any]:
+def named_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync], rename: Callable[[str], str] = _same
+) -> dict[str, Any]:
     """``optimizer``'s state in the one format: ``state.<name>.<key>`` and ``param_groups.<name>.<hyperparameter>``.
 
     Values are the live tensors (or views of them), so ``dcp.load`` into the result fills the
     optimizer in place; :func:`load_named_optimizer_state` does the rest.
     """
     initialize_state(optimizer)
-    names = optimizer_names(module, syncs)
+    names = optimizer_names(module, syncs, rename)
     out: dict[str, Any] = {}
     handled: set[int] = set()
     for sync in syncs:
@@ -90,10 +109,14 @@ def named_optimizer_state(module: nn.Module, optimizer: Optimizer, syncs: Sequen
 
 
 def load_named_optimizer_state(
-    module: nn.Module, optimizer: Optimizer, syncs: Sequence[GradientSync], loaded: dict[str, Any]
+    module: nn.Module,
+    optimizer: Optimizer,
+    syncs: Sequence[GradientSync],
+    loaded: dict[str, Any],
+    rename: Callable[[str], str] = _same,
 ) -> None:
     """After ``dcp.load`` into :func:`named_optimizer_state`'s dict: hyperparameters and non-tensor state."""
-    names = optimizer_names(module, syncs)
+    names = optimizer_names(module, syncs, rename)
     handled: set[int] = set()
     for sync in syncs:
         sync.load_named_optimizer_state(loaded, names)
@@ -146,6 +169,122 @@ def publish(partial: Path, path: Path) -> None:
         path.rename(_previous(path))
     partial.rename(path)
     _remove(_previous(path))
+
+
+def begin_save(path: Path, rank: int, barrier: Callable[[], None]) -> Path:
+    """The directory every rank writes ``path``'s checkpoint into, emptied by rank 0, until :func:`publish_save`."""
+    partial = _partial(path)
+    if rank == 0:
+        _remove(partial)
+        partial.mkdir(parents=True)
+    barrier()
+    return partial
+
+
+def publish_save(meta: dict[str, Any], partial: Path, path: Path, rank: int, barrier: Callable[[], None]) -> None:
+    """Once every rank has written its shards into ``partial``: rank 0 adds ``meta`` and publishes it at ``path``."""
+    if rank == 0:
+        torch.save(meta, partial / _METADATA_FILENAME)
+    barrier()  # every rank has written its files
+    if rank == 0:
+        publish(partial, path)
+    barrier()
+
+
+def master_state(
+    module: nn.Module, syncs: Sequence[GradientSync], rename: Callable[[str], str] = _same
+) -> dict[str, Any]:
+    """The fp32 master weights the syncs keep (``bf16-mixed``, ZeRO 0-2), by parameter name: what a checkpoint holds."""
+    names = parameter_names(module, rename)
+    return {k: v for sync in syncs for k, v in sync.master_state(names).items()}
+
+
+def with_masters(state: dict[str, Any], module: nn.Module, syncs: Sequence[GradientSync]) -> dict[str, Any]:
+    """A sharded model state dict with the fp32 masters in place of the bf16 weights they round to.
+
+    A rank holding no element of a parameter's master writes nothing under its name.
+    """
+    masters = master_state(module, syncs)
+    return {k: masters.get(k, v) for k, v in state.items() if masters.get(k, v) is not None}
+
+
+def checkpoint_names(path: Path, names: Collection[str]) -> Callable[[str], str]:
+    """How the DCP checkpoint at ``path`` names a model whose tensors are ``names`` here.
+
+    The same, or under another wrapper: a Fabric run that sets up the bare model saves
+    ``layers.0...``, a Trainer run whose LightningModule holds it as ``model`` saves
+    ``model.layers.0...``; each loads the other's. Found from one name, checked on all.
+
+    Example:
+        >>> rename = _rename("model.", "")
+        >>> rename("model.layers.0.attention.wq.weight")
+        'layers.0.attention.wq.weight'
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    section = "state_dict."
+    saved = {
+        k[len(section) :]
+        for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if k.startswith(section)
+    }
+    if not names or set(names) <= saved:
+        return _same
+    probe = next(iter(names))
+
+    def shared(theirs: str) -> int:  # dotted components the two names end with
+        pairs = zip(reversed(probe.split(".")), reversed(theirs.split(".")))
+        return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], pairs))
+
+    match = max(saved, key=shared, default="")
+    cut = shared(match)
+    if not cut:
+        return _same
+    rename = _rename(_prefix(probe, cut), _prefix(match, cut))
+    return rename if all(rename(n) in saved for n in names) else _same
+
+
+def _prefix(name: str, cut: int) -> str:
+    """``name`` without its last ``cut`` dotted components: ``_prefix("model.norm.weight", 2) == "model."``."""
+    parts = name.split(".")
+    return "".join(f"{p}." for p in parts[: len(parts) - cut])
+
+
+def _rename(strip: str, add: str) -> Callable[[str], str]:
+    def rename(name: str) -> str:
+        return add + name[len(strip) :] if name.startswith(strip) else name
+
+    return rename
+
+
+def load_layout_state(
+    path: Path, module: nn.Module, optimizers: Sequence[Optimizer], syncs: Sequence[GradientSync], strict: bool
+) -> None:
+    """Fill ``module``, its fp32 masters and ``optimizers`` in place from a DCP checkpoint of any layout."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    # DCP loads into the tensors of a template, in place, each rank its own chunks.
+    weights = get_model_state_dict(module)
+    rename = checkpoint_names(path, weights)
+    state: dict[str, Any] = {"state_dict": {rename(k): v for k, v in weights.items()}}
+    # fp32 master weights (bf16-mixed, ZeRO 0-2) are loaded in place of the bf16 parameters.
+    masters = {k: v for k, v in master_state(module, syncs, rename).items() if k in state["state_dict"]}
+    live = {k: state["state_dict"][k] for k in masters}
+    for k, master in masters.items():  # (a rank holding none of a master reads nothing of it)
+        if master is None:
+            del state["state_dict"][k]
+        else:
+            state["state_dict"][k] = master
+    for idx, optimizer in enumerate(optimizers):
+        state[f"optimizer_{idx}"] = named_optimizer_state(module, optimizer, syncs, rename)
+    dcp_load(state, checkpoint_id=path)
+    state["state_dict"].update(live)
+    module.load_state_dict({k: state["state_dict"][rename(k)] for k in weights}, strict=strict)
+    for sync in syncs:
+        sync.load_masters()
+    for idx, optimizer in enumerate(optimizers):
+        load_named_optimizer_state(module, optimizer, syncs, state[f"optimizer_{idx}"], rename)
 
 
 def checkpoint_location(path: _PATH) -> Path:
@@ -292,6 +431,57 @@ def rebase_accumulation(checkpoint: dict[str, Any], accumulate: int) -> None:
             counters[key] += shift
 
 
+#: Where a Fabric checkpoint keeps the positions of the resumable data loaders it was given, in order.
+TRAIN_DATA_KEY = "ultrascale_train_data"
+
+
+def data_positions(meta: Mapping[str, Any]) -> list[Any] | None:
+    """The data loaders' positions a checkpoint holds: Fabric's (:data:`TRAIN_DATA_KEY`), or the Trainer's loops'."""
+    if TRAIN_DATA_KEY in meta:
+        return list(meta[TRAIN_DATA_KEY])
+    return meta.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+
+
+def trainer_progress(checkpoint: dict[str, Any], fit_loop: dict[str, Any], schedulers: int, option: str) -> None:
+    """Give a checkpoint Lightning Fabric wrote what the Trainer resumes from (a Trainer's own: nothing to do).
+
+    Fabric saves ``global_step``, a step's micro-steps (:data:`ACCUMULATION_KEY`), the LR
+    schedulers and the resumable data loaders' positions (:data:`TRAIN_DATA_KEY`); they become
+    the progress of ``fit_loop`` (this Trainer's fresh ``fit_loop.state_dict()``, so every key is
+    its Lightning version's): training continues at that step and, given a data position, at
+    that batch of its epoch (else at the epoch's first batch). ``schedulers``: this run's count.
+    """
+    if "loops" in checkpoint:  # every checkpoint a Trainer writes has them
+        return
+    saved = checkpoint.setdefault("lr_schedulers", [])
+    if len(saved) < schedulers:
+        raise ConfigError(
+            f"{option} was saved by Lightning Fabric with {len(saved)} LR scheduler(s), and this run has "
+            f"{schedulers}: put the scheduler in the state fabric.save writes (e.g. {{'model': model, 'optimizer': "
+            "optimizer, 'scheduler': scheduler}) to resume it in a Trainer"
+        )
+    steps = int(checkpoint.get("global_step", 0))
+    data = data_positions(checkpoint)
+    micro = steps * checkpoint.setdefault(ACCUMULATION_KEY, 1) if data else 0
+    loop = copy.deepcopy(fit_loop)
+    _count(loop["epoch_progress"], ready=1, started=1)
+    _count(loop["epoch_loop.batch_progress"], ready=micro, started=micro, processed=micro, completed=micro)
+    optimizer = loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    _count(optimizer["step"], ready=steps, completed=steps)
+    _count(optimizer["zero_grad"], ready=steps, started=steps, completed=steps)
+    _count(loop["epoch_loop.manual_optimization.optim_step_progress"], ready=steps, completed=steps)
+    _count(loop["epoch_loop.scheduler_progress"], ready=steps, completed=steps)
+    loop["epoch_loop.state_dict"]["_batches_that_stepped"] = steps
+    loop["state_dict"] = {"combined_loader": data} if data else {}
+    checkpoint["loops"] = {"fit_loop": loop}
+    checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+
+
+def _count(progress: dict[str, Any], **counts: int) -> None:
+    for scope in ("current", "total"):
+        progress[scope].update(counts)
+
+
 class LayoutCheckpoints(ModelParallelStrategy):
     """Lightning's checkpoint hooks for the strategy's layout (its ``layout`` and ``step``).
 
@@ -318,11 +508,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
 
         path = Path(self.broadcast(filepath))
         self.finish_checkpoint()
-        partial = _partial(path)
-        if self.global_rank == 0:
-            _remove(partial)
-            partial.mkdir(parents=True)
-        self.barrier()
+        partial = begin_save(path, self.global_rank, self.barrier)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self.async_checkpoint and self.lightning_module is not None and self.lightning_module.trainer.training:
@@ -344,12 +530,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
             self._publish(meta, partial, path)
 
     def _publish(self, meta: dict[str, Any], partial: Path, path: Path) -> None:
-        if self.global_rank == 0:
-            torch.save(meta, partial / _METADATA_FILENAME)
-        self.barrier()  # every rank has written its files
-        if self.global_rank == 0:
-            publish(partial, path)
-        self.barrier()
+        publish_save(meta, partial, path, self.global_rank, self.barrier)
 
     @override
     def on_train_end(self) -> None:
@@ -375,13 +556,12 @@ class LayoutCheckpoints(ModelParallelStrategy):
                 )
             masters = {k: (m.full_tensor() if isinstance(m, DTensor) else m).detach().cpu() for k, m in masters.items()}
             return {**state, **{k: v for k, v in masters.items() if k in state}}
-        # A rank holding no element of a parameter's master writes nothing under its name.
-        return {k: masters.get(k, v) for k, v in state.items() if masters.get(k, v) is not None}
+        assert self.model is not None
+        return with_masters(state, self.model, self.layout.grad_syncs)
 
     def _master_state(self) -> dict[str, Any]:
         assert self.model is not None
-        names = parameter_names(self.model)
-        return {k: v for sync in self.layout.grad_syncs for k, v in sync.master_state(names).items()}
+        return master_state(self.model, self.layout.grad_syncs)
 
     def _shards_optimizer(self) -> bool:
         return any(sync.optimizer_shards() for sync in self.layout.grad_syncs)
@@ -413,11 +593,15 @@ class LayoutCheckpoints(ModelParallelStrategy):
 
         Lightning's own loader insists on DTensor parameters, which replicated layouts do not have,
         and on optimizer states in torch's nested format, which pipeline stages cannot share. The
-        saved loop position is counted in this run's gradient accumulation (:func:`rebase_accumulation`).
+        saved loop position is counted in this run's gradient accumulation (:func:`rebase_accumulation`);
+        a checkpoint Lightning Fabric saved gets the loop position of its step (:func:`trainer_progress`).
         """
         checkpoint = self._load_layout_checkpoint(checkpoint_path, weights_only)
         assert self.lightning_module is not None
-        rebase_accumulation(checkpoint, self.lightning_module.trainer.accumulate_grad_batches)
+        trainer = self.lightning_module.trainer
+        schedulers = len(trainer.lr_scheduler_configs)
+        trainer_progress(checkpoint, trainer.fit_loop.state_dict(), schedulers, f"ckpt_path={checkpoint_path}")
+        rebase_accumulation(checkpoint, trainer.accumulate_grad_batches)
         return checkpoint
 
     def _load_single_file(self, path: Path, weights_only: bool | None, strict: bool) -> dict[str, Any]:
@@ -443,9 +627,6 @@ class LayoutCheckpoints(ModelParallelStrategy):
         return checkpoint
 
     def _load_layout_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint import load as dcp_load
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         path = checkpoint_location(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         # The CLI checks both before any process group; Lightning hands us the path only now.
@@ -454,25 +635,6 @@ class LayoutCheckpoints(ModelParallelStrategy):
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):
             return self._load_single_file(path, weights_only, strict)
-        # DCP loads into the tensors of a template, in place, each rank its own chunks.
-        syncs = self.layout.grad_syncs
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        # fp32 master weights (bf16-mixed, ZeRO 0-2) are loaded in place of the bf16 parameters.
-        masters = {k: v for k, v in self._master_state().items() if k in state["state_dict"]}
-        live = {k: state["state_dict"][k] for k in masters}
-        for k, master in masters.items():  # (a rank holding none of a master reads nothing of it)
-            if master is None:
-                del state["state_dict"][k]
-            else:
-                state["state_dict"][k] = master
-        for idx, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{idx}"] = named_optimizer_state(self.model, optimizer, syncs)
-        dcp_load(state, checkpoint_id=path)
-        state["state_dict"].update(live)
-        self.model.load_state_dict(state["state_dict"], strict=strict)
-        for sync in syncs:
-            sync.load_masters()
-        for idx, optimizer in enumerate(self.optimizers):
-            load_named_optimizer_state(self.model, optimizer, syncs, state[f"optimizer_{idx}"])
+        load_layout_state(path, self.model, self.optimizers, self.layout.grad_syncs, strict)
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

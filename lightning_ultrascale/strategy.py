@@ -1,18 +1,18 @@
 """UltraScaleStrategy: one Lightning strategy that composes the playbook's parallelism plugins.
 
-The strategy owns the mesh, the fixed order in which plugins rewrite the model, and Lightning's
-hooks. Plugins (``parallel/plugin.py``) hand each other facts through the ``Layout``; a step
-runner (``parallel/step.py``) runs each step; gradient-sync engines (``parallel/data/engines.py``)
-average gradients. Checkpoints, the non-finite guard, the statistics metrics read and the
-watchdog are mixins of their own modules. Lightning's ``ModelParallelStrategy`` provides process groups, launchers and
-DCP checkpoints; its 2-D mesh becomes the ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh.
+The strategy holds Lightning's Trainer hooks; what it shares with the Fabric strategy (``fabric.py``)
+is ``composition.py``: the plugins in their fixed order, the mesh, validation and the rewrite of the
+model. Plugins (``parallel/plugin.py``) hand each other facts through the ``Layout``; a step runner
+(``parallel/step.py``) runs each step; gradient-sync engines (``parallel/data/engines.py``) average
+gradients. Checkpoints, the non-finite guard, the statistics metrics read and the watchdog are
+mixins of their own modules. Lightning's ``ModelParallelStrategy`` provides process groups,
+launchers and DCP checkpoints; its 2-D mesh becomes the ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,20 +26,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ultrascale.checkpoint import LayoutCheckpoints
+from lightning_ultrascale.composition import PluginComposition
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
-from lightning_ultrascale.models.contract import check_init, check_model, check_module, init_reference
+from lightning_ultrascale.models.contract import check_module
 from lightning_ultrascale.models.hf_adapter import adapt_in
 from lightning_ultrascale.models.spec import ModelSpec, find_model
-from lightning_ultrascale.parallel.defaults import with_defaults
-from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.parallel.layout import Layout
-from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
-from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin, resolve_dims
-from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.parallel.dims import DataShape
+from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.statistics import LayoutStatistics
-from lightning_ultrascale.utils.comm import collective_device
-from lightning_ultrascale.utils.grad import clip_grad_norm_
+from lightning_ultrascale.utils.grad import clip_grad_value_
 from lightning_ultrascale.watchdog import WatchedRanks
 
 if TYPE_CHECKING:
@@ -47,11 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Which strategy parallelised a model: its parameters are sharded and hooked for that one only.
-_PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, UltraScaleStrategy] = weakref.WeakKeyDictionary()
 
-
-class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, WatchedRanks, ModelParallelStrategy):
+class UltraScaleStrategy(
+    LayoutCheckpoints, GuardedSteps, LayoutStatistics, WatchedRanks, PluginComposition, ModelParallelStrategy
+):
     """Train with any composition of the Ultra-Scale Playbook's parallelism techniques.
 
     Plugins may be listed in any order; they are applied in the fixed order of
@@ -102,64 +97,15 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        for plugin in plugins:
-            if not isinstance(plugin, ParallelPlugin):
-                raise TypeError(f"UltraScaleStrategy takes ParallelPlugin objects, got {plugin!r}")
-            if plugin.applies_at not in APPLY_ORDER:
-                raise TypeError(f"{plugin!r} has applies_at={plugin.applies_at!r}; valid: {', '.join(APPLY_ORDER)}")
-        stages = [p.applies_at for p in plugins]
-        repeated = sorted({s for s in stages if stages.count(s) > 1})
-        if repeated:
-            raise ConfigError(f"one plugin per technique; got several for: {', '.join(repeated)}")
-        ordered = sorted(with_defaults(plugins), key=lambda p: APPLY_ORDER.index(p.applies_at))
-        self.plugins: tuple[ParallelPlugin, ...] = tuple(ordered)
-        runners = [p.step_runner for p in self.plugins if p.step_runner is not None]
-        if len(runners) > 1:
-            raise ConfigError(f"one plugin may run the step; several do: {', '.join(map(repr, self.plugins))}")
-        #: How each step runs: Lightning's own step, or the one a plugin brings (e.g. a schedule).
-        self.step: StepRunner = runners[0] if runners else StepRunner()
-        self.seed = seed
+        self.compose(plugins, seed)
         self.async_checkpoint = async_checkpoint
         self.guard = guard or NonFiniteGuard()
         self.tf32 = tf32
-        self._parallel_dims: ParallelDims | None = None
-        self._layout: Layout | None = None
-        self._validated: tuple[ModelSpec, tuple[int, int, int | None] | None] | None = None
 
     # ----------------------------------------------------------------------------- sizes, mesh, layout
-    def resolve_dims(self, world_size: int) -> ParallelDims:
-        """The plugins' sizes, with the one left open inferred, validated against ``world_size``."""
-        return resolve_dims(self.plugins, world_size)
-
-    def applied_plugins(self) -> tuple[ParallelPlugin, ...]:
-        """Every plugin in the order it applies: the strategy's and the precision plugin's model rewrite (FP8).
-
-        A precision plugin takes part by offering ``parallel_plugin()`` (e.g. ``FP8Precision``'s
-        module swap, which applies first); Lightning hands the strategy its precision plugin late,
-        so it joins here rather than in ``__init__``.
-        """
-        plugins = self.plugins
-        offer = getattr(self.precision_plugin, "parallel_plugin", None)
-        if offer is not None:
-            plugins = (*plugins, offer())  # the same object at every call: it keeps what it applied
-        return tuple(sorted(plugins, key=lambda p: APPLY_ORDER.index(p.applies_at)))
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        if self._parallel_dims is None:
-            raise RuntimeError("parallel dims are resolved when the Trainer is created with this strategy")
-        return self._parallel_dims
-
-    @property
-    def layout(self) -> Layout:
-        """The mesh and the facts the plugins share; exists once the processes are initialised."""
-        if self._layout is None:
-            raise RuntimeError("the layout exists once the processes are initialised (setup_environment)")
-        return self._layout
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        return self.layout.mesh
+    @override
+    def active_precision(self) -> Any:
+        return self.precision_plugin
 
     @override
     def _configure_launcher(self) -> None:
@@ -174,30 +120,6 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
             )
         super()._configure_launcher()
 
-    def validate(self, spec: ModelSpec, data: DataShape | None = None, world_size: int | None = None) -> None:
-        """Every check that needs no process: the layout against the model and the batch shape.
-
-        ``trainer.fit`` runs it before the process group exists; the CLI before the Trainer
-        exists (with its ``world_size``); either way once per process.
-        """
-        if world_size is not None:
-            self._parallel_dims = self.resolve_dims(world_size)
-        key = (spec, data and (data.seq_len, data.micro_batch_size, data.max_token_id))
-        if self._validated is not None and self._validated[0] == spec and (data is None or self._validated == key):
-            return
-        dims = self.parallel_dims
-        dims.validate_model(spec)
-        for plugin in self.applied_plugins():
-            plugin.validate(dims, spec, data)
-            plugin.validate_with(self.applied_plugins())
-        if data is not None:
-            data.validate_vocabulary(spec)
-            if data.fits is not None:
-                data.fits(dims.dp)
-            if data.global_batch_size is not None:
-                dims.grad_accumulation(data.global_batch_size, data.micro_batch_size)
-        self._validated = key
-
     @override
     def setup_environment(self) -> None:
         spec = getattr(self.lightning_module, "model_spec", None)  # declared before the model exists
@@ -209,19 +131,11 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         self._setup_distributed()
         if self.root_device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
-        if self._layout is None:  # a second fit keeps the mesh and the facts of its model
-            self._layout = Layout(self.parallel_dims, build_mesh(self.parallel_dims, self.root_device.type))
+        self.build_layout(self.root_device.type)
         self._device_mesh = self.mesh.root
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         log.info("UltraScaleStrategy: %s", self.describe())
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Samplers shard by data-parallel coordinates: tp/cp/pp peers must read the same samples.
-        dp = self.mesh["dp"]
-        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     # ----------------------------------------------------------------------------- model
     @contextlib.contextmanager
@@ -235,37 +149,7 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
     def parallelize(self) -> nn.Module:
         """Apply every plugin in order, then materialise and initialise the weights (idempotent)."""
         assert self.lightning_module is not None
-        adapt_in(self.lightning_module)
-        model, name = find_model(self.lightning_module)
-        owner = _PARALLELISED_BY.get(model)
-        if owner is self:
-            return model
-        if owner is not None:
-            raise RuntimeError(
-                f"{type(model).__name__} was already parallelised by another UltraScaleStrategy; its parameters "
-                "are sharded and hooked for that one. Build a new LightningModule (or reuse the same Trainer)"
-            )
-        self.validate(model.spec)
-        check_model(model, self.lightning_module, self.applied_plugins())
-        reference = init_reference(model)  # (meta: a copy costs nothing) for check_init
-        # Fresh facts for this model (the mesh stays).
-        self._layout = Layout(self.parallel_dims, self.mesh, self.precision_plugin.precision)
-        for plugin in self.applied_plugins():
-            new = plugin.apply(model, self.layout)
-            if new is not model:
-                if not name:
-                    raise TypeError(f"{plugin!r} replaced the root module; wrap the model in a LightningModule")
-                self.lightning_module.set_submodule(name, new)
-                model = new
-        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            model.to_empty(device=self.root_device)
-            model.init_weights(self.seed)  # (the contract checked it exists)
-            check_init(model, reference, self.seed, collective_device())
-        _PARALLELISED_BY[model] = self
-        leftover = [n for n, p in self.lightning_module.named_parameters() if p.is_meta]
-        if leftover:
-            raise RuntimeError(f"parameters outside the parallelised model are still meta tensors: {leftover[:5]}")
-        return model
+        return self.parallelize_module(self.lightning_module, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -314,16 +198,6 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
         self.wait_for_parameters()
         super().on_train_end()
 
-    def wait_for_parameters(self) -> None:
-        """Finish the parameter all-gathers a sharded optimizer (ZeRO-1/2) leaves in flight after its step.
-
-        The next forward waits for each bucket where it needs it, ``state_dict()`` and the end of
-        training for all; code reading parameter values in between (a callback's
-        ``on_train_batch_end`` or ``on_train_end``, which run before the strategy's) calls this first.
-        """
-        for sync in self.layout.grad_syncs:
-            sync.wait_for_parameters()
-
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         with self.step.backward_context():
@@ -333,18 +207,13 @@ class UltraScaleStrategy(LayoutCheckpoints, GuardedSteps, LayoutStatistics, Watc
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
         # Lightning clips with torch's clip_grad_norm_, which cannot mix sharded DTensor gradients
-        # with replicated ones; ours counts every gradient exactly once in any layout.
+        # with replicated ones; ours counts every gradient exactly once in any layout. By value:
+        # torch's refuses partial sums (sequence-parallel norm weights); ours reduces them first.
         assert self.lightning_module is not None
-        plugin, plan, (model, _) = self.precision_plugin, self.layout.grad_norm, find_model(self.lightning_module)
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(  # type: ignore[method-assign]
-            plugin.main_params(optimizer),
-            float(clip_val),
-            plan.across,
-            plan.groups_of,
-            uncounted=[self.layout.stepped(model.get_parameter(name)) for name in plan.skip],
+        plugin, (model, _) = self.precision_plugin, find_model(self.lightning_module)
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.clip_grad_norm(  # type: ignore[method-assign]
+            model, plugin.main_params(optimizer), float(clip_val)
         )
-
-    def describe(self) -> str:
-        """One line: the mesh and the plugins, for logs."""
-        dims = self.parallel_dims
-        return f"{dims.describe()} ({dims.world_size} ranks); plugins: {', '.join(map(repr, self.applied_plugins()))}"
+        plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), float(clip_val)
+        )

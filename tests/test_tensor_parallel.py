@@ -87,6 +87,14 @@ def test_gradient_clipping_uses_the_global_norm_counted_once(layout, plugins, wo
     assert_parity(run, reference, rtol=1e-5)
 
 
+def test_gradient_clipping_by_value_clamps_the_reduced_gradients():
+    # Sequence parallelism leaves the norm weights' gradients as partial sums over tp: torch's
+    # clip_grad_value_ refused them (in-place clamp of a Partial DTensor); each is reduced first.
+    clip = {"gradient_clip_val": 1e-3, "gradient_clip_algorithm": "value"}
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(2)], 2, dp=1, steps=3, **clip)
+    assert_parity(run, run_tiny_llama(SGD, steps=3, **clip), rtol=1e-5)
+
+
 def test_bad_tensor_parallel_settings_fail_at_construction():
     with pytest.raises(ConfigError, match=r"TensorParallel\(size=0\) must be a positive integer"):
         TensorParallel(0)

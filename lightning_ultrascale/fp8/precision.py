@@ -78,6 +78,9 @@ class FP8Precision(MixedPrecision):
         fp8_all_gather: tensorwise under ZeRO-3: all-gather weights in FP8 (half of bf16's bytes).
         device: the autocast device type; default: ``"cuda"`` where there is one, else ``"cpu"``.
 
+    Under Lightning Fabric, give it to ``L.Fabric(plugins=[...])`` with
+    ``lightning_ultrascale.fabric.UltraScaleStrategy``, which takes it in Fabric's interface.
+
     Example:
         >>> import lightning as L
         >>> from lightning_ultrascale import FP8Precision, UltraScaleStrategy, ZeRO
@@ -137,13 +140,17 @@ class FP8Precision(MixedPrecision):
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
         result = super().optimizer_step(optimizer, model, closure, **kwargs)
+        self.after_step(model)
+        return result
+
+    def after_step(self, model: nn.Module) -> None:
+        """After each optimizer step (the Trainer's or Fabric's): the scales FP8 all-gathers need, if used."""
         if self.recipe == "tensorwise" and self.fp8_all_gather:
             # The next step's FP8 all-gathers need each weight's scale: one all-reduce of every
             # amax now (torchao's helper), instead of one per weight at every gather.
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
-        return result
 
     def parallel_plugin(self) -> FP8Swap:
         """The module swap, which :class:`~lightning_ultrascale.UltraScaleStrategy` applies first."""

@@ -58,8 +58,12 @@ class StepRunner:
         with self.layout.step_context():
             output = lightning_step(*args, **kwargs)
         # Applied in backward (:meth:`weighted`): the loss Lightning shows and hands callbacks stays the mean.
-        self._weight = self.token_weight(batch_and_index(args, kwargs)[0])
+        self.weigh(batch_and_index(args, kwargs)[0])
         return output
+
+    def weigh(self, batch: Any) -> None:
+        """Weight the next backward by ``batch``'s labelled fraction (this rank's part of a training micro-step)."""
+        self._weight = self.token_weight(batch)
 
     def weighted(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to run backward on: weighted by its micro-step's labelled fraction (``utils/loss.py``)."""

@@ -107,3 +107,26 @@ def clip_grad_norm_(
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         grad.mul_(coefficient.to(grad.device, grad.dtype))
     return norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Iterable[nn.Parameter], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]``, as if each gradient were whole on one rank.
+
+    Element-wise, so each rank clamps its own pieces, but a ``Partial`` gradient (a
+    sequence-parallel norm weight's: each tp rank holds a partial sum) is reduced first: the
+    clamp of a sum is not the sum of the clamps (torch's ``clip_grad_value_`` refuses them).
+
+    Example:
+        >>> p = nn.Parameter(torch.zeros(3)); p.grad = torch.tensor([-2.0, 0.5, 3.0])
+        >>> clip_grad_value_([p], 1.0); p.grad.tolist()
+        [-1.0, 0.5, 1.0]
+    """
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in grad.placements]
+            grad = p.grad = grad.redistribute(grad.device_mesh, placements)
+        (grad.to_local() if isinstance(grad, DTensor) else grad).clamp_(-clip_value, clip_value)
