@@ -55,6 +55,24 @@ def test_an_hf_directory_trains_from_the_command_line_from_transformers_loss(tmp
     first = next(float(r["train/loss"]) for r in rows if r.get("train/loss"))
     expected = _transformers_first_loss(directories / family)
     assert abs(first - expected) / expected <= 1e-5, (first, expected)
+    if family == "mixtral":  # exported back by transformers, in Mixtral's released per-expert files
+        _exports_what_it_trained(run_dir / "checkpoints" / "last.ckpt", tmp_path)
+
+
+def _exports_what_it_trained(checkpoint, tmp_path):
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_ultrascale.cli.export import main as export
+
+    export([str(checkpoint), str(tmp_path / "exported")])
+    with safe_open(str(tmp_path / "exported" / "model.safetensors"), "pt") as files:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in files.keys()
+    dcp_to_torch_save(checkpoint, tmp_path / "trained.pt")
+    trained = torch.load(tmp_path / "trained.pt", weights_only=False)["state_dict"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    for name, value in loaded.named_parameters():
+        assert torch.equal(value, trained[f"model.{name}"]), name
 
 
 def _build(*overrides):

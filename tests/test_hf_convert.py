@@ -25,6 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 TINY = get_model_config("llama_tiny")
 TINY_TIED = replace(TINY, tie_embeddings=True, name="llama_tiny_tied")
+# Qwen2: q/k/v biases, a tied head, default RoPE.
+QWEN2_TINY = replace(TINY, qkv_bias=True, tie_embeddings=True, rope_scaling=None, name="qwen2_tiny")
 # fp32. With HF's "sdpa" attention the logits come out bit-identical on this CPU (HF "eager"
 # differs by ~2e-7: another softmax); the tolerance leaves room for other kernels. Logits are
 # O(0.01-1), so the absolute floor of 1e-6 only matters for entries near 0, where rtol cannot.
@@ -40,7 +42,7 @@ def _hf_model(cfg: LlamaConfig, seed: int = 0) -> transformers.PreTrainedModel:
     # swapping attention_norm and ffn_norm in the key map, or losing the bias, would show.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):  # (HF starts biases at 0)
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -67,8 +69,8 @@ def _ours_from_hf(hf: transformers.LlamaForCausalLM, cfg: LlamaConfig) -> Llama:
 
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), MIXTRAL_TINY, DEEPSEEK_V3_TINY],
-    ids=["tiny", "tied", "no-scaling", "mixtral", "deepseek_v3"],
+    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
+    ids=["tiny", "tied", "no-scaling", "qwen2", "mixtral", "deepseek_v3"],
 )
 def test_hf_weights_give_hf_logits(cfg: LlamaConfig) -> None:
     hf = _hf_model(cfg)
@@ -95,7 +97,9 @@ def test_hf_parity_with_context_parallel_position_ids() -> None:
 
 
 @pytest.mark.parametrize(
-    "cfg", [TINY, TINY_TIED, MIXTRAL_TINY, DEEPSEEK_V3_TINY], ids=["tiny", "tied", "mixtral", "deepseek_v3"]
+    "cfg",
+    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
+    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3"],
 )
 def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
     ours = build_model(cfg, seed=5)
@@ -188,7 +192,9 @@ def test_tied_hf_checkpoint_without_lm_head_loads() -> None:
 
 
 @pytest.mark.parametrize(
-    "cfg", [TINY, TINY_TIED, MIXTRAL_TINY, DEEPSEEK_V3_TINY], ids=["tiny", "tied", "mixtral", "deepseek_v3"]
+    "cfg",
+    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
+    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3"],
 )
 @pytest.mark.parametrize("source", ["model", "directory"])
 def test_load_hf_pretrained(cfg: LlamaConfig, source: str, tmp_path: Path) -> None:

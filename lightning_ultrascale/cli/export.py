@@ -1,13 +1,15 @@
 """``ultrascale-export CKPT OUT_DIR``: a checkpoint of any layout as a Hugging Face model directory.
 
 Writes ``config.json`` and safetensors that ``transformers.AutoModelForCausalLM.from_pretrained``
-loads (a ``LlamaForCausalLM``, ``MixtralForCausalLM`` or ``DeepseekV3ForCausalLM``, with experts
+loads (a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MixtralForCausalLM`` or ``DeepseekV3ForCausalLM``, with experts
 stored one tensor per expert as the released checkpoints are), through DCP: every process reads a
 share of the parameters from the checkpoint (whatever layout wrote it) and writes them with DCP's
 Hugging Face writer, which then consolidates the files and writes ``model.safetensors.index.json``.
 One process holds the whole model; run it with ``torchrun --nproc-per-node N -m
 lightning_ultrascale.cli.export ...`` to give each of N processes 1/N of it. The model's
 architecture comes from the checkpoint (``model_config`` in its hyperparameters, or its named config).
+A checkpoint of a Hugging Face model trained as it is (``model=hf``) is written by transformers' own
+``save_pretrained`` instead, in one process (:func:`export_hf_model`).
 
 The tokenizer goes with the model: the checkpoint records what its data was tokenized with (the
 datamodule's ``tokenizer_record``: name, content hash, where ``ultrascale-tokenize`` copied its
@@ -197,6 +199,9 @@ def export(
 
     check_checkpoint_path(checkpoint, "CKPT")
     path = checkpoint_location(checkpoint)
+    hparams = torch.load(path / "meta.pt", map_location="cpu", weights_only=False).get("hyper_parameters", {})
+    if "hf_config" in hparams:  # a model=hf run: the transformers model itself, written by transformers
+        return export_hf_model(path, hparams["hf_config"], out_dir, dtype, tokenizer, with_tokenizer)
     config = checkpoint_config(path)
     model_class = hf_architecture(config)[1]  # a ConfigError for an MoE without an HF counterpart
     text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
@@ -221,6 +226,42 @@ def export(
             "tie_word_embeddings": config.tie_embeddings,
         }
         (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return text_tokenizer
+
+
+def export_hf_model(
+    path: Path,
+    hf_config: dict[str, Any],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float32",
+    tokenizer: str | None = None,
+    with_tokenizer: bool = True,
+) -> TextTokenizer | None:
+    """Write the checkpoint of an HF model trained as it is (``HFCausalLMModule``) with transformers' own
+    ``save_pretrained``: its config, and its weights in the layout its family is released in.
+
+    One process holds the whole model (the transformers model is built whole, on the CPU).
+    """
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(f"{path} holds a Hugging Face model (model=hf): export it in one process, without torchrun")
+    settings = dict(hf_config)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = AutoModelForCausalLM.from_config(config)
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {f"state_dict.model.{n}": t for n, t in model.state_dict().items() if f"state_dict.model.{n}" in stored}
+    missing = sorted(n for n, _ in model.named_parameters() if f"state_dict.model.{n}" not in stored)
+    if missing:
+        raise ConfigError(f"{path} lacks parameters of its {config.model_type} model: {', '.join(missing[:5])}")
+    load(state, checkpoint_id=str(path))
+    model.tie_weights()
+    text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
+    if text_tokenizer is not None:
+        limits = argparse.Namespace(vocab_size=config.vocab_size, max_seq_len=config.max_position_embeddings)
+        write_tokenizer(text_tokenizer, Path(out_dir), limits)  # type: ignore[arg-type]
+    model.to(DTYPES[dtype]).save_pretrained(out_dir)
     return text_tokenizer
 
 

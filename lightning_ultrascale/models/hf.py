@@ -61,6 +61,10 @@ _KEY_PAIRS = (
     ("model.layers.{}.self_attn.k_proj.weight", "layers.{}.attention.wk.weight"),
     ("model.layers.{}.self_attn.v_proj.weight", "layers.{}.attention.wv.weight"),
     ("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attention.wo.weight"),
+    # Qwen2's q/k/v biases (LlamaConfig.qkv_bias).
+    ("model.layers.{}.self_attn.q_proj.bias", "layers.{}.attention.wq.bias"),
+    ("model.layers.{}.self_attn.k_proj.bias", "layers.{}.attention.wk.bias"),
+    ("model.layers.{}.self_attn.v_proj.bias", "layers.{}.attention.wv.bias"),
     ("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
     ("model.layers.{}.mlp.gate_proj.weight", "layers.{}.feed_forward.w1.weight"),
     ("model.layers.{}.mlp.down_proj.weight", "layers.{}.feed_forward.w2.weight"),
@@ -91,7 +95,12 @@ _HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_
 
 
 #: transformers ``model_type`` of each model class we convert.
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "DeepseekV3ForCausalLM": "deepseek_v3"}
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
 
 
 def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
@@ -109,7 +118,9 @@ def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
     """
     moe = cfg.moe
     if moe is None and cfg.mla is None:
-        return "LlamaConfig", "LlamaForCausalLM"
+        return ("Qwen2Config", "Qwen2ForCausalLM") if cfg.qkv_bias else ("LlamaConfig", "LlamaForCausalLM")
+    if cfg.qkv_bias:
+        raise ConfigError(f"model {cfg.name}: q/k/v biases convert as Qwen2 (dense, standard attention) only")
     if moe is not None and cfg.mla is None:
         mixtral = moe.router == "softmax" and moe.norm_topk_prob and moe.routed_scaling_factor == 1.0
         if mixtral and not (moe.n_shared_experts or moe.first_k_dense or moe.n_group > 1):
@@ -143,8 +154,10 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
 
 
 def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
-    """Refuse what our models do not have: biases, another activation, a head_dim other than dim / n_heads."""
+    """Refuse what our models do not have: biases (but Qwen2's q/k/v ones), another activation, a head_dim
+    other than dim / n_heads, sliding windows."""
     unsupported = {
+        "use_sliding_window": (getattr(hf_config, "use_sliding_window", False), False),
         "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
         "attention_bias": (getattr(hf_config, "attention_bias", False), False),
         "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
@@ -195,6 +208,7 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         rope_scaling=scaling,
         max_seq_len=hf_config.max_position_embeddings,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
+        qkv_bias=getattr(hf_config, "model_type", None) == "qwen2",
         name=name or getattr(hf_config, "name_or_path", "") or "hf_llama",
     )
 

@@ -1,4 +1,5 @@
-"""The Llama family's Hugging Face config translation: ``LlamaConfig`` and ``MixtralConfig`` (MoE)."""
+"""The Llama family's Hugging Face config translation: ``LlamaConfig``, ``Qwen2Config`` (q/k/v biases) and
+``MixtralConfig`` (MoE)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,25 @@ __all__ = ["llama_from_hf", "llama_to_hf"]
 def llama_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """``transformers.LlamaConfig`` (with MoE: ``MixtralConfig``) keyword arguments of ``cfg``."""
     s = cfg.rope_scaling
-    return {
-        **common_to_hf(cfg),
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rope_scaling": None
-        if s is None
-        else {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        },
-        "mlp_bias": False,
-    } | _moe_to_hf(cfg)
+    return (
+        {
+            **common_to_hf(cfg),
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "rope_scaling": None
+            if s is None
+            else {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            },
+            "mlp_bias": False,
+        }
+        | _moe_to_hf(cfg)
+        | ({"use_sliding_window": False} if cfg.qkv_bias else {})
+    )
 
 
 def _moe_to_hf(cfg: LlamaConfig) -> dict[str, Any]:

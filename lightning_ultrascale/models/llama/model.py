@@ -77,7 +77,7 @@ class RopeScaling:
 
 
 #: The settings that decide the weights' shapes (and a router's meaning).
-_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings")
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings", "qkv_bias")
 _MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
 
 
@@ -110,6 +110,8 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    #: Biases on the q, k and v projections (Qwen2's attention); the output projection has none.
+    qkv_bias: bool = False
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     name: str = "llama"
@@ -158,6 +160,8 @@ class LlamaConfig:
             self.moe.validate(self.n_layers)
         if self.mla is not None:
             self.mla.validate()
+            if self.qkv_bias:
+                raise ConfigError("model.qkv_bias=True is for standard attention; valid with model.mla: False")
         # RoPE rotates pairs of dimensions, so head_dim must be even as well as whole (MLA sets its own).
         valid_heads = [h for h in divisors(self.dim) if (self.dim // h) % 2 == 0]
         if self.mla is None and self.n_heads not in valid_heads:
@@ -212,6 +216,7 @@ class LlamaConfig:
             attention = mla_num_params(self)
         else:
             attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
+            attention += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
         blocks = 0
         for layer in range(self.n_layers):
             if self.moe is not None and self.moe.is_moe_block(layer):
@@ -287,9 +292,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
         self.rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = reference.rope
@@ -583,9 +588,11 @@ class Llama(nn.Module):
             init_parameter(param, name, seed, self._init_std(name))
 
     def _init_std(self, name: str) -> float | None:
-        """Standard deviation of a parameter's initial values; None for norms, which start at 1."""
+        """Standard deviation of a parameter's initial values; None for norms, which start at 1; 0 for biases."""
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0  # (q/k/v biases start at 0, as in HF's Qwen2)
         std = 0.02
         if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "experts.w2", "shared_experts.w2.weight")):
             std /= math.sqrt(2 * self.config.n_layers)
