@@ -195,3 +195,44 @@ def test_the_initial_weights_follow_hf_distributions_drawn_per_parameter_name():
     other.to_empty(device="cpu")
     other.init_weights(0)
     assert torch.equal(other.model.layers[1].self_attn.q_proj.weight, a.model.layers[1].self_attn.q_proj.weight)
+
+
+# ----------------------------------------------------------------------------- Lightning Fabric
+def _fabric_loop(plugins, steps=STEPS):
+    """An HF model in a Fabric loop of one's own: built on meta, set up, trained with SGD; losses and parameters."""
+    from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
+
+    fabric = L.Fabric(strategy=FabricStrategy(*plugins()), accelerator="cpu", devices=2)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_config(hf_config("qwen2"))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return _train(model, optimizer, fabric.backward, steps)
+
+
+def _train(model, optimizer, backward, steps):
+    data = _data()
+    data.setup("fit")
+    losses, batches = [], iter(data.train_dataloader())
+    for _ in range(steps):
+        batch = next(batches)
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    whole = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+    return losses, whole
+
+
+def test_a_hugging_face_model_trains_in_a_fabric_loop_like_one_process():
+    reference = adapt(AutoModelForCausalLM.from_config(hf_config("qwen2")))
+    reference.init_weights(0)
+    losses, params = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), torch.Tensor.backward, STEPS)
+    run_losses, run_params = run_workers(_fabric_loop, 2, lambda: [TensorParallel(2)], timeout_s=300)[0]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(run_losses, losses)), (run_losses, losses)
+    for name, value in params.items():
+        assert relative_error(run_params[name.removeprefix("_forward_module.")], value) <= 1e-5, name

@@ -404,10 +404,11 @@ def _block_plans(residual: Any, qk_norm: bool) -> tuple[dict[str, Any], dict[str
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
-        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
+
+    from lightning_ultrascale.models.llama.parallel import gathered_moe
 
     attention: dict[str, Any] = {
         # HF's blocks call their attention with hidden_states=: converted as a keyword.
@@ -426,16 +427,7 @@ def _block_plans(residual: Any, qk_norm: bool) -> tuple[dict[str, Any], dict[str
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(output_layouts=residual),
     }
-    moe = {
-        "mlp": PrepareModuleInputOutput(
-            input_layouts=(residual,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(residual,),
-        )
-    }
-    return attention, dense, moe
+    return attention, dense, {"mlp": gathered_moe(residual)}
 
 
 # ----------------------------------------------------------------------------- initialisation

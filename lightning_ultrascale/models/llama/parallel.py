@@ -12,7 +12,7 @@ from lightning_ultrascale.models.deepseek.mla import mla_tp_plan
 if TYPE_CHECKING:
     from lightning_ultrascale.models.llama.model import LlamaConfig
 
-__all__ = ["llama_tp_plan"]
+__all__ = ["gathered_moe", "llama_tp_plan"]
 
 
 def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -80,12 +80,7 @@ def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
 def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The dense SwiGLU's plan (hidden units split over tp) and an MoE's (gathered, not split)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        RowwiseParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     dense = {
         "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
@@ -93,13 +88,19 @@ def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
-    moe = {
-        "feed_forward": PrepareModuleInputOutput(
-            input_layouts=(residual,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(residual,),
-        )
-    }
-    return dense, moe
+    return dense, {"feed_forward": gathered_moe(residual)}
+
+
+def gathered_moe(residual: Any) -> Any:
+    """An MoE feed-forward's style: its input gathered (every tp rank routes the same tokens), its output
+    handed back in the residual layout; the experts themselves are not split over tp."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(residual,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(residual,),
+    )
