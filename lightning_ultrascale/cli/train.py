@@ -490,6 +490,35 @@ def _differences(config: Any, preset: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def _resume_from(cfg: DictConfig, module: Any) -> None:
+    """``ckpt_path``: ``auto`` resolved to the newest checkpoint (or None); a path checked (one, of this model)."""
+    from lightning_ultrascale.checkpoint import check_checkpoint_model, check_checkpoint_path
+    from lightning_ultrascale.resilience import resolve_ckpt_path
+
+    cfg.ckpt_path = resolve_ckpt_path(cfg.ckpt_path, _checkpoint_dir(cfg))
+    if cfg.ckpt_path is not None:
+        check_checkpoint_path(cfg.ckpt_path)
+        check_checkpoint_model(cfg.ckpt_path, module.hparams)
+
+
+def _checkpoint_dir(cfg: DictConfig) -> Path:
+    """Where the run's checkpoints go (the ``checkpoint`` callback's directory): where ``ckpt_path=auto`` looks."""
+    node = (cfg.get("callbacks") or {}).get("checkpoint") or {}
+    return Path(node.get("dirpath") or Path(run_dir()) / "checkpoints")
+
+
+def _cluster_plugins(callbacks: list[Any]) -> list[Any]:
+    """Under SLURM with our :class:`~lightning_ultrascale.resilience.Preemption`: Lightning's own requeue off
+    (it saves inside the signal handler, on whichever rank the signal reaches first, at any point of a step)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    from lightning_ultrascale.resilience import Preemption
+
+    if not SLURMEnvironment.detect() or not any(isinstance(c, Preemption) for c in callbacks):
+        return []
+    return [SLURMEnvironment(auto_requeue=False)]
+
+
 def _precision(node: DictConfig) -> dict[str, Any]:
     """The Trainer's precision argument, or, with ``precision.fp8``, the FP8Precision plugin carrying it."""
     fp8 = node.get("fp8")
@@ -517,16 +546,13 @@ def _accumulation(t: DictConfig, shape: Any, strategy: Any) -> dict[str, int]:
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
-    from lightning_ultrascale.checkpoint import check_checkpoint_model, check_checkpoint_path
     from lightning_ultrascale.guard import NonFiniteGuard
     from lightning_ultrascale.strategy import UltraScaleStrategy
 
     chosen = _auto_layout(cfg)
     module, datamodule, global_batch_size = _module_and_data(cfg)
     shape = _data_shape(datamodule, global_batch_size, module)
-    if cfg.ckpt_path is not None:
-        check_checkpoint_path(cfg.ckpt_path)
-        check_checkpoint_model(cfg.ckpt_path, module.hparams)
+    _resume_from(cfg, module)
     strategy = UltraScaleStrategy(
         *(chosen if chosen is not None else plugins(cfg.parallel)),
         seed=cfg.seed,
@@ -540,14 +566,18 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
+    callbacks = _callbacks(cfg)
+    precision = _precision(cfg.precision)
+    lightning_plugins = precision.pop("plugins", []) + _cluster_plugins(callbacks)
     trainer = L.Trainer(
         **OmegaConf.to_container(t, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,
-        **_precision(cfg.precision),
+        **precision,
+        **({"plugins": lightning_plugins} if lightning_plugins else {}),
         **accumulate,
         gradient_clip_val=cfg.optim.get("grad_clip"),
         logger=loggers or False,
-        callbacks=_callbacks(cfg),
+        callbacks=callbacks,
         default_root_dir=str(out),
     )
     if trainer.global_rank == 0:
