@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Launch a recipe with torchrun on one or more nodes (run this script on every node).
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 recipes/torchrun.sh recipe=llama3_8b data.source=/data/corpus.bin
-# Every rank must agree on the run directory: it is derived from RUN_ID, which every node must
-# be given the same (the default, a date, is only safe on one node).
+# Launch a recipe with torchrun's elastic agent on one or more nodes (run this script on every node).
+#   NNODES=2 MASTER_ADDR=node0 RUN_ID=llama8b-1 recipes/torchrun.sh recipe=llama3_8b data.source=/data/corpus.bin
+# The c10d rendezvous (hosted by MASTER_ADDR's agent) lets any node start first. When a rank dies,
+# the agents stop the whole worker group and start it again, up to MAX_RESTARTS times; every
+# restarted rank resumes from the newest complete checkpoint of the run directory by itself
+# (ckpt_path=auto). The job keeps its size: shrinking or growing it (--nnodes MIN:MAX) is not
+# supported, a checkpoint of any layout loads, but the data's order is the world size's.
+# Every node must be given the same RUN_ID: it is the rendezvous id and names the run directory.
 set -euo pipefail
 NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
 RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M)}
 export ULTRASCALE_RUN_DIR=${ULTRASCALE_RUN_DIR:-outputs/torchrun-$RUN_ID}
+# A Python traceback of every thread on a fatal signal in the log; a NCCL error or timeout ends the rank.
+export PYTHONFAULTHANDLER=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 exec torchrun \
-  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID" \
+  --max-restarts "$MAX_RESTARTS" \
   -m lightning_ultrascale.cli.train cluster=torchrun "$@"

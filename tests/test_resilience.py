@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cluster_helpers import read_losses
 
 from lightning_ultrascale.resilience import Preemption, newest_checkpoint, resolve_ckpt_path
+from lightning_ultrascale.testing.chaos import read_losses
+from lightning_ultrascale.testing.spawn import free_port
 
-TESTS = Path(__file__).parent
+CHAOS = "lightning_ultrascale.testing.chaos"
 TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
 FAST = ["data.seq_len=64", "data.micro_batch_size=2", "data.global_batch_size=4", "trainer.limit_val_batches=0",
         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]  # fmt: skip
@@ -47,20 +48,29 @@ def test_a_bad_signal_name_is_refused_with_the_valid_ones():
         Preemption(signals=["SIGINT"])
 
 
-def _train(run_dir: Path, steps: int, *extra: str, env: dict | None = None, named_by_slurm: bool = False):
-    """A 2-process CLI run in ``run_dir`` (``named_by_slurm``: the directory comes from SLURM_JOB_ID instead)."""
+def _train(run_dir: Path, steps: int, *extra: str, env: dict | None = None, srun: bool = False) -> None:
+    """A 2-process CLI run in ``run_dir``: Lightning starts the second process, or (``srun``) both are started
+    as srun starts a job's tasks, with SLURM's variables (the run directory then comes from SLURM_JOB_ID)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    losses = f"+callbacks.losses={{_target_: cluster_helpers.LossLog, path: {run_dir / 'losses.jsonl'}}}"
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    environment["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
-    environment.pop("ULTRASCALE_RUN_DIR", None)
-    if not named_by_slurm:
-        environment["ULTRASCALE_RUN_DIR"] = str(run_dir)
+    losses = f"+callbacks.losses={{_target_: {CHAOS}.StepLossLog, path: {run_dir / 'losses.jsonl'}}}"
+    base = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_RUN_DIR" and not k.startswith("SLURM_")}
+    base.update({"OMP_NUM_THREADS": "1", **(env or {})})
     cmd = [*TRAIN, f"trainer.max_steps={steps}", *FAST, losses, *extra]
-    cwd = run_dir.parent.parent if named_by_slurm else run_dir.parent
-    out = subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=300, cwd=cwd)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
+    if not srun:
+        base["ULTRASCALE_RUN_DIR"] = str(run_dir)
+        out = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=300, cwd=run_dir.parent)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return
+    slurm = {"SLURM_JOB_NAME": "ultrascale", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0",
+             "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    base.update(slurm, MASTER_PORT=str(free_port()))
+    tasks = [
+        subprocess.Popen([*cmd, "cluster=slurm"], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                         cwd=run_dir.parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    outputs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [err[-2000:] for _, err in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +81,12 @@ def uninterrupted(tmp_path_factory):
 
 
 def _signals(at: dict[int, int], signum: str, when: dict[int, str]) -> str:
-    return f"+callbacks.signal={{_target_: cluster_helpers.SignalAt, at: {at}, signum: {signum}, when: {when}}}"
+    return f"+callbacks.signal={{_target_: {CHAOS}.SignalAt, at: {at}, signum: {signum}, when: {when}}}"
 
 
 def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_run_resumes_bit_identically(tmp_path, uninterrupted):
-    # A fake SLURM job (its id: the run directory and the requeue) and a fake scontrol recording its call.
+    # A fake SLURM job, its tasks started as srun starts them (Lightning's own requeue, which saves inside
+    # the signal handler, is off), and a fake scontrol recording its call.
     bin_dir, record = tmp_path / "bin", tmp_path / "scontrol.log"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
@@ -84,8 +95,8 @@ def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_run_resumes_bit_ide
     run_dir = tmp_path / "outputs" / "slurm-4242"  # what cli.train.run_dir names it, in the job's directory
     # rank 1 in step 3's forward, rank 0 after step 4: every rank stops after step 3.
     signals = _signals({0: 4, 1: 2}, "SIGUSR1", {0: "end", 1: "start"})
-    _train(run_dir, 6, signals, env=env, named_by_slurm=True)
-    logs = (run_dir / "train.log").read_text() + (run_dir / "train_ddp_process_1.log").read_text()
+    _train(run_dir, 6, signals, env=env, srun=True)
+    logs = "".join(p.read_text() for p in run_dir.glob("*.log"))
     assert "preempted (SIGUSR1): saving a checkpoint at step 3" in logs  # rank 1's; rank 0 learns it
     assert "preempted (a signal on another rank): saving a checkpoint at step 3" in logs
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt"]
@@ -93,7 +104,7 @@ def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_run_resumes_bit_ide
     assert newest_checkpoint(run_dir / "checkpoints")[1] == 3
     assert max(read_losses(str(run_dir / "losses.jsonl"))) == 3
     # The requeued job: the same id, so the same run directory; ckpt_path=auto resumes.
-    _train(run_dir, 6, env=env, named_by_slurm=True)
+    _train(run_dir, 6, env=env, srun=True)
     assert "ckpt_path=auto: resuming from" in (run_dir / "train.log").read_text()
     assert read_losses(str(run_dir / "losses.jsonl")) == uninterrupted
 

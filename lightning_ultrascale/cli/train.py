@@ -34,6 +34,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -98,7 +99,35 @@ def _global_rank() -> int:
     return 0
 
 
+def slurm_tasks_per_node() -> int:
+    """``cluster=slurm``'s ``trainer.devices``: SLURM's tasks per node (one per GPU), or a ConfigError naming
+    the variable (``--ntasks-per-node`` sets ``SLURM_NTASKS_PER_NODE``; ``SLURM_TASKS_PER_NODE``, e.g.
+    ``8(x4)``, is set in every allocation)."""
+    value = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    match = re.match(r"\d+", value)
+    if match is None:
+        raise ConfigError(
+            "cluster=slurm needs SLURM_NTASKS_PER_NODE (or SLURM_TASKS_PER_NODE), which SLURM sets for the tasks "
+            "srun starts: run inside an sbatch/salloc allocation with --ntasks-per-node=N (one task per GPU), e.g. "
+            "recipes/slurm.sbatch; outside SLURM use cluster=local or cluster=torchrun"
+        )
+    return int(match.group())
+
+
+def slurm_nodes() -> int:
+    """``cluster=slurm``'s ``trainer.num_nodes``: ``SLURM_JOB_NUM_NODES``, or a ConfigError naming it."""
+    value = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if not value or not value.isdigit():
+        raise ConfigError(
+            "cluster=slurm needs SLURM_JOB_NUM_NODES, which SLURM sets inside an allocation (sbatch/salloc "
+            "--nodes=N); outside SLURM use cluster=local or cluster=torchrun"
+        )
+    return int(value)
+
+
 OmegaConf.register_new_resolver("ultrascale.div", lambda a, b: int(a) // int(b), replace=True)
+OmegaConf.register_new_resolver("ultrascale.slurm_tasks_per_node", slurm_tasks_per_node, replace=True)
+OmegaConf.register_new_resolver("ultrascale.slurm_nodes", slurm_nodes, replace=True)
 OmegaConf.register_new_resolver("ultrascale.run_dir", run_dir, replace=True)
 
 
@@ -189,9 +218,23 @@ def _hydra_task(cfg: DictConfig) -> None:
         try:
             trainer, module, datamodule = build(cfg)
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        except ConfigError as err:
-            # One line naming option, value and valid values; no traceback for a config mistake.
-            raise SystemExit(f"ultrascale-train: {err}") from None
+        except Exception as err:
+            # One line naming option, value and valid values; no traceback for a config mistake (also
+            # one a resolver raised while OmegaConf resolved the config, e.g. cluster=slurm's variables).
+            cause = _config_error(err)
+            if cause is not None:
+                raise SystemExit(f"ultrascale-train: {cause}") from None
+            raise
+
+
+def _config_error(err: BaseException | None) -> ConfigError | None:
+    """``err`` or the ConfigError it was raised from (OmegaConf wraps what its resolvers raise)."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, ConfigError):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 @contextlib.contextmanager
