@@ -82,10 +82,11 @@ def run(seed: int, kills: int) -> dict[str, Any]:
         assert whole["returncode"] == 0, whole["log"][-3000:]
         reference = dict(whole["lines"])
         state = workdir / "kills.json"
-        monkey = f"+callbacks.chaos={{_target_: {CHAOS}.ChaosMonkey, kills: {json.dumps(plan)}, state: {state}}}"
+        kills_arg = ", ".join(f"{{step: {k['step']}, rank: {k['rank']}, during: {k['during']}}}" for k in plan)
+        monkey = f"+callbacks.chaos={{_target_: {CHAOS}.ChaosMonkey, kills: [{kills_arg}], state: {state}}}"
         chaos = _job(workdir, "chaos", [monkey], restarts=kills + 2)
         done = json.loads(state.read_text()) if state.is_file() else []
-        restarts = chaos["log"].count("Restarting worker group") or chaos["log"].count("restart")
+        restarts = chaos["log"].count("ckpt_path=auto: resuming from") // 4  # (each of the 4 ranks says it)
         partial = sorted(p.name for p in (chaos["run_dir"] / "checkpoints").glob("*.partial"))
     compared = [(step, loss, reference.get(step)) for step, loss in chaos["lines"]]
     return {
@@ -96,16 +97,17 @@ def run(seed: int, kills: int) -> dict[str, Any]:
         "seed": seed,
         "kills": plan,
         "kills_done": len(done),
-        "agent_restarts": restarts,
+        "resumes": restarts,
         "partial_saves_left_by_kills": partial,
         "returncode": chaos["returncode"],
         "last_step": max((s for s, _ in chaos["lines"]), default=0),
         "loss_lines": len(compared),
         "steps_computed_twice": len(compared) - len({s for s, _, _ in compared}),
-        "bit_identical": all(loss == ref for _, loss, ref in compared),
+        "bit_identical": bool(compared) and all(loss == ref for _, loss, ref in compared),
         "mismatches": [{"step": s, "loss": a, "uninterrupted": b} for s, a, b in compared if a != b][:5],
         "left_behind": chaos["left_behind"] + whole["left_behind"],
         "wall_s": {"uninterrupted": whole["wall_s"], "chaos": chaos["wall_s"]},
+        "log_tail": chaos["log"][-4000:] if chaos["returncode"] else "",
     }
 
 
@@ -121,7 +123,7 @@ def main() -> None:
     for i, kill in enumerate(result["kills"]):
         print(f"{i:>4} {kill['step']:>4} {kill['rank']:>4} {kill['during']:>6}")
     print(
-        f"restarts {result['agent_restarts']}, exit {result['returncode']}, last step {result['last_step']}, "
+        f"resumes {result['resumes']}, exit {result['returncode']}, last step {result['last_step']}, "
         f"{result['loss_lines']} losses ({result['steps_computed_twice']} recomputed after resumes), "
         f"bit-identical: {result['bit_identical']}, processes left behind: {result['left_behind']}, "
         f"wall {result['wall_s']['chaos']} s (uninterrupted {result['wall_s']['uninterrupted']} s)"

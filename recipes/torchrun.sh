@@ -18,6 +18,11 @@ export ULTRASCALE_RUN_DIR=${ULTRASCALE_RUN_DIR:-outputs/torchrun-$RUN_ID}
 # A Python traceback of every thread on a fatal signal in the log; a NCCL error or timeout ends the rank.
 export PYTHONFAULTHANDLER=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
+# A fresh store (hosted by rank 0) for every restarted worker group. The c10d rendezvous otherwise
+# shares its own store with the workers, and it outlives a restart: a new rank can read a dead rank's
+# address from the previous attempt before the new one is written (measured: "Gloo connectFullMesh
+# failed ... Connection refused" on every restart, until --max-restarts ran out).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec torchrun \
   --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RUN_ID" \

@@ -460,7 +460,7 @@ def test_checkpoint_keep_leaves_the_newest_k_and_last(tmp_path):
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
     cmd = [*TRAIN, *_train_overrides(steps=4), "checkpoint.every_n_steps=1", "checkpoint.keep=2"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "last.ckpt", "step=3.ckpt", "step=4.ckpt"
     ]  # fmt: skip
