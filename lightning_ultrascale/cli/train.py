@@ -4,7 +4,8 @@ Examples::
 
     ultrascale-train                                   # tiny Llama, bundled corpus, 2 CPU processes
     ultrascale-train parallel.dp=2 model=llama_tiny trainer.max_steps=50
-    ultrascale-train recipe=llama3_8b                  # a whole run from recipes/llama3_8b.yaml
+    ultrascale-train recipe=llama3_8b                  # a whole run from lightning_ultrascale/recipes/llama3_8b.yaml
+    ultrascale-train --recipes-dir                     # where the recipes and launch scripts are
     ultrascale-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_steps=600   # resume
     ultrascale-train -m parallel=zero1,zero2 trainer.max_steps=20                        # a sweep
 
@@ -54,9 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightning_ultrascale")
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG_DIR = Path(os.environ.get("ULTRASCALE_CONFIG_DIR", REPO / "conf"))
-RECIPES_DIR = Path(os.environ.get("ULTRASCALE_RECIPES_DIR", REPO / "recipes"))
+# Inside the package, so that a wheel carries them; a user's --config-dir adds groups and options to them.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
@@ -84,7 +85,7 @@ def _torchrun_agent_name() -> str:
     if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
         raise ConfigError(
             "torchrun on several nodes without --rdzv-id: ranks cannot agree on a run directory; "
-            "pass --rdzv-id (any id shared by all nodes) or set ULTRASCALE_RUN_DIR (recipes/torchrun.sh does)"
+            "pass --rdzv-id (any id shared by all nodes) or set ULTRASCALE_RUN_DIR (the recipes' torchrun.sh does)"
         )
     agent = os.getppid()
     start = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
@@ -171,11 +172,9 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry point of ``ultrascale-train``."""
-    if not CONFIG_DIR.is_dir():
-        raise SystemExit(
-            f"ultrascale-train: config directory {CONFIG_DIR} not found; install the repository editable "
-            "(pip install -e .) or set ULTRASCALE_CONFIG_DIR"
-        )
+    if sys.argv[1:] == ["--recipes-dir"]:  # for `cp "$(ultrascale-train --recipes-dir)/torchrun.sh" .`
+        print(RECIPES_DIR)
+        return
     try:
         run_dir()
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]

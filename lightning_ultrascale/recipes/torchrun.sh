@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch a recipe with torchrun on one or more nodes (run this script on every node).
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 recipes/torchrun.sh recipe=llama3_8b data.source=/data/corpus.bin
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 "$(ultrascale-train --recipes-dir)"/torchrun.sh recipe=llama3_8b data.source=/data/corpus.bin
 # Every rank must agree on the run directory: it is derived from RUN_ID, which every node must
 # be given the same (the default, a date, is only safe on one node).
 set -euo pipefail
