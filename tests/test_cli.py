@@ -648,6 +648,13 @@ def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
     assert "_target_: user_datamodule.CountingTokens" in out.stdout and "source" not in out.stdout
 
 
+def test_a_plugin_node_in_a_users_config_dir_has_short_keys(tmp_path):
+    (tmp_path / "parallel" / "mine").mkdir(parents=True)
+    (tmp_path / "parallel" / "mine" / "default.yaml").write_text("_target_: my_pkg.Mine\nsize: 1\n")
+    argv = [f"--config-dir={tmp_path}", "+parallel/mine=default", "parallel.mine=2", "parallel.mine_every=3"]
+    assert hydra_argv(argv)[2:] == ["parallel.mine.size=2", "parallel.mine.every=3"]
+
+
 # ------------------------------------------------------------------------ bad input before any process group
 def test_masked_documents_on_a_token_file_without_document_starts_are_refused(tmp_path, monkeypatch):
     from lightning_ultrascale.data.index import documents_path

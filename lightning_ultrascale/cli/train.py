@@ -109,9 +109,17 @@ MODEL_KEYS = ("name", "init_from")
 MODEL_PARTS = {"moe": "mixture of experts", "mla": "multi-head latent attention", "rope_scaling": "rope scaling"}
 
 
+def config_dirs(overrides: list[str]) -> list[Path]:
+    """The package's config groups, then a user's ``--config-dir=D``: Hydra's search path, in its order."""
+    return [CONFIG_DIR, *(Path(a.split("=", 1)[1]) for a in overrides if a.startswith("--config-dir="))]
+
+
 def expand_overrides(overrides: list[str]) -> list[str]:
-    """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``)."""
-    nodes = plugin_nodes(CONFIG_DIR)
+    """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``).
+
+    A plugin node of a user's ``--config-dir`` (``mine/parallel/mine/default.yaml``) has short keys too.
+    """
+    nodes = plugin_nodes(*config_dirs(overrides))
     return [expand(o, nodes) for o in overrides]
 
 
@@ -120,7 +128,7 @@ def check_group_choices(overrides: list[str]) -> None:
 
     The group files of a user's ``--config-dir`` are valid options too (``data=mine`` for ``mine/data/mine.yaml``).
     """
-    dirs = [CONFIG_DIR, *(Path(a.split("=", 1)[1]) for a in overrides if a.startswith("--config-dir="))]
+    dirs = config_dirs(overrides)
     for override in overrides:
         key, sep, value = override.lstrip("+").partition("=")
         groups = [d / key for d in dirs if (d / key).is_dir()]
