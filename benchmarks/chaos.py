@@ -1,6 +1,6 @@
 """Chaos: a torchrun job whose ranks are SIGKILLed again and again finishes with an uninterrupted run's losses.
 
-``recipes/torchrun.sh`` (torchrun's elastic agent, c10d rendezvous, ``--max-restarts``) runs the
+``torchrun.sh`` of the recipes (torchrun's elastic agent, c10d rendezvous, ``--max-restarts``) runs the
 default job on 4 CPU processes (tp2 x ZeRO-3 over dp2, checkpoints every 2 steps). Kills are drawn
 from a seeded generator (:func:`lightning_ultrascale.testing.chaos.draw_kills`): ``k`` of them, at
 drawn steps on drawn ranks, the first 50 ms into a checkpoint save. After each kill the agent stops
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "recipes" / "torchrun.sh"
+SCRIPT = ROOT / "lightning_ultrascale" / "recipes" / "torchrun.sh"
 CHAOS = "lightning_ultrascale.testing.chaos"
 LAYOUT = ["parallel=zero3", "parallel.tp=2"]
 STEPS, EVERY = 12, 2
@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 
 def _job(workdir: Path, name: str, extra: list[str], restarts: int) -> dict[str, Any]:
-    """One torchrun job through recipes/torchrun.sh: its wall time, exit code, log and losses."""
+    """One torchrun job through the recipes' torchrun.sh: its wall time, exit code, log and losses."""
     marker = f"{name}-{uuid.uuid4().hex[:8]}"  # in every rank's command line: finds any process left behind
     run_dir = workdir / "outputs" / f"torchrun-{marker}"
     losses = run_dir.parent / f"{marker}.jsonl"
@@ -65,10 +65,15 @@ def _job(workdir: Path, name: str, extra: list[str], restarts: int) -> dict[str,
                          timeout=1800)  # fmt: skip
     wall = time.perf_counter() - start
     time.sleep(2)  # what the agent stopped has had time to go
+    starts = []  # where each start of the worker group began: its ranks all log it (train.log, shared)
+    for line in (run_dir / "train.log").read_text().splitlines() if (run_dir / "train.log").is_file() else []:
+        if "ckpt_path=auto:" in line:
+            starts.append(int(line.rsplit("(step ", 1)[1].rstrip(")")) if "resuming from" in line else 0)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     from lightning_ultrascale.testing.chaos import read_losses
 
     return {"returncode": out.returncode, "wall_s": round(wall, 1), "left_behind": len(left), "log": out.stderr,
+            "started_at_step": [starts[i] for i in range(0, len(starts), 4)],
             "run_dir": run_dir, "lines": read_losses(losses, last=False) if losses.is_file() else []}  # fmt: skip
 
 
@@ -86,18 +91,19 @@ def run(seed: int, kills: int) -> dict[str, Any]:
         monkey = f"+callbacks.chaos={{_target_: {CHAOS}.ChaosMonkey, kills: [{kills_arg}], state: {state}}}"
         chaos = _job(workdir, "chaos", [monkey], restarts=kills + 2)
         done = json.loads(state.read_text()) if state.is_file() else []
-        restarts = chaos["log"].count("ckpt_path=auto: resuming from") // 4  # (each of the 4 ranks says it)
         partial = sorted(p.name for p in (chaos["run_dir"] / "checkpoints").glob("*.partial"))
     compared = [(step, loss, reference.get(step)) for step, loss in chaos["lines"]]
     return {
         "layout": " ".join(LAYOUT) + " (4 processes: tp2 x ZeRO-3 over dp2)",
-        "launcher": "recipes/torchrun.sh (torchrun elastic agent, c10d rendezvous, --max-restarts)",
+        "launcher": "lightning_ultrascale/recipes/torchrun.sh (torchrun elastic agent, c10d rendezvous, --max-restarts)",
         "steps": STEPS,
         "checkpoint_every": EVERY,
         "seed": seed,
         "kills": plan,
         "kills_done": len(done),
-        "resumes": restarts,
+        "restarts": len(chaos["started_at_step"]) - 1,
+        # Each start of the worker group, from the step of the newest complete checkpoint (0: none yet).
+        "started_at_step": chaos["started_at_step"],
         "partial_saves_left_by_kills": partial,
         "returncode": chaos["returncode"],
         "last_step": max((s for s, _ in chaos["lines"]), default=0),
@@ -123,7 +129,7 @@ def main() -> None:
     for i, kill in enumerate(result["kills"]):
         print(f"{i:>4} {kill['step']:>4} {kill['rank']:>4} {kill['during']:>6}")
     print(
-        f"resumes {result['resumes']}, exit {result['returncode']}, last step {result['last_step']}, "
+        f"restarts {result['restarts']} (started at steps {result['started_at_step']}), exit {result['returncode']}, last step {result['last_step']}, "
         f"{result['loss_lines']} losses ({result['steps_computed_twice']} recomputed after resumes), "
         f"bit-identical: {result['bit_identical']}, processes left behind: {result['left_behind']}, "
         f"wall {result['wall_s']['chaos']} s (uninterrupted {result['wall_s']['uninterrupted']} s)"

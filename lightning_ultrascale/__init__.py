@@ -13,6 +13,8 @@ Under Lightning Fabric the same plugins go to :class:`FabricStrategy` (``lightni
     >>> fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
 """
 
+from importlib import metadata as _metadata
+
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
@@ -28,6 +30,11 @@ from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
 from lightning_ultrascale.strategy import UltraScaleStrategy
+
+try:
+    __version__ = _metadata.version("lightning-ultrascale")  # the installed distribution's, so one number in one place
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigError",

@@ -648,6 +648,13 @@ def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
     assert "_target_: user_datamodule.CountingTokens" in out.stdout and "source" not in out.stdout
 
 
+def test_a_plugin_node_in_a_users_config_dir_has_short_keys(tmp_path):
+    (tmp_path / "parallel" / "mine").mkdir(parents=True)
+    (tmp_path / "parallel" / "mine" / "default.yaml").write_text("_target_: my_pkg.Mine\nsize: 1\n")
+    argv = [f"--config-dir={tmp_path}", "+parallel/mine=default", "parallel.mine=2", "parallel.mine_every=3"]
+    assert hydra_argv(argv)[2:] == ["parallel.mine.size=2", "parallel.mine.every=3"]
+
+
 # ------------------------------------------------------------------------ bad input before any process group
 def test_masked_documents_on_a_token_file_without_document_starts_are_refused(tmp_path, monkeypatch):
     from lightning_ultrascale.data.index import documents_path
@@ -738,7 +745,8 @@ def test_an_hf_directory_of_an_unsupported_model_type_names_the_supported_ones(t
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     # Was: AttributeError: 'types.SimpleNamespace' object has no attribute 'hidden_size'.
-    message = r"model.init_from=hf:.*gpt2 holds a model_type='gpt2' model; valid: 'llama', 'mixtral', 'deepseek_v3'"
+    valid = "'llama', 'qwen2', 'mixtral', 'deepseek_v3'"
+    message = rf"model.init_from=hf:.*gpt2 holds a model_type='gpt2' model; valid: {valid}"
     with pytest.raises(ConfigError, match=message):
         build(_compose(f"model.init_from=hf:{gpt2}"))
     assert not dist.is_initialized()

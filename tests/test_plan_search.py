@@ -5,13 +5,12 @@ Searches here pin part of the space (``space=``) so that each takes about a seco
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 
 from lightning_ultrascale.cli.plan import compose_run
 from lightning_ultrascale.cli.plan import main as plan_main
-from lightning_ultrascale.cli.train import plugins, workload
+from lightning_ultrascale.cli.train import RECIPES_DIR, plugins, workload
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan import Candidate, NoLayoutFits, Workload, estimate, get_hardware, search
@@ -122,7 +121,7 @@ def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
         plan_main(argv)
 
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 HEADER = re.compile(r"# Planner \(ultrascale-plan, (\w+)\): peak ([\d.]+) GiB per GPU, MFU ([\d.]+)%")
 
 

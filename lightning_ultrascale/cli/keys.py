@@ -31,11 +31,11 @@ LEGACY: dict[str, str] = {
 _SHORT = {full: short for short, full in LEGACY.items()}
 
 
-def plugin_nodes(config_dir: Path) -> list[str]:
-    """The plugin nodes: the config groups under ``conf/parallel/``, longest name first."""
-    groups = config_dir / "parallel"
-    names = [d.name for d in groups.iterdir() if d.is_dir()] if groups.is_dir() else []
-    return sorted(names, key=len, reverse=True)
+def plugin_nodes(*config_dirs: Path) -> list[str]:
+    """The plugin nodes: the config groups under each directory's ``parallel/``, longest name first."""
+    groups = [d / "parallel" for d in config_dirs if (d / "parallel").is_dir()]
+    names = {node.name for group in groups for node in group.iterdir() if node.is_dir()}
+    return sorted(names, key=lambda name: (-len(name), name))
 
 
 def expand(override: str, nodes: Iterable[str]) -> str:

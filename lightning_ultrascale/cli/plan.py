@@ -51,7 +51,7 @@ def compose_run(overrides: Sequence[str]) -> DictConfig:
             name = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-    if name != "train":  # a recipe: its defaults name the groups of conf/
+    if name != "train":  # a recipe: its defaults name the groups of CONFIG_DIR
         rest.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return compose(name, overrides=rest)

@@ -4,7 +4,8 @@ Examples::
 
     ultrascale-train                                   # tiny Llama, bundled corpus, 2 CPU processes
     ultrascale-train parallel.dp=2 model=llama_tiny trainer.max_steps=50
-    ultrascale-train recipe=llama3_8b                  # a whole run from recipes/llama3_8b.yaml
+    ultrascale-train recipe=llama3_8b                  # a whole run from lightning_ultrascale/recipes/llama3_8b.yaml
+    ultrascale-train --recipes-dir                     # where the recipes and launch scripts are
     ultrascale-train ckpt_path=outputs/.../checkpoints/last.ckpt trainer.max_steps=600   # resume
     ultrascale-train -m parallel=zero1,zero2 trainer.max_steps=20                        # a sweep
 
@@ -55,9 +56,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightning_ultrascale")
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG_DIR = Path(os.environ.get("ULTRASCALE_CONFIG_DIR", REPO / "conf"))
-RECIPES_DIR = Path(os.environ.get("ULTRASCALE_RECIPES_DIR", REPO / "recipes"))
+# Inside the package, so that a wheel carries them; a user's --config-dir adds groups and options to them.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
@@ -85,7 +86,7 @@ def _torchrun_agent_name() -> str:
     if os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
         raise ConfigError(
             "torchrun on several nodes without --rdzv-id: ranks cannot agree on a run directory; "
-            "pass --rdzv-id (any id shared by all nodes) or set ULTRASCALE_RUN_DIR (recipes/torchrun.sh does)"
+            "pass --rdzv-id (any id shared by all nodes) or set ULTRASCALE_RUN_DIR (the recipes' torchrun.sh does)"
         )
     agent = os.getppid()
     start = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
@@ -109,7 +110,7 @@ def slurm_tasks_per_node() -> int:
         raise ConfigError(
             "cluster=slurm needs SLURM_NTASKS_PER_NODE (or SLURM_TASKS_PER_NODE), which SLURM sets for the tasks "
             "srun starts: run inside an sbatch/salloc allocation with --ntasks-per-node=N (one task per GPU), e.g. "
-            "recipes/slurm.sbatch; outside SLURM use cluster=local or cluster=torchrun"
+            "the recipes' slurm.sbatch (ultrascale-train --recipes-dir); outside SLURM use cluster=local or cluster=torchrun"
         )
     return int(match.group())
 
@@ -137,9 +138,17 @@ MODEL_KEYS = ("name", "init_from")
 MODEL_PARTS = {"moe": "mixture of experts", "mla": "multi-head latent attention", "rope_scaling": "rope scaling"}
 
 
+def config_dirs(overrides: list[str]) -> list[Path]:
+    """The package's config groups, then a user's ``--config-dir=D``: Hydra's search path, in its order."""
+    return [CONFIG_DIR, *(Path(a.split("=", 1)[1]) for a in overrides if a.startswith("--config-dir="))]
+
+
 def expand_overrides(overrides: list[str]) -> list[str]:
-    """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``)."""
-    nodes = plugin_nodes(CONFIG_DIR)
+    """Command-line overrides with short plugin keys expanded to their nodes (``parallel.tp=2``).
+
+    A plugin node of a user's ``--config-dir`` (``mine/parallel/mine/default.yaml``) has short keys too.
+    """
+    nodes = plugin_nodes(*config_dirs(overrides))
     return [expand(o, nodes) for o in overrides]
 
 
@@ -148,7 +157,7 @@ def check_group_choices(overrides: list[str]) -> None:
 
     The group files of a user's ``--config-dir`` are valid options too (``data=mine`` for ``mine/data/mine.yaml``).
     """
-    dirs = [CONFIG_DIR, *(Path(a.split("=", 1)[1]) for a in overrides if a.startswith("--config-dir="))]
+    dirs = config_dirs(overrides)
     for override in overrides:
         key, sep, value = override.lstrip("+").partition("=")
         groups = [d / key for d in dirs if (d / key).is_dir()]
@@ -200,11 +209,9 @@ def hydra_argv(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry point of ``ultrascale-train``."""
-    if not CONFIG_DIR.is_dir():
-        raise SystemExit(
-            f"ultrascale-train: config directory {CONFIG_DIR} not found; install the repository editable "
-            "(pip install -e .) or set ULTRASCALE_CONFIG_DIR"
-        )
+    if sys.argv[1:] == ["--recipes-dir"]:  # for `cp "$(ultrascale-train --recipes-dir)/torchrun.sh" .`
+        print(RECIPES_DIR)
+        return
     try:
         run_dir()
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]

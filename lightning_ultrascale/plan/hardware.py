@@ -4,7 +4,7 @@ Figures are the vendors' datasheet numbers (dense bf16 Tensor Core FLOP/s, HBM c
 bandwidth per direction, one 400 Gb/s InfiniBand NIC per GPU); ``*_efficiency`` scales them to
 what training really reaches (busbw measured by nccl-tests on H100 clusters is ~75-80% of the
 NVLink figure; large bf16 GEMMs reach ~75% of peak). Other GPUs: build a :class:`Hardware`, or a
-YAML/dict with the same keys (``ultrascale-plan gpu=...`` reads ``conf/cluster``-style mappings).
+dict with the same keys (``ultrascale-plan --gpu h100,memory_gib=96`` builds one).
 """
 
 from __future__ import annotations

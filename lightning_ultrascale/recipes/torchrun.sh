@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Launch a recipe with torchrun's elastic agent on one or more nodes (run this script on every node).
-#   NNODES=2 MASTER_ADDR=node0 RUN_ID=llama8b-1 recipes/torchrun.sh recipe=llama3_8b data.source=/data/corpus.bin
+#   NNODES=2 MASTER_ADDR=node0 RUN_ID=llama8b-1 "$(ultrascale-train --recipes-dir)"/torchrun.sh \
+#     recipe=llama3_8b data.source=/data/corpus.bin
 # The c10d rendezvous (hosted by MASTER_ADDR's agent) lets any node start first. When a rank dies,
 # the agents stop the whole worker group and start it again, up to MAX_RESTARTS times; every
 # restarted rank resumes from the newest complete checkpoint of the run directory by itself
