@@ -95,7 +95,7 @@ def run(seed: int, kills: int) -> dict[str, Any]:
     compared = [(step, loss, reference.get(step)) for step, loss in chaos["lines"]]
     return {
         "layout": " ".join(LAYOUT) + " (4 processes: tp2 x ZeRO-3 over dp2)",
-        "launcher": "lightning_ultrascale/recipes/torchrun.sh (torchrun elastic agent, c10d rendezvous, --max-restarts)",
+        "launcher": "recipes/torchrun.sh (torchrun's elastic agent, c10d rendezvous, --max-restarts)",
         "steps": STEPS,
         "checkpoint_every": EVERY,
         "seed": seed,
@@ -129,7 +129,8 @@ def main() -> None:
     for i, kill in enumerate(result["kills"]):
         print(f"{i:>4} {kill['step']:>4} {kill['rank']:>4} {kill['during']:>6}")
     print(
-        f"restarts {result['restarts']} (started at steps {result['started_at_step']}), exit {result['returncode']}, last step {result['last_step']}, "
+        f"restarts {result['restarts']} (started at steps {result['started_at_step']}), "
+        f"exit {result['returncode']}, last step {result['last_step']}, "
         f"{result['loss_lines']} losses ({result['steps_computed_twice']} recomputed after resumes), "
         f"bit-identical: {result['bit_identical']}, processes left behind: {result['left_behind']}, "
         f"wall {result['wall_s']['chaos']} s (uninterrupted {result['wall_s']['uninterrupted']} s)"
