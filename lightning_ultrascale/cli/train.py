@@ -109,8 +109,8 @@ def slurm_tasks_per_node() -> int:
     if match is None:
         raise ConfigError(
             "cluster=slurm needs SLURM_NTASKS_PER_NODE (or SLURM_TASKS_PER_NODE), which SLURM sets for the tasks "
-            "srun starts: run inside an sbatch/salloc allocation with --ntasks-per-node=N (one task per GPU), e.g. the "
-            "recipes' slurm.sbatch (ultrascale-train --recipes-dir); outside SLURM use cluster=local or cluster=torchrun"
+            "srun starts: run inside an sbatch/salloc allocation with --ntasks-per-node=N (one task per GPU), e.g. "
+            "the recipes' slurm.sbatch (ultrascale-train --recipes-dir); outside SLURM: cluster=local or torchrun"
         )
     return int(match.group())
 
