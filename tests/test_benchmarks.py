@@ -286,3 +286,17 @@ def test_cpu_time_model_benchmark_quick_run_measures_a_profile_and_predicts(tmp_
     assert {name for name, _ in profile["host_overheads"]} >= {"tensor", "fsdp", "context", "expert"}
     for row in result["rows"]:
         assert row["measured_s"] > 0 and row["predicted_s"] > 0 and math.isfinite(row["error"])
+
+
+def test_the_chaos_run_finished_bit_identical_after_every_kill():
+    """``benchmarks/chaos.py`` (~2.5 minutes, 4 processes under torchrun's elastic agent): its committed JSON."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "chaos.json").read_text())
+    assert result["returncode"] == 0 and result["last_step"] == result["steps"]
+    kills = result["kills"]
+    assert len(kills) >= 3 and result["kills_done"] == len(kills) and result["restarts"] == len(kills)
+    assert any(k["during"] == "save" for k in kills)
+    # The save a kill interrupted is not resumed from: that start begins at the checkpoint before it.
+    for kill, start in zip(kills, result["started_at_step"][1:]):
+        assert start < kill["step"] or (kill["during"] == "step" and start == kill["step"]), (kill, start)
+    assert result["steps_computed_twice"] > 0 and result["bit_identical"] and not result["mismatches"]
+    assert result["left_behind"] == 0
