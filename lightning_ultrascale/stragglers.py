@@ -13,6 +13,8 @@ layers, so they are not compared with each other) and by more than ``min_gap_s``
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import socket
 import statistics
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Per-rank metrics (two per rank) are logged up to this many ranks; beyond, the extremes only.
 PER_RANK_METRICS_UP_TO = 8
+#: torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,20 @@ class RankFigures:
     stages: tuple[int, ...]
     hosts: tuple[str, ...]
 
+    @functools.cached_property
+    def _by_stage(self) -> dict[int, list[float]]:
+        by_stage: dict[int, list[float]] = collections.defaultdict(list)
+        for c, s in zip(self.compute_s, self.stages):
+            by_stage[s].append(c)
+        return by_stage
+
+    @functools.cached_property
+    def _medians(self) -> dict[int, float]:
+        return {s: statistics.median_low(c) for s, c in self._by_stage.items()}  # once: a job may have 10^4 ranks
+
     def peers_median(self, rank: int) -> float:
         """The median compute time of the ranks at ``rank``'s pipeline stage (the lower middle one of an even count)."""
-        return statistics.median_low(c for c, s in zip(self.compute_s, self.stages) if s == self.stages[rank])
+        return self._medians[self.stages[rank]]
 
     def over_median(self, rank: int) -> float:
         median = self.peers_median(rank)
@@ -74,7 +89,7 @@ class RankFigures:
         ]
 
     def describe(self, rank: int) -> str:
-        peers = sum(s == self.stages[rank] for s in self.stages)
+        peers = len(self._by_stage[self.stages[rank]])
         among = f"of all {peers} ranks" if peers == len(self.stages) else f"of the {peers} ranks of its pipeline stage"
         return (
             f"rank {rank} (host {self.hosts[rank]}) computed {self.compute_s[rank]:.3f} s per step over steps "
@@ -87,7 +102,7 @@ class RankFigures:
         n, mib = len(self.compute_s), [b / 2**20 for b in self.peak_bytes]
         ratios = [self.over_median(r) for r in range(n)]
         out = {
-            "straggler/compute_s_median": statistics.median(self.compute_s),
+            "straggler/compute_s_median": statistics.median_low(self.compute_s),
             "straggler/compute_s_max": max(self.compute_s),
             "straggler/slowest_over_median": max(ratios),
             "straggler/flagged": float(len(slow)),
@@ -124,7 +139,7 @@ def _gather(row: torch.Tensor) -> list[list[float]]:
     if not (dist.is_available() and dist.is_initialized()):
         return [row.tolist()]
     out = row.new_empty(dist.get_world_size() * row.numel())  # gloo wants the flat shape
-    dist.all_gather_into_tensor(out, row)
+    _all_gather_single(out, row)
     return out.view(-1, row.numel()).tolist()
 
 
