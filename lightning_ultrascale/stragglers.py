@@ -177,6 +177,8 @@ class StragglerMonitor(L.Callback):
         self._warm = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.log_every_n_steps:  # logging is off (barebones): so is the report
+            return
         self._clock = BatchClock(trainer.strategy.root_device).install()
         self._hosts, self._stage = _hosts(), _pipeline_stage(trainer.strategy)
         self._last_step, self._steps, self._warm = trainer.global_step, 0, False

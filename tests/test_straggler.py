@@ -11,7 +11,14 @@ import pytest
 from lightning.pytorch.loggers import Logger
 from llama_runs import SGD
 
-from lightning_ultrascale import ConfigError, LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+from lightning_ultrascale import (
+    ConfigError,
+    LlamaModule,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
 from lightning_ultrascale.stragglers import RankFigures, StragglerMonitor
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
@@ -45,7 +52,14 @@ class _Logged(Logger):
         pass
 
 
-def _train(slow_rank: int | None) -> dict[str, Any]:
+LAYOUTS = {
+    "zero0": lambda: ZeRO(stage=0),  # our gradient buckets: Work.wait
+    "zero3": lambda: ZeRO(stage=3),  # FSDP2's all-gathers and reduce-scatters
+    "tp2": lambda: TensorParallel(2),  # DTensor's functional collectives: wait_tensor
+}
+
+
+def _train(slow_rank: int | None, layout: str = "zero0") -> dict[str, Any]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -53,7 +67,7 @@ def _train(slow_rank: int | None) -> dict[str, Any]:
     monitor, logger = StragglerMonitor(slow_ratio=1.25, min_gap_s=MIN_GAP_S), _Logged()
     callbacks = [monitor] + ([_SlowForward(slow_rank)] if slow_rank is not None else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=0)), max_steps=4, log_every_n_steps=2,
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(LAYOUTS[layout]()), max_steps=4, log_every_n_steps=2,
         callbacks=callbacks, **{**QUIET_TRAINER, "logger": logger},
     )  # fmt: skip
     trainer.fit(LlamaModule("llama_tiny", optim=SGD), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=2))
@@ -65,11 +79,12 @@ def _train(slow_rank: int | None) -> dict[str, Any]:
     }
 
 
-def test_a_rank_slow_in_its_forward_is_named_in_the_log_and_the_metrics():
-    rank0, rank1 = run_workers(_train, 2, 1)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_rank_slow_in_its_forward_is_named_in_the_log_and_the_metrics(layout):
+    rank0, rank1 = run_workers(_train, 2, 1, layout)
     figures = rank0["figures"]
     assert isinstance(figures, RankFigures) and figures.step == 4 and figures.steps == 2
-    # Rank 0 waited for rank 1 in the gradient all-reduce: its compute time leaves the wait out.
+    # Rank 0 waited for rank 1 in collectives: its compute time leaves the waits out.
     assert figures.compute_s[1] - figures.compute_s[0] > 0.6 * DELAY_S, figures
     assert rank0["stragglers"] == rank1["stragglers"] == [1]
     [warning] = rank0["warnings"][-1:]
