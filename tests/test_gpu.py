@@ -3,7 +3,8 @@
 The CUDA context-parallel kernel against the exact reference, packed-document attention (the
 variable-length kernel and a masked ring block) against the CPU reference, FP8 blockwise tensor-core GEMMs
 against their emulation, the Triton kernels at Llama 3's hidden sizes, NCCL collectives on the
-root device, and one bf16 training step of llama3_1b that prints its MFU and peak memory.
+root device and their time as the straggler report measures it, and one bf16 training step of
+llama3_1b that prints its MFU and peak memory.
 """
 
 from __future__ import annotations
@@ -180,6 +181,26 @@ def test_collectives_get_tensors_on_the_gpu(nccl):
         assert float(grad_norm([p], across=[nccl])) == 0.0  # no gradient: the zero is built on the GPU
     with pytest.raises(RuntimeError):
         dist.all_reduce(torch.zeros(2))  # what a CPU tensor does under NCCL
+
+
+def test_batch_clock_counts_the_nccl_collectives_issued_inside_a_batch(nccl):
+    # The completion hook of the NCCL group reports each collective's GPU time; one issued between
+    # batches is not counted. (Written without a GPU at hand: the gloo path is what the suite checks.)
+    from lightning_ultrascale.utils.waits import BatchClock
+
+    clock = BatchClock(torch.device("cuda", torch.cuda.current_device())).install()
+    try:
+        x = torch.ones(2**24, device="cuda")
+        for _ in range(20):
+            dist.all_reduce(x)  # outside any batch
+        clock.begin()
+        dist.all_reduce(x)
+        y = x.view(4096, 4096) @ x.view(4096, 4096)
+        clock.end()
+        batch_s, collective_s = clock.take()
+    finally:
+        clock.uninstall()
+    assert y.isfinite().all() and 0 < collective_s < batch_s, (collective_s, batch_s)
 
 
 # ------------------------------------------------------------------------------------ a real step

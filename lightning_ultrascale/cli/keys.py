@@ -69,7 +69,7 @@ def short_key(node: str, arg: str) -> str:
 
 
 def error_keys(cfg: DictConfig) -> dict[tuple[str, str], str]:
-    """``(class name, argument) -> config key`` for every plugin node and the DataModule's settings."""
+    """``(class name, argument) -> config key`` of every plugin node, the DataModule, each callback and the profiler."""
     keys: dict[tuple[str, str], str] = {}
     for node, settings in cfg.parallel.items():
         target = settings.get("_target_") if isinstance(settings, DictConfig) else None
@@ -80,6 +80,14 @@ def error_keys(cfg: DictConfig) -> dict[tuple[str, str], str]:
     data_class = str(cfg.data.get("_target_", "UltraScaleDataModule")).rsplit(".", 1)[-1]
     keys.update({(data_class, str(arg)): f"data.{arg}" for arg in cfg.data if arg != "_target_"})
     keys.update({("FP8Precision", arg): f"precision.{key}" for arg, key in FP8_KEYS.items()})
+    # Each callback's arguments are its node's keys (callbacks.<name>.<arg>), the profiler's profiler.<arg>.
+    nodes = {f"callbacks.{name}": node for name, node in (cfg.get("callbacks") or {}).items()}
+    nodes["profiler"] = cfg.get("profiler")
+    for where, node in nodes.items():
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if target:
+            owner = str(target).rsplit(".", 1)[-1]
+            keys.update({(owner, str(arg)): f"{where}.{arg}" for arg in node if arg != "_target_"})
     return keys
 
 

@@ -337,10 +337,17 @@ def plugins(parallel: DictConfig) -> list[Any]:
     return [instantiate(node, f"parallel.{name}") for name, node in parallel.items() if "_target_" in node]
 
 
-def _callbacks(cfg: DictConfig) -> list[Any]:
+def _callbacks(cfg: DictConfig, world_size: int) -> list[Any]:
+    """The ``callbacks`` nodes, then the ``profiler`` node's (a callback too: see ``profiling.py``)."""
     from lightning.pytorch.callbacks import ProgressBar
 
     built = [instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
+    if "_target_" in (cfg.get("profiler") or {}):
+        profiler = instantiate(cfg.profiler, "profiler")
+        check = getattr(profiler, "check_world_size", None)  # TraceProfiler's ranks, before any process group
+        if check is not None:
+            check(world_size)
+        built.append(profiler)
     if cfg.trainer.get("enable_progress_bar", True):
         return built
     return [c for c in built if not isinstance(c, ProgressBar)]  # Lightning refuses a bar it may not show
@@ -611,12 +618,13 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
         tf32=cfg.get("tf32", True),
     )
     t = cfg.trainer
-    strategy.validate(module.model_spec, shape, world_size=int(t.devices) * int(t.num_nodes))
+    world_size = int(t.devices) * int(t.num_nodes)
+    strategy.validate(module.model_spec, shape, world_size=world_size)
     accumulate = _accumulation(t, shape, strategy)
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
-    callbacks = _callbacks(cfg)
+    callbacks = _callbacks(cfg, world_size)
     precision = _precision(cfg.precision)
     lightning_plugins = precision.pop("plugins", []) + _cluster_plugins(callbacks)
     trainer = L.Trainer(

@@ -20,6 +20,7 @@ check that, e.g., ZeRO-2 gradient bytes really are one N-th.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ __all__ = [
     "model_state_bytes",
     "peak_bytes",
     "playbook_model_state_bytes",
+    "process_peak_bytes",
 ]
 
 
@@ -265,3 +267,20 @@ def peak_bytes(fn: Callable[[], object], *inputs: torch.Tensor) -> int:
     with tracker:
         fn()
     return int(tracker.get_tracker_snapshot("peak")[inputs[0].device]["Total"])
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """This process's memory peak on ``device``: the CUDA caching allocator's ``max_memory_allocated`` on a
+    GPU (tensors only, since start or the last ``torch.cuda.reset_peak_memory_stats``), the peak resident
+    set on the CPU (everything the process touched: tensors, the interpreter, libraries; it never resets).
+
+    Example:
+        >>> process_peak_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource  # Unix only, as our launchers
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux

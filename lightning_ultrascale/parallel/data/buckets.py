@@ -222,7 +222,8 @@ class GradientBuckets(abc.ABC):
         # Strictly in index order: collectives must be issued in the same order on every rank.
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
-            bucket.work = self._launch(bucket)
+            with torch.profiler.record_function("ultrascale/grad_sync"):  # named in traces (profiler=torch)
+                bucket.work = self._launch(bucket)
             self.launch_log.append((self._next, during_backward))
             self._next += 1
 
@@ -255,7 +256,8 @@ class GradientBuckets(abc.ABC):
                         p.grad = _grad_in(view, grad)
                 bucket.ready = len(bucket.params)
             self._launch_ready(during_backward=False)
-            self._complete()
+            with torch.profiler.record_function("ultrascale/grad_sync_wait"):
+                self._complete()
         for bucket in self.buckets:
             bucket.ready = 0
         self._next = 0
