@@ -219,6 +219,18 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
             model.register_forward_hook(after, always_call=True),
         ]
 
+    def loss_context(self) -> contextlib.AbstractContextManager[None]:
+        """The contexts the model's forward runs in, for a loss computed outside the model from its outputs:
+        under tensor parallelism the logits are vocabulary-sharded DTensors, and the cross-entropy runs
+        under ``loss_parallel`` (``fabric.backward`` enters it again for the backward).
+
+        Example:
+            >>> logits = model(input_ids=batch["input_ids"]).logits  # doctest: +SKIP
+            >>> with fabric.strategy.loss_context():  # doctest: +SKIP
+            ...     loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        """
+        return self.layout.step_context()
+
     # ----------------------------------------------------------------------------- step
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:

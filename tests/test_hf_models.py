@@ -1,6 +1,8 @@
 """Hugging Face causal LMs trained as they are (models/hf_adapter.py): no spec, plan or hook written by
 the user; every layout matches one process, and the trained model saves as a Hugging Face model."""
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
@@ -207,17 +209,18 @@ def _fabric_loop(plugins, steps=STEPS):
     with fabric.init_module(empty_init=True):
         model = AutoModelForCausalLM.from_config(hf_config("qwen2"))
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    return _train(model, optimizer, fabric.backward, steps)
+    return _train(model, optimizer, fabric.backward, steps, fabric.strategy.loss_context)
 
 
-def _train(model, optimizer, backward, steps):
+def _train(model, optimizer, backward, steps, loss_context=contextlib.nullcontext):
     data = _data()
     data.setup("fit")
     losses, batches = [], iter(data.train_dataloader())
     for _ in range(steps):
         batch = next(batches)
         logits = model(input_ids=batch["input_ids"]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        with loss_context():  # (tp: vocabulary-sharded logits, the loss under loss_parallel)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -234,5 +237,7 @@ def test_a_hugging_face_model_trains_in_a_fabric_loop_like_one_process():
     losses, params = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), torch.Tensor.backward, STEPS)
     run_losses, run_params = run_workers(_fabric_loop, 2, lambda: [TensorParallel(2)], timeout_s=300)[0]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(run_losses, losses)), (run_losses, losses)
+    run_params = {n.removeprefix("_forward_module."): p for n, p in run_params.items()}  # (Fabric's wrapper)
+    assert run_params.keys() == params.keys()
     for name, value in params.items():
-        assert relative_error(run_params[name.removeprefix("_forward_module.")], value) <= 1e-5, name
+        assert relative_error(run_params[name], value) <= 1e-5, name
