@@ -32,9 +32,11 @@ def hf_config(family: str, **overrides: Any) -> Any:
 
 
 class HFModule(L.LightningModule):
-    def __init__(self, family: str = "llama", lr: float = 0.1, **overrides: Any) -> None:
+    def __init__(self, family: str = "llama", lr: float = 0.1, directory: str | None = None, **overrides: Any) -> None:
         super().__init__()
         self.family, self.overrides, self.lr, self.model = family, overrides, lr, None
+        if directory is not None:  # loaded whole on every rank, before the strategy's meta device
+            self.model = AutoModelForCausalLM.from_pretrained(directory)
 
     def configure_model(self) -> None:
         if self.model is None:

@@ -241,3 +241,18 @@ def test_a_hugging_face_model_trains_in_a_fabric_loop_like_one_process():
     assert run_params.keys() == params.keys()
     for name, value in params.items():
         assert relative_error(run_params[name], value) <= 1e-5, name
+
+
+def test_a_model_loaded_whole_with_from_pretrained_keeps_its_weights_in_any_layout(tmp_path):
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(hf_config("mixtral")).save_pretrained(tmp_path / "hf")
+    run = record_run(
+        lambda: HFModule("mixtral", directory=str(tmp_path / "hf")),
+        lambda: _data(dp=2),
+        steps=1,
+        strategy=lambda: UltraScaleStrategy(ExpertParallel(2), ZeRO(3)),
+        world_size=2,
+    )
+    loaded = {f"model.{n}": p for n, p in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters()}
+    assert run.initial.keys() == loaded.keys()
+    assert all(torch.equal(run.initial[n], p) for n, p in loaded.items())
