@@ -32,9 +32,19 @@ def hf_config(family: str, **overrides: Any) -> Any:
 
 
 class HFModule(L.LightningModule):
-    def __init__(self, family: str = "llama", lr: float = 0.1, directory: str | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        family: str = "llama",
+        lr: float = 0.1,
+        directory: str | None = None,
+        loss: str = "logits",
+        **overrides: Any,
+    ) -> None:
         super().__init__()
         self.family, self.overrides, self.lr, self.model = family, overrides, lr, None
+        #: "logits": cross-entropy of the logits; "hf": transformers' own loss (labels= the tokens,
+        #: shift_labels= the batch's labels, shifted already); "hf_labels": labels= alone (HF shifts them).
+        self.loss = loss
         if directory is not None:  # loaded whole on every rank, before the strategy's meta device
             self.model = AutoModelForCausalLM.from_pretrained(directory)
 
@@ -48,7 +58,14 @@ class HFModule(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        out = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
+        tokens, positions = batch["input_ids"], batch.get("position_ids")
+        if self.loss == "hf":
+            return self.model(
+                input_ids=tokens, position_ids=positions, labels=tokens, shift_labels=batch["labels"]
+            ).loss
+        if self.loss == "hf_labels":
+            return self.model(input_ids=tokens, position_ids=positions, labels=tokens).loss
+        out = self.model(input_ids=tokens, position_ids=positions)
         return self.loss_fn(out.logits, batch["labels"])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -196,6 +197,8 @@ class _AdaptedCausalLM:
     """What :func:`adapt` adds to an HF ``...ForCausalLM`` (methods resolved before the HF class's)."""
 
     spec: ModelSpec
+    #: Set by context parallelism (the rank holds chunks of each sequence): HF's own label shift is refused.
+    sequence_split: Any = None
 
     def init_weights(self, seed: int | None = None) -> None:
         """Without ``seed``: HF's own ``init_weights``. With it: HF's distributions, drawn per parameter name."""
@@ -208,15 +211,24 @@ class _AdaptedCausalLM:
             loader(self)
 
     def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        if args:  # by name: the checks below read attention_mask and labels however they were passed
+            names = list(inspect.signature(super().forward).parameters)[1 : 1 + len(args)]  # type: ignore[misc]
+            kwargs.update(zip(names, args))
         _refuse_padding(kwargs.get("attention_mask"))
         _refuse_shifted(kwargs.get("labels"), input_ids)
+        if self.sequence_split is not None and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+            raise ContractError(
+                "labels= under context parallelism: HF shifts labels within each rank's chunk of the sequence, "
+                "which pairs tokens with the wrong next tokens at every chunk's edge. Pass the batch's labels (shifted "
+                "already) as shift_labels=, or compute the loss from .logits"
+            )
         kwargs["attention_mask"] = None
         if kwargs.get("use_cache") is None:  # (config.use_cache: a KV cache grows in training, and again on recompute)
             kwargs["use_cache"] = False
         if kwargs.get("position_ids") is None and input_ids is not None:
             # From the tokens: HF counts them from the embedding's output, a sequence shard under SP.
             kwargs["position_ids"] = torch.arange(input_ids.shape[-1], device=input_ids.device)[None]
-        return super().forward(input_ids, *args, **kwargs)  # type: ignore[misc]
+        return super().forward(input_ids, **kwargs)  # type: ignore[misc]
 
     def forward_stage(
         self,
