@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS
+from lightning_ultrascale.models.shard_init import clean_name
 from lightning_ultrascale.models.spec import ModelSpec
 
 #: What a batch may hold under context and pipeline parallelism (each handled by name).
@@ -275,7 +275,7 @@ def _probe(model: nn.Module, reference: nn.Module) -> tuple[str, torch.Tensor, t
     prefix = f"{spec.layers}.{blocks[0]}."
     matrices = []
     for fqn, param in model.named_parameters():
-        name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+        name = clean_name(fqn)
         if name.startswith(prefix) and param.dim() == 2:
             matrices.append((param.numel(), name, param))
     if not matrices:

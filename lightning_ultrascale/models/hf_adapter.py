@@ -57,7 +57,7 @@ from lightning_ultrascale.models.blocks import as_blocks
 from lightning_ultrascale.models.common.layers import causal_attention
 from lightning_ultrascale.models.common.moe import Dispatcher
 from lightning_ultrascale.models.contract import ContractError
-from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, local_indices
+from lightning_ultrascale.models.shard_init import clean_name, init_parameter, local_indices
 from lightning_ultrascale.models.spec import ModelSpec, piece
 
 __all__ = [
@@ -66,7 +66,6 @@ __all__ = [
     "adapt",
     "adapt_in",
     "check_supported",
-    "clean_name",
     "hf_tp_plan",
     "init_hf_weights",
     "is_hf_causal_lm",
@@ -488,11 +487,6 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     keys = getattr(model, "_tied_weights_keys", None)
     default = {"lm_head.weight": f"{model.base_model_prefix}.embed_tokens.weight"}
     return dict(keys) if isinstance(keys, dict) else default
-
-
-def clean_name(name: str) -> str:
-    """A parameter's name without the components wrappers insert (activation checkpointing, compile)."""
-    return ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

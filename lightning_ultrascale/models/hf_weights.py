@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.hf_adapter import clean_name, tied_names
-from lightning_ultrascale.models.shard_init import local_indices
+from lightning_ultrascale.models.hf_adapter import tied_names
+from lightning_ultrascale.models.shard_init import clean_name, local_indices
 from lightning_ultrascale.models.spec import piece
 
 __all__ = ["file_keys", "load_hf_directory", "save_pretrained"]

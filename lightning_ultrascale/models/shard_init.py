@@ -23,7 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["fill_normal_", "init_by_name", "init_parameter", "local_indices", "normal_at", "param_seed", "philox4x32"]
+__all__ = [
+    "clean_name",
+    "fill_normal_",
+    "init_by_name",
+    "init_parameter",
+    "local_indices",
+    "normal_at",
+    "param_seed",
+    "philox4x32",
+]
 
 _MASK = 0xFFFFFFFF
 # Philox-4x32's multipliers and Weyl key increments (Random123's PHILOX_M4x32_* and PHILOX_W32_*).
@@ -223,6 +232,16 @@ def param_seed(seed: int, fqn: str) -> int:
 WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 
 
+def clean_name(fqn: str) -> str:
+    """A parameter's name without the components wrappers insert (:data:`WRAPPER_COMPONENTS`).
+
+    Example:
+        >>> clean_name("layers.0._checkpoint_wrapped_module.attention.wq.weight")
+        'layers.0.attention.wq.weight'
+    """
+    return ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+
+
 def init_parameter(param: Tensor, name: str, seed: int, std: float | None) -> None:
     """Fill ``param`` (whole, or a rank's DTensor shard) with N(0, std) drawn from ``(seed, name)`` alone;
     with ``std=None``, with ones (norms).
@@ -267,7 +286,7 @@ def init_by_name(model: nn.Module, seed: int, std_of: Callable[[str], float | No
     """
     with torch.no_grad():
         for fqn, param in model.named_parameters():
-            name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+            name = clean_name(fqn)
             init_parameter(param, name, seed, std_of(name))
 
 

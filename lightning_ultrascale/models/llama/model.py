@@ -39,7 +39,7 @@ from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, caus
 from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
 from lightning_ultrascale.models.deepseek.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
 from lightning_ultrascale.models.llama.parallel import llama_tp_plan
-from lightning_ultrascale.models.shard_init import WRAPPER_COMPONENTS, init_parameter, param_seed
+from lightning_ultrascale.models.shard_init import clean_name, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
 
 __all__ = [
@@ -582,7 +582,7 @@ class Llama(nn.Module):
             self.pretrained(self)
             return
         for fqn, param in self.named_parameters():
-            name = ".".join(c for c in fqn.split(".") if c not in WRAPPER_COMPONENTS)
+            name = clean_name(fqn)
             if self.config.tie_embeddings and name == "output.weight":
                 name = "tok_embeddings.weight"  # a last pipeline stage holding only the tied head
             init_parameter(param, name, seed, self._init_std(name))
