@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ultrascale.utils.comm import collective_device
+from lightning_ultrascale.utils.tensors import local_tensor
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
@@ -60,7 +60,7 @@ class NonFiniteGuard:
         loss = output.get("loss") if isinstance(output, dict) else output
         if isinstance(loss, torch.Tensor):
             # (a DTensor under loss parallelism: its local value is the replicated loss)
-            bad = ~torch.isfinite(_local(loss.detach())).all()
+            bad = ~torch.isfinite(local_tensor(loss.detach())).all()
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return output
 
@@ -75,7 +75,7 @@ class NonFiniteGuard:
         device = collective_device()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         statuses = torch.zeros(world, device=device)
-        grads = [g for g in (_local(p.grad) for p in params) if g.numel()]  # FSDP may leave a rank none of one
+        grads = [g for g in (local_tensor(p.grad) for p in params) if g.numel()]  # FSDP may leave a rank none of one
         statuses[rank] = _status(self._loss_bad, grads, device)
         self._loss_bad = None
         if world > 1:
@@ -105,10 +105,6 @@ class NonFiniteGuard:
         return True
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """This rank's status as a device scalar: loss, else gradient, else fine."""
     # One fused pass over the gradients: a tensor's largest magnitude is NaN or inf exactly when it
@@ -124,7 +120,7 @@ def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: to
 
 def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
     for p in params:
-        flags = ~torch.isfinite(_local(p.grad).detach().flatten())
+        flags = ~torch.isfinite(local_tensor(p.grad).detach().flatten())
         if bool(flags.any()):
             return p, int(flags.nonzero()[0])
     return None

@@ -55,10 +55,11 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.models.blocks import as_blocks
 from lightning_ultrascale.models.common.layers import causal_attention
-from lightning_ultrascale.models.common.moe import Dispatcher
+from lightning_ultrascale.models.common.moe import Dispatcher, _scale_grad
 from lightning_ultrascale.models.contract import ContractError
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, local_indices
 from lightning_ultrascale.models.spec import ModelSpec, piece
+from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
     "ATTENTION",
@@ -351,19 +352,12 @@ class _RoutedMoE:
         return out.to(hidden_states.dtype).view(b, s, dim)
 
 
-def _local(t: Tensor) -> Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 class _StackedExperts:
     """HF's stacked experts (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) run on rows sorted by expert."""
 
     def forward(self, x: Tensor, counts: Tensor, grad_scale: float = 1.0) -> Tensor:
-        from lightning_ultrascale.models.common.moe import _scale_grad
-
-        gate_up = _scale_grad(_local(self.gate_up_proj), grad_scale)  # type: ignore[attr-defined]
-        down = _scale_grad(_local(self.down_proj), grad_scale)  # type: ignore[attr-defined]
+        gate_up = _scale_grad(local_tensor(self.gate_up_proj), grad_scale)  # type: ignore[attr-defined]
+        down = _scale_grad(local_tensor(self.down_proj), grad_scale)  # type: ignore[attr-defined]
         sizes = counts.tolist()
         groups = x.split([*sizes, x.shape[0] - sum(sizes)])
         outs = []
@@ -465,7 +459,7 @@ def init_hf_weights(model: nn.Module, seed: int) -> None:
         if how is None:
             continue  # HF leaves it (a buffer it computes elsewhere, or one not persistent and unused)
         kind, arg = how
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if kind == "normal_":
             mean, std = arg
             init_parameter(tensor, fqn, seed, std)
@@ -584,7 +578,7 @@ def _patched(module: Any, values: dict[str, Any]) -> Iterator[None]:
 def _shard_of(tensor: Tensor, whole: Tensor) -> Tensor:
     from torch.distributed.tensor import distribute_tensor
 
-    local = _local(tensor)
+    local = local_tensor(tensor)
     dt = distribute_tensor(
         whole.to(local.device, local.dtype), tensor.device_mesh, tensor.placements, src_data_rank=None
     )  # type: ignore[attr-defined]
@@ -592,7 +586,7 @@ def _shard_of(tensor: Tensor, whole: Tensor) -> Tensor:
 
 
 def _zero_row(weight: Tensor, row: int) -> None:
-    local = _local(weight)
+    local = local_tensor(weight)
     if local is weight:
         weight[row].zero_()
         return

@@ -9,12 +9,12 @@ from multiprocessing.connection import Connection
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.parallel.dims import MESH_DIMS
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import build_mesh
 from lightning_ultrascale.strategy import UltraScaleStrategy
+from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = ["dry_run", "predict_shards"]
 
@@ -90,7 +90,7 @@ def _dry_run_child(
             layout = Layout(dims, build_mesh(dims, "cpu"))
             for plugin in strategy.applied_plugins():
                 model = plugin.apply(model, layout)
-            shapes = {_plain_name(name): tuple(_local(p).shape) for name, p in model.named_parameters()}
+            shapes = {_plain_name(name): tuple(local_tensor(p).shape) for name, p in model.named_parameters()}
         finally:
             dist.destroy_process_group()
         send.send((True, shapes))
@@ -101,10 +101,6 @@ def _dry_run_child(
             send.send((False, RuntimeError(traceback.format_exc())))
     finally:
         send.close()
-
-
-def _local(p: nn.Parameter) -> object:
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _plain_name(name: str) -> str:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
     "ModelStateBytes",
@@ -78,10 +79,6 @@ class ModelStateBytes:
         )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class _StorageCounter:
     """Sums bytes of tensors, counting each underlying storage once.
 
@@ -97,7 +94,7 @@ class _StorageCounter:
         total = 0
         with torch.no_grad():
             for t in tensors:
-                local = _local(t)
+                local = local_tensor(t)
                 storage = local.untyped_storage()
                 nbytes = storage.nbytes()
                 # Meta storages have no address; the storage object's identity still ties them.

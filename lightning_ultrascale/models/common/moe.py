@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.models.common.layers import FeedForward
 from lightning_ultrascale.models.spec import SequenceSplit
+from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
     "AUX_LOSSES",
@@ -232,12 +233,6 @@ class Router(nn.Module):
         self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.float().mean() - load.float())
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (experts split over ``ep``), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 class GroupedExperts(nn.Module):
     """``n`` SwiGLU experts as stacked weights ``w1, w3 [n, hidden, dim]``, ``w2 [n, dim, hidden]``.
 
@@ -259,7 +254,7 @@ class GroupedExperts(nn.Module):
         Under autocast the experts run in its dtype: ``_grouped_mm`` is not an autocast op, and on
         CUDA only bf16 takes its grouped fast path (fp32 falls back to a loop reading offsets).
         """
-        w1, w2, w3 = (_scale_grad(_local(w), grad_scale) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_scale_grad(local_tensor(w), grad_scale) for w in (self.w1, self.w2, self.w3))
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))

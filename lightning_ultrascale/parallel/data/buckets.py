@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_ultrascale.utils.tensors import local_tensor
+
 
 @dataclass
 class GradBucket:
@@ -55,13 +57,11 @@ class _AllReduceBucket(GradBucket):
     main: torch.Tensor | None = None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     """Whether ``grad`` already lives in ``view`` (as itself, or as a DTensor's local tensor)."""
-    return grad is not None and _local(grad).data_ptr() == view.data_ptr() and _local(grad).shape == view.shape
+    return (
+        grad is not None and local_tensor(grad).data_ptr() == view.data_ptr() and local_tensor(grad).shape == view.shape
+    )
 
 
 def _grad_in(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def _like_param(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
 
 def _drain(param: nn.Parameter, view: torch.Tensor) -> None:
     """Add ``param``'s gradient into its main-gradient slice ``view`` (fp32) and drop it."""
-    view.add_(_local(_like_param(param.grad, param)))
+    view.add_(local_tensor(_like_param(param.grad, param)))
     param.grad = None
 
 
@@ -211,7 +211,7 @@ class GradientBuckets(abc.ABC):
             # First gradient since zero_grad(set_to_none=True) or since the bucket was freed:
             # move it into the bucket so later micro-steps accumulate in place there.
             grad = _like_param(param.grad, param)
-            view.copy_(_local(grad))
+            view.copy_(local_tensor(grad))
             param.grad = _grad_in(view, grad)
         bucket.ready += 1
         if self.sync:
@@ -252,7 +252,7 @@ class GradientBuckets(abc.ABC):
                         view.zero_()
                         grad = p if p.grad is None else _like_param(p.grad, p)
                         if p.grad is not None:
-                            view.copy_(_local(grad))
+                            view.copy_(local_tensor(grad))
                         p.grad = _grad_in(view, grad)
                 bucket.ready = len(bucket.params)
             self._launch_ready(during_backward=False)
@@ -340,7 +340,7 @@ class BucketedAllReduce(GradientBuckets):
         self.main_grads = masters is not None and reduce_dtype == torch.float32
         buckets = []
         for members in plan_buckets(managed, bucket_bytes):
-            offsets = [0, *itertools.accumulate(_local(p).numel() for p in members)]
+            offsets = [0, *itertools.accumulate(local_tensor(p).numel() for p in members)]
             buckets.append(_AllReduceBucket(members, offsets[:-1], offsets[-1]))
         self._set_buckets(buckets)
 
@@ -350,7 +350,7 @@ class BucketedAllReduce(GradientBuckets):
         dtype = torch.float32 if self.main_grads else first.dtype
         bucket.grad_buffer = torch.zeros(bucket.numel, dtype=dtype, device=first.device)
         bucket.grad_views = [
-            bucket.grad_buffer[o : o + _local(p).numel()].view_as(_local(p))
+            bucket.grad_buffer[o : o + local_tensor(p).numel()].view_as(local_tensor(p))
             for p, o in zip(bucket.params, bucket.offsets)
         ]
 
@@ -387,7 +387,7 @@ class BucketedAllReduce(GradientBuckets):
             source = bucket.main = bucket.grad_buffer.float()
         for p, offset in zip(bucket.params, bucket.offsets):
             master = self.masters[p]
-            view = source[offset : offset + _local(p).numel()].view_as(_local(p))
+            view = source[offset : offset + local_tensor(p).numel()].view_as(local_tensor(p))
             if not _holds(master.grad, view):
                 master.grad = _grad_in(view, master)
 
@@ -400,7 +400,7 @@ class BucketedAllReduce(GradientBuckets):
         assert self.masters is not None
         with torch.no_grad():
             params = list(self.masters)
-            torch._foreach_copy_([_local(p) for p in params], [_local(self.masters[p]) for p in params])
+            torch._foreach_copy_([local_tensor(p) for p in params], [local_tensor(self.masters[p]) for p in params])
             for bucket in self.buckets:
                 assert isinstance(bucket, _AllReduceBucket)
                 if bucket.grad_buffer is not None:

@@ -47,11 +47,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import require_spec
-from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, GradientBuckets, _local
+from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, GradientBuckets
 from lightning_ultrascale.parallel.data.master import MASTER_PRECISION, to_bf16_with_masters
 from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout
 from lightning_ultrascale.utils.memory import ModelStateBytes, layout_model_state_bytes
+from lightning_ultrascale.utils.tensors import local_tensor
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -259,8 +260,8 @@ class AllReduceEngine(_BucketEngine):
         with torch.no_grad():
             for p, master in self.masters.items():
                 if values is not None and p in values:
-                    _local(master).copy_(values[p])
-                _local(p).copy_(_local(master))
+                    local_tensor(master).copy_(values[p])
+                local_tensor(p).copy_(local_tensor(master))
 
 
 class ShardedOptimizerEngine(_BucketEngine):

@@ -77,9 +77,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.hooks import RemovableHandle
 
 from lightning_ultrascale.errors import ConfigError, option
-from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, _local, plan_buckets
+from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, plan_buckets
 from lightning_ultrascale.parallel.data.flat_chunks import flat_chunks
 from lightning_ultrascale.utils.optim import initialize_state
+from lightning_ultrascale.utils.tensors import local_tensor
 
 # torch 2.13 renamed the flat collectives to *_single and deprecated the old names (pytorch#186130);
 # the GPU image's torch 2.11 has only the old ones. Both dispatch to the same c10d ops.
@@ -104,10 +105,10 @@ def _master_slice(
     """Elements ``[start, start + numel)`` of the bucket of ``params`` (at ``offsets``) in fp32, from ``masters``."""
     master = torch.empty(numel, dtype=torch.float32, device=params[0].device)
     for p, offset in zip(params, offsets):
-        size = _local(p).numel()
+        size = local_tensor(p).numel()
         lo, hi = max(start, offset), min(start + numel, offset + size)
         if lo < hi:
-            master[lo - start : hi - start].copy_(_local(masters[p]).reshape(-1)[lo - offset : hi - offset])
+            master[lo - start : hi - start].copy_(local_tensor(masters[p]).reshape(-1)[lo - offset : hi - offset])
     return master
 
 
@@ -266,7 +267,7 @@ class ZeroEngine(GradientBuckets):
         return group_of
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
-        offsets = [0, *itertools.accumulate(_local(p).numel() for p in params)]
+        offsets = [0, *itertools.accumulate(local_tensor(p).numel() for p in params)]
         numel = offsets[-1]
         shard_numel = -(-numel // self.group_size)
         first = params[0]
@@ -274,7 +275,7 @@ class ZeroEngine(GradientBuckets):
         flat = torch.zeros(shard_numel * self.group_size, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, offset in zip(params, offsets):
-                local = _local(p)
+                local = local_tensor(p)
                 view = flat[offset : offset + local.numel()].view_as(local)
                 view.copy_(local)
                 if isinstance(p, DTensor):
@@ -309,7 +310,8 @@ class ZeroEngine(GradientBuckets):
             buffer[bucket.numel :].zero_()
         bucket.grad_buffer = buffer
         bucket.grad_views = [
-            buffer[o : o + _local(p).numel()].view_as(_local(p)) for p, o in zip(bucket.params, bucket.offsets)
+            buffer[o : o + local_tensor(p).numel()].view_as(local_tensor(p))
+            for p, o in zip(bucket.params, bucket.offsets)
         ]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -560,7 +562,7 @@ class ZeroEngine(GradientBuckets):
         """The part of ``p``'s state that this rank's shard of bucket ``b`` holds."""
         lo = self.rank * b.shard_numel
         hi = min(lo + b.shard_numel, b.numel)
-        start, stop = max(offset, lo), min(offset + _local(p).numel(), hi)
+        start, stop = max(offset, lo), min(offset + local_tensor(p).numel(), hi)
         entries: dict[str, Any] = {}
         for key, value in state.items():
             if not (isinstance(value, DTensor) and value.shape == (b.numel,)):
@@ -589,7 +591,7 @@ class ZeroEngine(GradientBuckets):
         for b in self.buckets:
             if b.shard is shard:
                 flat = self.rank * b.shard_numel + index
-                return next((p for p, o in zip(b.params, b.offsets) if o <= flat < o + _local(p).numel()), None)
+                return next((p for p, o in zip(b.params, b.offsets) if o <= flat < o + local_tensor(p).numel()), None)
         return None
 
     def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
@@ -626,7 +628,7 @@ class ZeroEngine(GradientBuckets):
             flat = b.shard.grad.full_tensor()
             grads.update(
                 {
-                    p: _grad_in(flat[o : o + _local(p).numel()].view_as(_local(p)), p)
+                    p: _grad_in(flat[o : o + local_tensor(p).numel()].view_as(local_tensor(p)), p)
                     for p, o in zip(b.params, b.offsets)
                 }
             )
@@ -638,7 +640,7 @@ class ZeroEngine(GradientBuckets):
         for b in self.buckets:
             flat = b.shard.full_tensor().detach()
             for p, o in zip(b.params, b.offsets):
-                view = flat[o : o + _local(p).numel()].view_as(_local(p))
+                view = flat[o : o + local_tensor(p).numel()].view_as(local_tensor(p))
                 masters[p] = nn.Parameter(_grad_in(view, p), requires_grad=p.requires_grad)
         return masters
 
