@@ -113,21 +113,23 @@ class HFCausalLMModule(LlamaModule):
         if not any(p.is_meta for p in self.model.parameters()):
             self.model.init_weights(self.seed)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         assert self.model is not None, "configure_model() builds the model"
-        return self.model(input_ids=input_ids, position_ids=position_ids).logits
+        # (document_ids: the adapted model refuses them by name; HF's attention would ignore them)
+        return self.model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids).logits
 
     def flops_per_token(self, seq_len: int) -> float:
         return float(self._meta_model.flops_per_token(seq_len))
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
-        if batch.get("document_ids") is not None:
-            from lightning_ultrascale.models.contract import ContractError
-            from lightning_ultrascale.models.hf_adapter import _NO_DOCUMENTS
-
-            raise ContractError(_NO_DOCUMENTS)
-        loss = reference.cross_entropy(self(batch["input_ids"], batch.get("position_ids")), labels)
+        logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("document_ids"))
+        loss = reference.cross_entropy(logits, labels)
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         self._count_loss(loss, labels)
         return loss

@@ -171,6 +171,8 @@ def test_labels_shifted_twice_padding_masks_and_short_sliding_windows_are_refuse
     with pytest.raises(ContractError, match=r"attention_mask with padding"):
         model(input_ids=tokens, attention_mask=torch.ones_like(tokens).index_fill_(1, torch.tensor([0]), 0))
     model(input_ids=tokens, attention_mask=torch.ones_like(tokens))  # all ones: nothing to mask
+    with pytest.raises(ContractError, match=r"document masking \(document_ids, data.documents=mask\) is not supported"):
+        model(input_ids=tokens, document_ids=torch.zeros_like(tokens))
     windowed = _adapted("mistral", sliding_window=8)
     windowed.to_empty(device="cpu")
     windowed.init_weights(0)

@@ -214,6 +214,8 @@ class _AdaptedCausalLM:
         if args:  # by name: the checks below read attention_mask and labels however they were passed
             names = list(inspect.signature(super().forward).parameters)[1 : 1 + len(args)]  # type: ignore[misc]
             kwargs.update(zip(names, args))
+        if kwargs.pop("document_ids", None) is not None:  # (HF would hand it to the attention, which ignores it)
+            raise ContractError(_NO_DOCUMENTS)
         _refuse_padding(kwargs.get("attention_mask"))
         _refuse_shifted(kwargs.get("labels"), input_ids)
         if self.sequence_split is not None and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
