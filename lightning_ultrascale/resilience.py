@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.utils.comm import collective_device
 
 __all__ = ["Preemption", "newest_checkpoint", "resolve_ckpt_path"]
 
@@ -179,8 +180,6 @@ class Preemption(L.Callback):
         """Whether any rank received a signal: one all-reduce (MAX) of the flag, so all decide alike."""
         flag = float(self.received != 0)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from lightning_ultrascale.utils.comm import collective_device
-
             box = torch.tensor([flag], device=collective_device())
             dist.all_reduce(box, op=dist.ReduceOp.MAX)
             flag = float(box.item())
