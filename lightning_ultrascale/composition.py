@@ -28,6 +28,7 @@ from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.mesh import ParallelMesh, build_mesh
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER, ParallelPlugin, resolve_dims
 from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.parallel.tied import equalise, find_parameter, find_tied, retie
 from lightning_ultrascale.utils.comm import collective_device
 from lightning_ultrascale.utils.grad import clip_grad_norm_
 
@@ -172,8 +173,8 @@ class PluginComposition:
         self.validate(model.spec)
         check_model(model, root, self.applied_plugins())
         reference = init_reference(model)  # (meta: a copy costs nothing) for check_init
-        # Fresh facts for this model (the mesh stays).
-        self._layout = Layout(self.parallel_dims, self.mesh, self.active_precision().precision)
+        # Fresh facts for this model (the mesh stays); its ties as it was built, before any plugin.
+        self._layout = Layout(self.parallel_dims, self.mesh, self.active_precision().precision, find_tied(model))
         for plugin in self.applied_plugins():
             new = plugin.apply(model, self.layout)
             if new is not model:
@@ -183,8 +184,10 @@ class PluginComposition:
                 model = new
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to_empty(device=device)
+            retie(model, self.layout.tied, by="materialising the meta model (to_empty)")
             model.init_weights(self.seed)  # (the contract checked it exists)
             check_init(model, reference, self.seed, collective_device())
+        equalise(model, self.layout.tied_copies)  # a tied weight's copies on other ranks (pipeline stages)
         _PARALLELISED_BY[model] = self
         leftover = [n for n, p in root.named_parameters() if p.is_meta]
         if leftover:
@@ -202,7 +205,7 @@ class PluginComposition:
         this counts every gradient exactly once in any layout. Returns the norm before clipping.
         """
         plan = self.layout.grad_norm
-        uncounted = [self.layout.stepped(model.get_parameter(name)) for name in plan.skip]
+        uncounted = [self.layout.stepped(find_parameter(model, name)) for name in plan.skip]
         return clip_grad_norm_(params, float(max_norm), plan.across, plan.groups_of, uncounted=uncounted)
 
     def wait_for_parameters(self) -> None:

@@ -99,13 +99,15 @@ def tp_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: dict[str, int], read_positions: bool = True) -> None:
+    def __init__(self, cfg: dict[str, int], read_positions: bool = True, tied: bool = False) -> None:
         super().__init__()
         self.cfg, self.read_positions = cfg, read_positions
         self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg["n_layers"])})  # contract: a ModuleDict
         self.norm = nn.RMSNorm(cfg["dim"])
         self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+        if tied:  # nanoGPT's way: one Parameter held by both modules, nothing else
+            self.output.weight = self.tok_embeddings.weight
         self.spec = ModelSpec("own", cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["dim"],  # contract
                               cfg["vocab_size"], tp_plan=tp_plan)  # fmt: skip
 
@@ -136,8 +138,8 @@ class Transformer(nn.Module):
 class ListTransformer(Transformer):
     """The same model holding its blocks in an ``nn.ModuleList``, indexed by number (as HF models do)."""
 
-    def __init__(self, cfg: dict[str, int], read_positions: bool = True) -> None:
-        super().__init__(cfg, read_positions)
+    def __init__(self, cfg: dict[str, int], read_positions: bool = True, tied: bool = False) -> None:
+        super().__init__(cfg, read_positions, tied)
         self.layers = nn.ModuleList(list(self.layers.values()))  # type: ignore[assignment]
 
     def forward(self, tokens: Tensor, position_ids: Tensor | None = None) -> Tensor:
@@ -157,14 +159,16 @@ class ListTransformer(Transformer):
 
 
 class OwnModule(L.LightningModule):
-    def __init__(self, read_positions: bool = True, lr: float = 0.1, blocks_in_a_list: bool = False) -> None:
+    def __init__(
+        self, read_positions: bool = True, lr: float = 0.1, blocks_in_a_list: bool = False, tied: bool = False
+    ) -> None:
         super().__init__()
-        self.read_positions, self.lr, self.model = read_positions, lr, None
+        self.read_positions, self.lr, self.model, self.tied = read_positions, lr, None, tied
         self.model_class = ListTransformer if blocks_in_a_list else Transformer
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = self.model_class(CONFIG, self.read_positions)
+            self.model = self.model_class(CONFIG, self.read_positions, self.tied)
             if not any(p.is_meta for p in self.model.parameters()):  # (the strategy builds on meta, then inits)
                 self.model.init_weights(0)
 

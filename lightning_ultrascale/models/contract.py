@@ -18,7 +18,6 @@ hook                         on                  needed by                     e
 ``spec.tp_plan``             the spec            TensorParallel                ``llama_tp_plan``
 head counts                  each attention      TensorParallel                ``Attention.forward``
 ``experts``, ``dispatcher``  each MoE module     ExpertParallel                ``MoE``
-``tie_weights()``            the model           optional: tied embeddings     ``Llama.tie_weights``
 ``pop_aux_loss(blocks)``     the model           optional: aux losses (PP)     ``Llama.pop_aux_loss``
 ===========================  ==================  ============================  ===========================
 

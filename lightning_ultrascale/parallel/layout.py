@@ -7,6 +7,10 @@ parameter, nor by peeking at another technique's mesh dim:
 =========================  ==========================================  =============================
 fact                       written by                                  read by
 =========================  ==========================================  =============================
+``tied``                   the strategy, on the model before any       tensor parallelism (re-ties),
+                           plugin (parameters several modules hold)    pipeline, ZeRO-3, the strategy
+``tied_copies``            pipeline (a tied weight's copies on other   the step runner (gradients
+                           stages' ranks)                              summed), the strategy (equal)
 ``parts``, ``dropped``     pipeline (the stages this rank runs, the    data parallelism (FSDP roots),
                            modules it does not hold)                   tensor parallelism
 ``forwards_per_step``      pipeline (microbatches)                     data parallelism (reshard)
@@ -45,6 +49,7 @@ from lightning_ultrascale.parallel.mesh import ParallelMesh
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.data.engines import GradientSync
+    from lightning_ultrascale.parallel.tied import TiedCopy, TiedGroup
 
 
 @dataclass(frozen=True)
@@ -151,10 +156,15 @@ class Layout:
         >>> layout.declare_gradient_group("experts", ("dp_replicate", "edp"), expert_names)  # doctest: +SKIP
     """
 
-    def __init__(self, dims: ParallelDims, mesh: ParallelMesh, precision: str = "32-true") -> None:
+    def __init__(
+        self, dims: ParallelDims, mesh: ParallelMesh, precision: str = "32-true", tied: tuple[TiedGroup, ...] = ()
+    ) -> None:
         self.dims = dims
         self.mesh = mesh
         self.precision = precision
+        #: Parameters the model holds under several names (:mod:`~lightning_ultrascale.parallel.tied`).
+        self.tied = tied
+        self.tied_copies: list[TiedCopy] = []
         self.parts: list[nn.Module] | None = None
         self.dropped: set[str] = set()
         self.forwards_per_step = 1

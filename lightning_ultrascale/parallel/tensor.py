@@ -37,6 +37,7 @@ from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.tied import retie
 
 #: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
 #: parallel style becomes the one that fits such a linear (e.g. ``"float8"``: torchao's Float8
@@ -100,11 +101,8 @@ class TensorParallel(ParallelPlugin):
             plan = _styled(block_plans[name], prefix, layout.linear_styles, layout.dropped)
             parallelize_module(block, tp_mesh, plan)
             _localise_head_counts(block.get_submodule(spec.attention), self.size)
-        # parallelize_module swaps the embedding and head weights for two separate DTensors; a
-        # tied model ties them again (both are sharded the same way: over the vocabulary).
-        tie = getattr(model, "tie_weights", None)
-        if tie is not None:
-            tie()
+        # parallelize_module gives each module a DTensor of its own: tied weights become one again.
+        retie(model, layout.tied, by=f"{self!r}'s plan (the spec's tp_plan)")
         if self.loss_parallel:
             # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
             layout.step_contexts.append(loss_parallel)

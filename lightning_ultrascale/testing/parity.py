@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.testing.spawn import run_workers
 
 #: Trainer settings for measuring runs: no logging, checkpoints, bars, summaries or validation.
@@ -40,22 +41,40 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
 
 
-def _whole_model(tensors: dict[str, torch.Tensor], spread: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+def _whole_model(
+    tensors: dict[str, torch.Tensor], spread: dict[str, float] | None = None, copies: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """Every rank's named tensors merged: pipeline stages each hold only their own parameters.
 
     ``spread``, if given, receives each name's largest difference between the ranks that hold it.
+    ``copies`` maps the other names of a tied weight to its first name: one process names it
+    once, a pipeline stage that holds only a copy names the copy; each copy must equal the original.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return tensors
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, tensors)
     merged: dict[str, torch.Tensor] = {}
+    parts: list[Any] = [tensors]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, tensors)
     for part in parts:
         for name, value in part.items():
             first = merged.setdefault(name, value)
             if spread is not None:
                 spread[name] = max(spread.get(name, 0.0), float((value - first).abs().max()))
+    for copy, original in (copies or {}).items():
+        if copy in merged and original in merged:
+            value = merged.pop(copy)
+            assert torch.equal(value, merged[original]), f"tied weight {original} and its copy {copy} differ"
     return merged
+
+
+def _tied_copies(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, str]:
+    """``{a tied weight's other name: its first name}`` in ``pl_module``'s names, from the strategy's Layout."""
+    layout = getattr(trainer.strategy, "_layout", None)
+    if layout is None:
+        return {}
+    _, name = find_model(pl_module)
+    prefix = f"{name}." if name else ""
+    return {prefix + copy: prefix + group[0] for group in layout.tied for copy in group[1:]}
 
 
 @dataclass
@@ -104,7 +123,8 @@ class ParityRecorder(L.Callback):
         # (for the parameters it shards: another group's engine may keep them in .grad).
         reduced = getattr(trainer.strategy, "reduced_gradients", lambda: None)() or {}
         grads = {n: reduced.get(p, p.grad) for n, p in pl_module.named_parameters()}
-        self.record.grads.append(_whole_model({n: _full(g) for n, g in grads.items() if g is not None}))
+        grads = {n: _full(g) for n, g in grads.items() if g is not None}
+        self.record.grads.append(_whole_model(grads, copies=_tied_copies(trainer, pl_module)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record.initial = _stepped(trainer, pl_module)
@@ -121,7 +141,8 @@ class ParityRecorder(L.Callback):
 def _stepped(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
     """The whole model's parameters as the optimizer steps them: the fp32 masters of bf16 weights where kept."""
     masters = getattr(trainer.strategy, "master_weights", dict)()
-    return _whole_model({n: _full(masters.get(p, p)) for n, p in pl_module.named_parameters()})
+    params = {n: _full(masters.get(p, p)) for n, p in pl_module.named_parameters()}
+    return _whole_model(params, copies=_tied_copies(trainer, pl_module))
 
 
 def record_run(

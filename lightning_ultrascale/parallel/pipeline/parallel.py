@@ -31,10 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, piece, require_spec
+from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
-from lightning_ultrascale.parallel.mesh import ParallelMesh
 from lightning_ultrascale.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
     resolve_virtual_stages,
@@ -48,6 +47,7 @@ from lightning_ultrascale.parallel.pipeline.stage import StageModule, prune_to_s
 from lightning_ultrascale.parallel.pipeline.step import PipelineStep
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.tied import TiedCopy, find_tied
 
 
 class PipelineParallel(ParallelPlugin):
@@ -102,8 +102,6 @@ class PipelineParallel(ParallelPlugin):
         self.local: list[int] = []  # the stages this rank runs
         self.group: dist.ProcessGroup | None = None
         self.stages: list[StageModule] = []
-        #: This rank's copy of a tied embedding/head weight (by name) and the ranks that sum its gradient.
-        self.tied: tuple[str, dist.ProcessGroup] | None = None
 
     # ----------------------------------------------------------------------------- configuration
     @property
@@ -151,14 +149,9 @@ class PipelineParallel(ParallelPlugin):
         self.ranges = plan_stages(model, spec, self.n_stages, self.split_points)
         self.local = [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]
         last = self.n_stages - 1
-        tied = _tied_weights(model, spec)
         kept = {b for s in self.local for b in self.ranges[s]}
         layout.dropped |= prune_to_stages(model, spec, kept, first=0 in self.local, last=last in self.local)
-        if tied and self.stage_ranks[0] != self.stage_ranks[last]:
-            self._tie_across_ranks(layout.mesh, spec, first_rank=self.stage_ranks[0] == pp_rank)
-            if self.stage_ranks[0] != pp_rank:
-                # The last stage's copy is the same parameter: count it once in the gradient norm.
-                layout.grad_norm.skip.add(f"{spec.head}.weight")
+        self._tie_across_ranks(layout, spec, pp_rank)
         self.model, self.spec = model, spec
         self.stages = [StageModule(model, spec, s, self.ranges[s], first=s == 0, last=s == last) for s in self.local]
         # Facts for the plugins after this one: FSDP roots, parameters re-gathered per microbatch,
@@ -198,31 +191,48 @@ class PipelineParallel(ParallelPlugin):
             return
         spec = require_spec(model)
         ranges = plan_stages(model, spec, self.n_stages, self.split_points)
-        local = [s for s, r in enumerate(self.stage_ranks) if r == plan.coordinate["pp"]]
-        kept = {f"{spec.layers}.{b}." for s in local for b in ranges[s]}
-        first, last = 0 in local, self.n_stages - 1 in local
-        pieces = {spec.embedding: first, spec.final_norm: last, spec.head: last}
-        if _tied_weights(model, spec) and last and not first:  # the head's own copy of the tied weight
-            plan.shapes[f"{spec.head}.weight"] = plan.shapes[f"{spec.embedding}.weight"]
+        rank = plan.coordinate["pp"]
+        for group in find_tied(model):  # a rank without a tied weight's first name holds a copy of its own
+            copy = next((n for n in group if rank in self._holders(spec, ranges, n)), group[0])
+            if copy != group[0]:
+                plan.shapes[copy] = plan.shapes[group[0]]
         for name in list(plan.shapes):
-            owner = next((p for p in pieces if name.startswith(f"{p}.")), None)
-            held = pieces[owner] if owner is not None else any(name.startswith(k) for k in kept)
-            if not held:
+            if rank not in self._holders(spec, ranges, name):
                 del plan.shapes[name]
 
-    def _tie_across_ranks(self, mesh: ParallelMesh, spec: ModelSpec, first_rank: bool) -> None:
-        # Tied embedding and head on different ranks (Megatron's "embedding group"): the two
-        # copies sum their gradients each step, so they stay one parameter. Every rank creates
-        # every group, in the same order (new_group is collective).
-        ranks = mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
-        first, last = self.stage_ranks[0], self.stage_ranks[-1]
-        for index in itertools.product(*(range(n) for n in ranks.shape[1:])):
-            pair = [int(ranks[(first, *index)]), int(ranks[(last, *index)])]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                self.tied = (f"{spec.embedding if first_rank else spec.head}.weight", group)
+    def _holders(self, spec: ModelSpec, ranges: Sequence[range], name: str) -> set[int]:
+        """The pipeline ranks that hold parameter ``name`` (what :func:`prune_to_stages` leaves them)."""
+        blocks = f"{spec.layers}."
+        if name.startswith(blocks):
+            block = int(name[len(blocks) :].split(".")[0])
+            return {self.stage_ranks[s] for s, r in enumerate(ranges) if block in r}
+        if name.startswith(f"{spec.embedding}."):
+            return {self.stage_ranks[0]}
+        if name.startswith((f"{spec.final_norm}.", f"{spec.head}.")):
+            return {self.stage_ranks[-1]}
+        return set(range(self.size))  # outside the pieces a pipeline splits: kept on every rank
 
+    def _tie_across_ranks(self, layout: Layout, spec: ModelSpec, pp_rank: int) -> None:
+        """A tied weight whose names land on several pipeline ranks (the embedding on the first stage,
+        the head on the last): one copy per rank, equal by construction (Megatron's "embedding group").
 
-def _tied_weights(model: nn.Module, spec: ModelSpec) -> bool:
-    embedding, head = piece(model, spec.embedding), piece(model, spec.head)
-    return embedding is not None and head is not None and head.weight is embedding.weight
+        The rank holding its first name holds the original; the copies' gradients are summed
+        before each optimizer step, and the gradient norm counts the original only. Every rank
+        creates every group, in the same order (``new_group`` is collective).
+        """
+        ranks = layout.mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
+        for group in layout.tied:
+            holders = {name: self._holders(spec, self.ranges, name) for name in group}
+            pp_ranks = sorted(set().union(*holders.values()))
+            if len(pp_ranks) < 2:
+                continue
+            source = min(holders[group[0]])
+            mine = next((name for name in group if pp_rank in holders[name]), None)
+            for index in itertools.product(*(range(n) for n in ranks.shape[1:])):
+                members = [int(ranks[(p, *index)]) for p in pp_ranks]
+                process_group = dist.new_group(members)
+                if dist.get_rank() in members and mine is not None:
+                    copy = TiedCopy(mine, process_group, int(ranks[(source, *index)]))
+                    layout.tied_copies.append(copy)
+                    if not copy.is_source:
+                        layout.grad_norm.skip.add(mine)

@@ -29,6 +29,7 @@ from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
 from lightning_ultrascale.parallel.pipeline.stage import first_param_device
 from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
+from lightning_ultrascale.parallel.tied import sum_gradients
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -82,16 +83,9 @@ class PipelineStep(StepRunner):
 
     def sync_gradients(self) -> None:
         """After the last micro-step: sum a tied weight's two copies, then let every engine reduce."""
-        if self.pipeline.tied is not None:
-            name, group = self.pipeline.tied
+        if self.layout.tied_copies:
             assert self.pipeline.model is not None
-            weight = self.pipeline.model.get_parameter(name)
-            # Where its gradient accumulates: fp32 main gradients (bf16-mixed), else .grad.
-            main = next((g for sync in self.layout.grad_syncs if (g := sync.main_grad(weight)) is not None), None)
-            if main is None and weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            grad = main if main is not None else weight.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+            sum_gradients(self.pipeline.model, self.layout.tied_copies, self.layout.grad_syncs)
         for sync in self.layout.grad_syncs:
             sync.reduce()
 
