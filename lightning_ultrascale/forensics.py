@@ -35,6 +35,7 @@ REPORT_FILE = "collective-hang.json"
 _FINISHED, _IN_FLIGHT = "finished", "in flight"
 _RECENT = 6  # records a rank reports besides its last per group and those in flight
 _SHOWN = 8  # absent ranks the line names (the report file has them all)
+_SAME_SIZES = {"all_reduce", "broadcast"}  # ops whose tensors are alike on every rank (all-to-all's splits may not be)
 # c10's dtype names, as the flight recorder writes them.
 _DTYPES = {
     "Float": torch.float32,
@@ -75,7 +76,7 @@ def _record(entry: dict[str, Any]) -> dict[str, Any]:
     return {
         "op": entry["profiling_name"].split(":")[-1],
         "group": name,
-        "label": "world" if desc == "default_pg" else desc.removeprefix("mesh_") if desc != "undefined" else "",
+        "label": _label(desc),
         "seq": entry["p2p_seq_id"] if entry["is_p2p"] else entry["collective_seq_id"],
         "p2p": entry["is_p2p"],
         "bytes": sum(n * d.itemsize for n, d in zip(numels, dtypes)) if known else None,  # type: ignore[union-attr]
@@ -83,6 +84,13 @@ def _record(entry: dict[str, Any]) -> dict[str, Any]:
         "sizes": entry["input_sizes"],
         "state": _FINISHED if finished else _IN_FLIGHT,
     }
+
+
+def _label(desc: str) -> str:
+    """A group's name in the report: the mesh dimension, ``world``, or nothing (a ``new_group``: named by number)."""
+    if desc == "default_pg":
+        return "world"
+    return "" if desc == "undefined" else desc.removeprefix("mesh_")
 
 
 def _group_ranks() -> dict[str, list[int]]:
@@ -153,7 +161,11 @@ def _hung(states: dict[int, dict[str, Any] | None], reporter: int) -> tuple[str,
         if mine_last is None or min(lasts) >= mine_last["seq"]:
             continue
         first_missing = min(lasts) + 1
-        at = next(i for i, r in enumerate(mine["records"]) if r["group"] == group and r["seq"] >= first_missing)
+        at = next(
+            i
+            for i, r in enumerate(mine["records"])
+            if (r["group"], r["p2p"]) == (group, False) and r["seq"] >= first_missing
+        )
         found.append((at, group, first_missing))
     return min(found)[1:] if found else None
 
@@ -192,7 +204,8 @@ def _absence(rank: int, state: dict[str, Any] | None, hung: dict[str, Any]) -> d
     if last is not None and last["seq"] > hung["seq"]:
         return None
     if last is not None and last["seq"] == hung["seq"]:
-        if (last["op"], last["sizes"]) == (hung["op"], hung["sizes"]) or hung["op"] == "collective":
+        sizes_differ = hung["op"] in _SAME_SIZES and last["sizes"] != hung["sizes"]
+        if hung["op"] == "collective" or (last["op"] == hung["op"] and not sizes_differ):
             return None
         text = f"rank {rank} called {describe(last)} instead"
         return {"rank": rank, "why": "mismatch", "text": text, "in": last}

@@ -91,7 +91,7 @@ class Watchdog:
         reason = (str(exception).strip().splitlines() or [type(exception).__name__])[0][:300]
         message = f"rank {self.rank} failed: {type(exception).__name__}: {reason}"
         try:
-            self._post(reason)
+            self._post_soon(reason).join(timeout=self.grace_s)
             self.store.set(f"{_FAILED}{self.rank}", reason)
             reporter = self.store.compare_set(_REPORTER, "", str(self.rank)).decode() == str(self.rank)
             # Fellow ranks in the same timeout fail alike; the others' watchdogs post within poll_s.
@@ -117,14 +117,21 @@ class Watchdog:
             pass
         return message
 
+    def _post_soon(self, failed: str | None) -> threading.Thread:
+        """:meth:`_post` on its own thread: NCCL's recorder queries CUDA events, which a broken GPU may not answer."""
+        self._posted = True
+        thread = threading.Thread(target=self._post, args=(failed,), name=f"ultrascale-post-{self.rank}", daemon=True)
+        thread.start()
+        return thread
+
     def _post(self, failed: str | None) -> None:
         """Post this rank's recent collectives for the reporting rank, and say them on this rank's stderr."""
-        self._posted = True
         try:
             state = snapshot(self.rank, failed, self._since_ns)
         except Exception as err:  # torch's recorder is a private API: its loss must not stop the failure path
             state = {"rank": self.rank, "failed": failed, "records": [], "groups": {}, "error": repr(err)}
-        self.store.set(f"{_STATE}{self.rank}", json.dumps(state))
+        with contextlib.suppress(Exception):  # the store may be gone: rank 0 ended
+            self.store.set(f"{_STATE}{self.rank}", json.dumps(state))
         print(f"[rank {self.rank}] collectives: {summary(state)}", file=sys.stderr, flush=True)
 
     def _report(self, reason: str) -> str:
@@ -158,7 +165,7 @@ class Watchdog:
                 failing = self.store.check([_REPORTER])
                 aborted = failing and self.store.check([_ABORT])
                 if failing and not self._posted:
-                    self._post(None)
+                    self._post_soon(None)
                 unreachable_since = None
             except Exception:
                 unreachable_since = unreachable_since or time.monotonic()
