@@ -3,14 +3,16 @@
 torch's flight recorder keeps, in every process, a ring buffer of the collectives it issued: op,
 process group, sequence number on that group, tensor sizes and dtypes, and whether each has
 ended. On gloo (torch 2.13) it is on by default (``TORCH_FR_BUFFER_SIZE``, 2000 entries) and sees
-every collective, ours, FSDP2's and DTensor's alike; it is read from C++ without the GIL's owner,
-so a watchdog thread reads it while the main thread is stuck in a collective or in Python.
-:func:`snapshot` turns this rank's record into a short summary (its group's last collective per
-group, what is still in flight, the last few that finished); :func:`diagnose` compares the
-summaries of all ranks: on the group where the reporting rank is ahead of some members, the first
-collective they lack is the hung one, and each member that lacks it either never arrived (in no
-collective) or skipped it (it is in another one). All ranks of a group issue the same collectives
-in the same order, so equal sequence numbers name the same call on every rank.
+every collective, ours, FSDP2's and DTensor's alike. Reading it is a C++ call under the recorder's
+own lock, so a watchdog thread reads it while the main thread is stuck in a collective (which
+releases the GIL) or in Python. gloo marks a collective ended when it fails too, so a failed rank's
+last collective is taken as where it failed. :func:`snapshot` turns this rank's record into a short
+summary (its last collective on each group, those still in flight, the last few that finished);
+:func:`diagnose` compares the summaries of all ranks: on a group where the reporting rank is ahead
+of some members, the first collective they lack is the hung one, and each member that lacks it
+either never arrived (in no collective) or skipped it (it is in another one). All ranks of a group
+issue the same collectives in the same order, so equal sequence numbers name the same call on
+every rank.
 
 Under NCCL the main thread rarely sees the timeout (NCCL's own watchdog ends the process); there
 torch's dumps (``TORCH_NCCL_DUMP_ON_TIMEOUT``, the launch scripts set them) and its ``torchfrtrace``
