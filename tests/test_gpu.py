@@ -3,8 +3,8 @@
 The CUDA context-parallel kernel against the exact reference, packed-document attention (the
 variable-length kernel and a masked ring block) against the CPU reference, FP8 blockwise tensor-core GEMMs
 against their emulation, the Triton kernels at Llama 3's hidden sizes, NCCL collectives on the
-root device and their time as the straggler report measures it, and one bf16 training step of
-llama3_1b that prints its MFU and peak memory.
+root device and their time as the straggler report measures it, NCCL's flight recorder as the hang
+report reads it, and one bf16 training step of llama3_1b that prints its MFU and peak memory.
 """
 
 from __future__ import annotations
@@ -201,6 +201,19 @@ def test_batch_clock_counts_the_nccl_collectives_issued_inside_a_batch(nccl):
     finally:
         clock.uninstall()
     assert y.isfinite().all() and 0 < collective_s < batch_s, (collective_s, batch_s)
+
+
+def test_the_hang_report_reads_nccls_flight_recorder(nccl):
+    # NCCL keeps its own flight recorder (gloo's is what the suite checks); the hang report reads both.
+    # (Written without a GPU at hand.)
+    from lightning_ultrascale import forensics
+
+    since = time.time_ns()
+    dist.all_reduce(torch.ones(1024, device="cuda"))
+    torch.cuda.synchronize()
+    record = forensics.snapshot(0, since_ns=since)["records"][-1]
+    assert (record["op"], record["label"], record["seq"] > 0) == ("all_reduce", "world", True), record
+    assert (record["bytes"], record["dtype"]) == (4096, "fp32")
 
 
 # ------------------------------------------------------------------------------------ a real step

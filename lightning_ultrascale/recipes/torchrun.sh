@@ -19,6 +19,12 @@ export ULTRASCALE_RUN_DIR=${ULTRASCALE_RUN_DIR:-outputs/torchrun-$RUN_ID}
 # A Python traceback of every thread on a fatal signal in the log; a NCCL error or timeout ends the rank.
 export PYTHONFAULTHANDLER=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
+# NCCL's flight recorder: its last 2000 collectives per rank, dumped on a timeout into the run directory
+# (<run dir>/flight_recorder/rank_<rank>); read them with `torchfrtrace <run dir>/flight_recorder -p rank_`.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$ULTRASCALE_RUN_DIR/flight_recorder/rank_}
+mkdir -p "$(dirname "$TORCH_FR_DUMP_TEMP_FILE")"  # torch writes the files, not their directory
 # A fresh store (hosted by rank 0) for every restarted worker group. The c10d rendezvous otherwise
 # shares its own store with the workers, and it outlives a restart: a new rank can read a dead rank's
 # address from the previous attempt before the new one is written (measured: "Gloo connectFullMesh
