@@ -10,6 +10,7 @@ renders the same message inside :func:`config_keys`.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 
@@ -19,6 +20,14 @@ _KEYS: ContextVar[Mapping[tuple[str, str], str]] = ContextVar("ultrascale_config
 
 class ConfigError(ValueError):
     """A setting that cannot work: ``TensorParallel(size=3) must divide n_kv_heads=8; valid: 1, 2, 4, 8``."""
+
+
+class ContractError(TypeError):
+    """A model or batch lacks what the chosen layout needs; the message lists each missing hook."""
+
+
+#: A user's mistake in a setting, a model or a batch: the command line prints it as one line, no traceback.
+USER_ERRORS = (ConfigError, ContractError)
 
 
 def option(owner: object, name: str, value: object) -> str:
@@ -68,3 +77,54 @@ def nearby_multiples(value: int, multiple: int) -> str:
     """
     below = value - value % multiple
     return ", ".join(str(n) for n in (below, below + multiple) if n > 0)
+
+
+# ----------------------------------------------------------------------------- command lines
+class UsageError(SystemExit):
+    """``prog: message`` for a setting, model or batch that cannot work; exit status 2, as argparse's.
+
+    Example:
+        >>> str(UsageError("ultrascale-train", "parallel.tp=3 must divide n_heads=4; valid: 1, 2, 4"))
+        'ultrascale-train: parallel.tp=3 must divide n_heads=4; valid: 1, 2, 4'
+    """
+
+    def __init__(self, prog: str, error: BaseException | str) -> None:
+        super().__init__(2)
+        self.message = f"{prog}: {error}"
+        self.printed = False
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def user_error(err: BaseException | None) -> BaseException | None:
+    """``err`` or the user error (:data:`~lightning_ultrascale.errors.USER_ERRORS`) it was raised from.
+
+    OmegaConf wraps what its resolvers raise, Hydra what a job raises.
+    """
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, USER_ERRORS):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
+
+
+@contextlib.contextmanager
+def reported(prog: str) -> Iterator[None]:
+    """Turn a user error inside into a :class:`UsageError`, printed on stderr once."""
+    try:
+        try:
+            yield
+        except UsageError:
+            raise
+        except Exception as err:
+            cause = user_error(err)
+            if cause is None:
+                raise
+            raise UsageError(prog, cause) from None
+    except UsageError as usage:
+        if not usage.printed:  # (an inner reported() may have printed it already)
+            print(usage, file=sys.stderr, flush=True)
+            usage.printed = True
+        raise

@@ -12,6 +12,7 @@ directory decides, not a preset.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,19 @@ def hf_directory(path: str | Path, option: str = "model.path") -> Any:
         raise ConfigError(f"{option}={path}: {config_file} not found; valid: a directory HF's save_pretrained wrote")
     from transformers import AutoConfig
 
-    from lightning_ultrascale.models.hf_adapter import check_supported
+    from lightning_ultrascale.models.hf_adapter import FAMILIES, check_supported
 
-    config = AutoConfig.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError) as err:  # a model_type this transformers does not know, or none
+        try:
+            kind = json.loads(config_file.read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            raise ConfigError(f"{option}={path}: {config_file} is not a JSON object: {err}") from None
+        raise ConfigError(
+            f"{option}={path} holds model_type={kind!r}, which transformers does not know; valid: a directory of "
+            f"one of the families trained as they are ({', '.join(FAMILIES)})"
+        ) from None
     check_supported(config)
     return config
 

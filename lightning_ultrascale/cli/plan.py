@@ -34,7 +34,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from lightning_ultrascale.errors import ConfigError, config_keys
+from lightning_ultrascale.errors import ConfigError, config_keys, reported
 
 __all__ = ["check", "main", "plan"]
 
@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ranks", default="stages", help="--check: 'stages' (default), 'all', or a list: 0,7,511")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for ultrascale-train (recipe=NAME ...)")
     args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
-    try:
+    with reported("ultrascale-plan"):
         # gpu=NAME reads like an override; it is the --gpu option.
         gpus = [o for o in args.overrides if o.startswith("gpu=")]
         args.overrides = [o for o in args.overrides if not o.startswith("gpu=")]
@@ -290,8 +290,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             plan(args.overrides, args.world_size, args.gpu, args.top, args.space, args.plot)
             ok = True
-    except ConfigError as err:
-        raise SystemExit(f"ultrascale-plan: {err}") from None
     sys.exit(0 if ok else 1)
 
 

@@ -48,7 +48,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ultrascale.cli.keys import error_keys, expand, plugin_nodes
-from lightning_ultrascale.errors import ConfigError, config_keys
+from lightning_ultrascale.errors import ConfigError, config_keys, reported
 
 if TYPE_CHECKING:
     from lightning_ultrascale.models import LlamaConfig
@@ -212,36 +212,18 @@ def main() -> None:
     if sys.argv[1:] == ["--recipes-dir"]:  # for `cp "$(ultrascale-train --recipes-dir)/torchrun.sh" .`
         print(RECIPES_DIR)
         return
-    try:
+    # One line naming option, value and valid values, exit status 2; no traceback for a user's mistake
+    # (also one a resolver raised while OmegaConf resolved the config, e.g. cluster=slurm's variables).
+    with reported("ultrascale-train"):
         run_dir()
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]
-    except ConfigError as err:
-        raise SystemExit(f"ultrascale-train: {err}") from None
-    hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")(_hydra_task)()
+        hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")(_hydra_task)()
 
 
 def _hydra_task(cfg: DictConfig) -> None:
-    with _one_job(), config_keys(error_keys(cfg)):
-        try:
-            trainer, module, datamodule = build(cfg)
-            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        except Exception as err:
-            # One line naming option, value and valid values; no traceback for a config mistake (also
-            # one a resolver raised while OmegaConf resolved the config, e.g. cluster=slurm's variables).
-            cause = _config_error(err)
-            if cause is not None:
-                raise SystemExit(f"ultrascale-train: {cause}") from None
-            raise
-
-
-def _config_error(err: BaseException | None) -> ConfigError | None:
-    """``err`` or the ConfigError it was raised from (OmegaConf wraps what its resolvers raise)."""
-    seen = 0
-    while err is not None and seen < 8:
-        if isinstance(err, ConfigError):
-            return err
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return None
+    with _one_job(), config_keys(error_keys(cfg)), reported("ultrascale-train"):
+        trainer, module, datamodule = build(cfg)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
 
 
 @contextlib.contextmanager
@@ -391,6 +373,10 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
     assert isinstance(settings, dict)
     global_batch_size = settings.pop("global_batch_size", None)
     if cfg.model.name == "hf":
+        if settings.get("documents") == "mask":
+            from lightning_ultrascale.models.hf_adapter import NO_DOCUMENTS
+
+            raise ConfigError(NO_DOCUMENTS)
         return _hf_module(cfg, OptimConfig(**optim)), instantiate(settings, "data"), global_batch_size
     module = LlamaModule(
         _model_config(cfg.model),
@@ -491,7 +477,8 @@ def _model_config(model: DictConfig) -> LlamaConfig:
     if model.name == "hf":  # the planner prices our Llama's architecture: the directory's, converted
         from lightning_ultrascale.models.hf import hf_directory_config
 
-        return hf_directory_config(hf_path(model))
+        path = hf_path(model)
+        return hf_directory_config(path, f"model=hf model.path={path} (priced as our Llama)")
     preset = get_model_config(model.name)
     settings = OmegaConf.to_container(model, resolve=True)
     assert isinstance(settings, dict)

@@ -207,12 +207,17 @@ class UltraScaleDataModule(L.LightningDataModule):
                 f"data.source={self.source} has {tokens} tokens, {n_train} training sequences: "
                 f"{sizes}; lower data.seq_len or data.micro_batch_size, or use more data"
             )
-        if self.val_fraction > 0 and n_val < global_batch:
+        if self.val_fraction > 0 and n_val < global_batch and self._validates():
             raise ConfigError(
                 f"data.val_fraction={self.val_fraction} holds out {n_val} sequences, fewer than one global "
                 f"batch: {sizes}; raise data.val_fraction, or set it to 0 to skip validation"
             )
         return n_train, n_val
+
+    def _validates(self) -> bool:
+        """Whether the run validates: not with the Trainer's ``limit_val_batches=0`` (nor without a Trainer's say)."""
+        trainer = self.trainer
+        return trainer is None or trainer.limit_val_batches != 0
 
     def setup(self, stage: str) -> None:
         """Read the dp coordinates, open the sources, split each into train/val and check both fill a global batch."""

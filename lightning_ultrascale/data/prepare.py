@@ -36,7 +36,7 @@ import numpy as np
 from lightning_ultrascale.data.documents import corpus_files, read_documents
 from lightning_ultrascale.data.index import TokenIndex, documents_path, dtype_for_vocabulary, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_hash
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, reported
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _PIECE_BYTES = 1 << 20
@@ -255,14 +255,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="text held in flight")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    try:
+    with reported("ultrascale-tokenize"):
         tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_name, args.bos_token, args.eos_token)
         index = tokenize_corpus(
             args.inputs, args.output, tokenizer, args.text_key, args.workers, int(args.chunk_mb * 2**20),
             progress=not args.no_progress,
         )  # fmt: skip
-    except ConfigError as e:
-        raise SystemExit(f"ultrascale-tokenize: {e}") from None
     print(
         f"wrote {index.n_tokens:,} tokens of {index.n_documents:,} documents ({index.dtype}, {index.tokenizer}: "
         f"{index.vocab_size:,} ids) to {args.output}"

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ultrascale.errors import ContractError
 from lightning_ultrascale.models.shard_init import clean_name
 from lightning_ultrascale.models.spec import ModelSpec
 
@@ -59,10 +60,6 @@ from lightning_ultrascale.models.spec import ModelSpec
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
 
 EVERY = "every layout"
-
-
-class ContractError(TypeError):
-    """A model or batch lacks what the chosen layout needs; the message lists each missing hook."""
 
 
 @dataclass(frozen=True)

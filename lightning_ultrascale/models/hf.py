@@ -402,14 +402,18 @@ def hf_file_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def hf_directory_config(path: str | os.PathLike[str]) -> LlamaConfig:
-    """Our config of an HF model directory, from its ``config.json`` alone (no transformers needed)."""
+def hf_directory_config(path: str | os.PathLike[str], option: str | None = None) -> LlamaConfig:
+    """Our config of an HF model directory, from its ``config.json`` alone (no transformers needed).
+
+    ``option``: how errors name the setting that gave ``path`` (default ``model.init_from=hf:PATH``).
+    """
+    where = option or f"model.init_from=hf:{path}"
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"model.init_from=hf:{path}: {config_file} not found; valid: an HF model directory")
+        raise ConfigError(f"{where}: {config_file} not found; valid: an HF model directory")
     defaults = {"tie_word_embeddings": False, "num_key_value_heads": None, "max_position_embeddings": 2048}
     fields = {**defaults, **json.loads(config_file.read_text())}
-    _check_model_type(fields.get("model_type"), f"model.init_from=hf:{path}")
+    _check_model_type(fields.get("model_type"), where)
     return config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
 
 

@@ -57,6 +57,7 @@ from lightning_ultrascale.models.blocks import as_blocks
 from lightning_ultrascale.models.common.layers import causal_attention
 from lightning_ultrascale.models.common.moe import Dispatcher, _scale_grad
 from lightning_ultrascale.models.contract import ContractError
+from lightning_ultrascale.models.hf import MODEL_TYPES
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, local_indices
 from lightning_ultrascale.models.spec import ModelSpec, piece
 from lightning_ultrascale.utils.tensors import local_tensor
@@ -158,10 +159,16 @@ def check_supported(cfg: Any) -> None:
     """Refuse, by name, an HF config this library would train differently from transformers."""
     kind = getattr(cfg, "model_type", None)
     if kind not in FAMILIES:
+        # Only families with a converter can become our Llama (GPT-2's or OLMo2's blocks cannot).
+        convert = (
+            f"convert it to our model with lightning_ultrascale.models.hf.load_hf_pretrained (it reads {kind}), or "
+            if kind in MODEL_TYPES.values()
+            else ""
+        )
         raise ContractError(
             f"model_type={kind!r} is not among the Hugging Face families lightning_ultrascale trains as they are "
-            f"(tested in every layout): {', '.join(FAMILIES)}. Convert it to our Llama "
-            "(lightning_ultrascale.models.hf), or give your model the contract yourself (README 'Your own model')"
+            f"(tested in every layout); valid: {', '.join(FAMILIES)}. To train it: {convert}give your model the "
+            "contract yourself (README 'Your own model')"
         )
     refused = {
         "attention_dropout": (getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0,
@@ -215,7 +222,7 @@ class _AdaptedCausalLM:
             names = list(inspect.signature(super().forward).parameters)[1 : 1 + len(args)]  # type: ignore[misc]
             kwargs.update(zip(names, args))
         if kwargs.pop("document_ids", None) is not None:  # (HF would hand it to the attention, which ignores it)
-            raise ContractError(_NO_DOCUMENTS)
+            raise ContractError(NO_DOCUMENTS)
         _refuse_padding(kwargs.get("attention_mask"))
         _refuse_shifted(kwargs.get("labels"), input_ids)
         if self.sequence_split is not None and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -244,7 +251,7 @@ class _AdaptedCausalLM:
     ) -> Tensor:
         """Run a part of the model (a pipeline stage) through HF's own modules; see ``Llama.forward_stage``."""
         if document_ids is not None:
-            raise ContractError(_NO_DOCUMENTS)
+            raise ContractError(NO_DOCUMENTS)
         base = getattr(self, self.base_model_prefix)  # type: ignore[attr-defined]
         h = base.embed_tokens(x) if embed else x
         if position_ids is None:
@@ -270,9 +277,10 @@ class _AdaptedCausalLM:
         return float(6 * matmul + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len)
 
 
-_NO_DOCUMENTS = (
+NO_DOCUMENTS = (
     "document masking (document_ids, data.documents=mask) is not supported for Hugging Face models trained as they "
-    "are; use data.documents=off (attention across the packed documents, as most pretraining does) or our Llama"
+    "are (transformers' attention would ignore the documents); valid: data.documents=concat (attention across the "
+    "packed documents, as most pretraining does), or our Llama with document masks"
 )
 
 

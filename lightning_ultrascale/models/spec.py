@@ -12,6 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
+from lightning_ultrascale.errors import ContractError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -137,7 +139,10 @@ def find_model(root: nn.Module) -> tuple[nn.Module, str]:
     for name, module in root.named_modules():
         if isinstance(getattr(module, "spec", None), ModelSpec):
             return module, name
-    raise TypeError(
-        f"{type(root).__name__} holds no model with a `spec: ModelSpec`; UltraScaleStrategy parallelises models "
-        "that declare one (e.g. lightning_ultrascale.models.Llama, built in LightningModule.configure_model)"
+    raise ContractError(
+        f"{type(root).__name__} holds no model with a `spec: ModelSpec`, which UltraScaleStrategy needs to "
+        "parallelise it; valid: our Llama (lightning_ultrascale.models), a Hugging Face causal LM of a tested family "
+        "(adapted as it is), or your own model with a spec and init_weights(seed) (README 'Your own model'), "
+        "built on the meta device: in LightningModule.configure_model (Trainer) or under "
+        "fabric.init_module(empty_init=True) (Fabric)"
     )

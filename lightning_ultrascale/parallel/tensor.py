@@ -19,7 +19,8 @@ from the same plan: one plan, never a second one per precision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -31,7 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_ultrascale.errors import ConfigError, nearby_multiples, option, require_positive_int
+from lightning_ultrascale.errors import ConfigError, ContractError, nearby_multiples, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
@@ -101,6 +102,7 @@ class TensorParallel(ParallelPlugin):
             plan = _styled(block_plans[name], prefix, layout.linear_styles, layout.dropped)
             parallelize_module(block, tp_mesh, plan)
             _localise_head_counts(block.get_submodule(spec.attention), self.size)
+        layout.step_contexts.append(_AttentionErrors(self, model, spec).explained)
         # parallelize_module gives each module a DTensor of its own: tied weights become one again.
         retie(model, layout.tied, by=f"{self!r}'s plan (the spec's tp_plan)")
         if self.loss_parallel:
@@ -196,3 +198,48 @@ def _styled(
             style = LINEAR_STYLES[kind](style)
         out[name] = style
     return out
+
+
+class _AttentionErrors:
+    """Until a step has run, turns an error raised inside an attention module into one saying what TP needs.
+
+    A model written for one device reshapes by the whole model's head count or width, or splits a
+    fused q/k/v projection, and under TP fails with a raw shape or unpack error from its own code.
+    A pre-hook notes which attention a forward entered, the forward hook that it left: an error
+    leaves the note set. The hooks go once a step has run.
+    """
+
+    def __init__(self, plugin: TensorParallel, model: nn.Module, spec: ModelSpec) -> None:
+        self.plugin, self.inside = plugin, None
+        self.handles = []
+        for name, block in model.get_submodule(spec.layers).named_children():
+            attention = block.get_submodule(spec.attention)
+            where = f"{spec.layers}.{name}.{spec.attention}"
+            self.handles += [
+                attention.register_forward_pre_hook(lambda *_, where=where: setattr(self, "inside", where)),
+                attention.register_forward_hook(lambda *_: setattr(self, "inside", None)),
+            ]
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        if not self.handles:
+            yield
+            return
+        self.inside = None
+        try:
+            yield
+        except (RuntimeError, ValueError) as err:
+            if self.inside is None:
+                raise
+            tp = self.plugin.size
+            raise ContractError(
+                f"{self.inside} raised under {self.plugin!r}: {type(err).__name__}: {str(err).splitlines()[0]}. "
+                f"Each of the tp={tp} ranks holds 1/{tp} of the heads: its q, k and v projections give "
+                f"1/{tp} of their width. Reshape by the projections' outputs (view(b, s, -1, head_dim)) or keep "
+                "the counts as n_heads / n_kv_heads attributes (set to each rank's own), never by the model's "
+                "width or head count; and split a fused q/k/v projection into three Linears (a column shard of "
+                "one fused matrix holds parts of q and of k). README 'Your own model'"
+            ) from err
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
