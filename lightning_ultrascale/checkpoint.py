@@ -18,6 +18,7 @@ TP), a pipeline stage's own parameters, a sharded optimizer's flat range (``data
 DCP matches chunks by name and offset, so any layout loads any other's checkpoint, under any world
 size, without gathering to one rank. A tied weight is saved under both its names, so a pipeline
 whose last stage holds the head's copy finds it in a one-process checkpoint, and the reverse.
+Every file of a checkpoint is read as data (:mod:`~lightning_ultrascale.checkpoint_io`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ultrascale.checkpoint_io import (
+    CheckpointDataError,
+    check_weights_only,
+    data_only,
+    load,
+    load_dcp,
+    read_metadata,
+    to_data,
+)
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.utils.optim import initialize_state
 
@@ -220,14 +230,8 @@ def checkpoint_names(path: Path, names: Collection[str]) -> Callable[[str], str]
         >>> rename("model.layers.0.attention.wq.weight")
         'layers.0.attention.wq.weight'
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     section = "state_dict."
-    saved = {
-        k[len(section) :]
-        for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        if k.startswith(section)
-    }
+    saved = {k[len(section) :] for k in read_metadata(path).state_dict_metadata if k.startswith(section)}
     if not names or set(names) <= saved:
         return _same
     probe = next(iter(names))
@@ -261,7 +265,6 @@ def load_layout_state(
     path: Path, module: nn.Module, optimizers: Sequence[Optimizer], syncs: Sequence[GradientSync], strict: bool
 ) -> None:
     """Fill ``module``, its fp32 masters and ``optimizers`` in place from a DCP checkpoint of any layout."""
-    from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     # DCP loads into the tensors of a template, in place, each rank its own chunks.
@@ -278,7 +281,7 @@ def load_layout_state(
             state["state_dict"][k] = master
     for idx, optimizer in enumerate(optimizers):
         state[f"optimizer_{idx}"] = named_optimizer_state(module, optimizer, syncs, rename)
-    dcp_load(state, checkpoint_id=path)
+    load_dcp(state, path)
     state["state_dict"].update(live)
     module.load_state_dict({k: state["state_dict"][rename(k)] for k in weights}, strict=strict)
     for sync in syncs:
@@ -328,10 +331,10 @@ def check_checkpoint_path(path: _PATH, option: str = "ckpt_path") -> None:
 
 def _check_shard_files(path: _PATH, where: Path, option: str) -> None:
     """Every file DCP's index names is there and long enough (else every rank fails deep in the load)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(str(where)).read_metadata()
+        metadata = read_metadata(where)
+    except CheckpointDataError:
+        raise
     except Exception as err:
         raise ConfigError(
             f"{option}={path} has an unreadable .metadata (DCP's index: {type(err).__name__}); an incomplete copy "
@@ -365,9 +368,7 @@ def check_checkpoint_model(path: _PATH, hparams: Mapping[str, Any], option: str 
     mine = hparams.get("model_config")
     where = checkpoint_location(path)
     meta = where / _METADATA_FILENAME if where.is_dir() else where
-    saved = (torch.load(meta, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters") or {}).get(
-        "model_config"
-    )
+    saved = (load(meta, mmap=True).get("hyper_parameters") or {}).get("model_config")
     if not isinstance(mine, Mapping) or not isinstance(saved, Mapping):
         return
     theirs, ours = LlamaConfig(**saved), LlamaConfig(**mine)
@@ -502,6 +503,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         resume_where_the_data_stopped(checkpoint)
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             checkpoint[ACCUMULATION_KEY] = self.lightning_module.trainer.accumulate_grad_batches
+        to_data(checkpoint, filepath)
         if not self._save_distributed_checkpoint or storage_options is not None:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         from torch.distributed.checkpoint import async_save, save
@@ -595,8 +597,11 @@ class LayoutCheckpoints(ModelParallelStrategy):
         and on optimizer states in torch's nested format, which pipeline stages cannot share. The
         saved loop position is counted in this run's gradient accumulation (:func:`rebase_accumulation`);
         a checkpoint Lightning Fabric saved gets the loop position of its step (:func:`trainer_progress`).
+        The files are read as data only (:mod:`~lightning_ultrascale.checkpoint_io`), and ``weights_only`` set
+        false is refused.
         """
-        checkpoint = self._load_layout_checkpoint(checkpoint_path, weights_only)
+        check_weights_only(weights_only, f"ckpt_path={checkpoint_path}")
+        checkpoint = self._load_layout_checkpoint(checkpoint_path)
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         schedulers = len(trainer.lr_scheduler_configs)
@@ -604,7 +609,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         rebase_accumulation(checkpoint, trainer.accumulate_grad_batches)
         return checkpoint
 
-    def _load_single_file(self, path: Path, weights_only: bool | None, strict: bool) -> dict[str, Any]:
+    def _load_single_file(self, path: Path, strict: bool) -> dict[str, Any]:
         """A full (``torch.save``) checkpoint: into the model, the optimizers and the fp32 masters."""
         assert self.model is not None
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
@@ -614,8 +619,9 @@ class LayoutCheckpoints(ModelParallelStrategy):
                     "without master weights (bf16-mixed at ZeRO 0-2 keeps them): save with "
                     "save_distributed_checkpoint=True (the default) and resume from that directory"
                 )
-            return super().load_checkpoint(path, weights_only=weights_only)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+            with data_only(path):  # Lightning's loader, which distributes the weights to the DTensor shards
+                return super().load_checkpoint(path, weights_only=True)
+        checkpoint = load(path)
         weights = checkpoint.pop("state_dict")
         self.model.load_state_dict(weights, strict=strict)
         # The masters (bf16-mixed, ZeRO 0-2) take the file's full precision.
@@ -626,7 +632,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
             optimizer.load_state_dict(state)
         return checkpoint
 
-    def _load_layout_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+    def _load_layout_checkpoint(self, checkpoint_path: _PATH) -> dict[str, Any]:
         path = checkpoint_location(self.broadcast(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         # The CLI checks both before any process group; Lightning hands us the path only now.
@@ -634,7 +640,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         check_checkpoint_model(path, self.lightning_module.hparams)
         strict = self.lightning_module.strict_loading
         if not _is_sharded_checkpoint(path):
-            return self._load_single_file(path, weights_only, strict)
+            return self._load_single_file(path, strict)
         load_layout_state(path, self.model, self.optimizers, self.layout.grad_syncs, strict)
         # Loops, schedulers, callbacks and the datamodule restore themselves from the rest.
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return load(path / _METADATA_FILENAME, map_location=None)

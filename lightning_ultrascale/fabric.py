@@ -63,6 +63,7 @@ from lightning_ultrascale.checkpoint import (
     publish_save,
     with_masters,
 )
+from lightning_ultrascale.checkpoint_io import check_weights_only, load, to_data
 from lightning_ultrascale.composition import PluginComposition
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import find_model
@@ -301,6 +302,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         meta[TRAIN_DATA_KEY] = [loader.state_dict() for loader in parts.loaders.values()]
         meta.setdefault("global_step", self.global_step)
         meta[ACCUMULATION_KEY] = self.accumulate
+        to_data(meta, where)
         partial = begin_save(where, self.global_rank, self.barrier)
         dcp_save(tensors, checkpoint_id=partial)
         publish_save(meta, partial, where, self.global_rank, self.barrier)
@@ -312,7 +314,8 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         """Restore ``state`` in place from a checkpoint of any layout, saved by Fabric or by the Trainer.
 
         Returns the checkpoint's entries ``state`` did not ask for (a Trainer's: ``global_step``,
-        its loops, hyperparameters).
+        its loops, hyperparameters). The files are read as data only (:mod:`~lightning_ultrascale.checkpoint_io`),
+        and ``weights_only`` set false is refused.
         """
         if not isinstance(state, dict):
             raise ConfigError(
@@ -320,6 +323,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
                 f"set up (e.g. {{'model': model, 'optimizer': optimizer}}), got {type(state).__name__}"
             )
         path = self.broadcast(path)
+        check_weights_only(weights_only, f"fabric.load(path={path})")
         check_checkpoint_path(path, "path")
         where = checkpoint_location(path)
         if not _is_sharded_checkpoint(where):
@@ -331,7 +335,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         self.wait_for_parameters()
         optimizers = list(parts.optimizers.values())
         load_layout_state(where, parts.module, optimizers, self.layout.grad_syncs, strict)
-        meta = torch.load(where / _METADATA_FILENAME, weights_only=weights_only)
+        meta = load(where / _METADATA_FILENAME, map_location=None)
         parts.restore(meta, state, strict)
         self.global_step = int(meta.get("global_step", 0))
         return meta

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -78,6 +79,11 @@ def _hf_directory(init_from: str | None, config: LlamaConfig) -> str | None:
         raise ConfigError(
             f"model.init_from={init_from} is another architecture than model={config.name}: {', '.join(wrong)}. "
             f"To train the directory's own architecture: model=hf model.path={init_from[3:]}"
+        )
+    if not any(Path(init_from[3:]).glob("*.safetensors")):  # (a pickled pytorch_model.bin is code: never read)
+        raise ConfigError(
+            f"model.init_from={init_from} holds no *.safetensors files; valid: a directory save_pretrained wrote "
+            "(weights as safetensors)"
         )
     return init_from[3:]
 

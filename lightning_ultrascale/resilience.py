@@ -4,7 +4,8 @@
 newest complete checkpoint of the run directory, by step: a directory with DCP's ``.metadata`` and
 our ``meta.pt`` (or a single-file checkpoint), never a ``.partial`` one (a save that did not
 finish), and ``X.old`` only where ``X`` itself is missing (a crash between the two renames of a
-save: ``checkpoint.publish``). None there: a fresh start. The run directory is the same when a job
+save: ``checkpoint.publish``). None there: a fresh start. One holding more than data stops the run
+(``checkpoint_io``) rather than being passed over for an older one. The run directory is the same when a job
 is started again (``cli.train.run_dir``: the SLURM job id, which a requeued job keeps, torchrun's
 ``--rdzv-id``, or ``ULTRASCALE_RUN_DIR``), so a requeued or restarted job finds what it saved.
 
@@ -35,6 +36,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_ultrascale.checkpoint_io import CheckpointDataError, load
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.utils.comm import collective_device
 
@@ -52,11 +54,13 @@ def _step_of(path: Path) -> int | None:
         if path.is_dir():
             if not (path / ".metadata").is_file() or not (path / "meta.pt").is_file():
                 return None
-            meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+            meta = load(path / "meta.pt")
         elif zipfile.is_zipfile(path):
-            meta = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            meta = load(path, mmap=True)
         else:
             return None
+    except CheckpointDataError:
+        raise  # not a torn copy: a file that must not load, which no resume may silently pass over
     except Exception as err:  # a torn copy: not a checkpoint to resume from
         log.warning("skipping %s: it does not load (%s)", path, err)
         return None

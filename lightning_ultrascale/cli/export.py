@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ultrascale.checkpoint import check_checkpoint_path, checkpoint_location
+from lightning_ultrascale.checkpoint_io import load, load_dcp, read_metadata
 from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_tokenizer
 from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
@@ -52,8 +53,7 @@ log = logging.getLogger(__name__)
 
 def checkpoint_config(checkpoint: Path) -> LlamaConfig:
     """The architecture a checkpoint of ``LlamaModule`` was trained with."""
-    meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=False)
-    hparams = meta.get("hyper_parameters", {})
+    hparams = load(checkpoint / "meta.pt").get("hyper_parameters", {})
     if "model_config" in hparams:
         return LlamaConfig(**hparams["model_config"])
     if "model" in hparams:
@@ -63,8 +63,7 @@ def checkpoint_config(checkpoint: Path) -> LlamaConfig:
 
 def checkpoint_tokenizer(checkpoint: Path) -> dict[str, Any] | None:
     """The tokenizer record a checkpoint's datamodule saved (``UltraScaleDataModule.state_dict``), or None."""
-    meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=False)
-    for value in meta.values():
+    for value in load(checkpoint / "meta.pt").values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict) and "hash" in value["tokenizer"]:
             return value["tokenizer"]
     return None
@@ -158,8 +157,6 @@ def _read_share(
 
     Every process gets a share, so no process holds the whole model.
     """
-    from torch.distributed.checkpoint import load
-
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Llama(config).state_dict().items()}
     files = hf_file_tensors(config)
@@ -167,7 +164,7 @@ def _read_share(
     # A softmax (Mixtral) router's selection bias has no HF tensor: it must be zero (every process checks all).
     biases = [k for k in shapes if k.endswith("router.expert_bias") and k not in ours]
     state = {f"state_dict.model.{k}": torch.empty(shapes[k]) for k in sorted(mine | set(biases))}
-    load(state, checkpoint_id=path)
+    load_dcp(state, path)
     moved = [k for k in biases if state[f"state_dict.model.{k}"].any()]
     if moved:
         raise ConfigError(
@@ -199,7 +196,7 @@ def export(
 
     check_checkpoint_path(checkpoint, "CKPT")
     path = checkpoint_location(checkpoint)
-    hparams = torch.load(path / "meta.pt", map_location="cpu", weights_only=False).get("hyper_parameters", {})
+    hparams = load(path / "meta.pt").get("hyper_parameters", {})
     if "hf_config" in hparams:  # a model=hf run: the transformers model itself, written by transformers
         return export_hf_model(path, hparams["hf_config"], out_dir, dtype, tokenizer, with_tokenizer)
     config = checkpoint_config(path)
@@ -242,7 +239,6 @@ def export_hf_model(
 
     One process holds the whole model (the transformers model is built whole, on the CPU).
     """
-    from torch.distributed.checkpoint import FileSystemReader, load
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -250,12 +246,12 @@ def export_hf_model(
     settings = dict(hf_config)
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     model = AutoModelForCausalLM.from_config(config)
-    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = read_metadata(path).state_dict_metadata
     state = {f"state_dict.model.{n}": t for n, t in model.state_dict().items() if f"state_dict.model.{n}" in stored}
     missing = sorted(n for n, _ in model.named_parameters() if f"state_dict.model.{n}" not in stored)
     if missing:
         raise ConfigError(f"{path} lacks parameters of its {config.model_type} model: {', '.join(missing[:5])}")
-    load(state, checkpoint_id=str(path))
+    load_dcp(state, path)
     model.tie_weights()
     text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
     if text_tokenizer is not None:
