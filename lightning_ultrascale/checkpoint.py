@@ -365,19 +365,44 @@ def check_checkpoint_model(path: _PATH, hparams: Mapping[str, Any], option: str 
     """
     from lightning_ultrascale.models.llama import LlamaConfig
 
-    mine = hparams.get("model_config")
     where = checkpoint_location(path)
     meta = where / _METADATA_FILENAME if where.is_dir() else where
-    saved = (load(meta, mmap=True).get("hyper_parameters") or {}).get("model_config")
-    if not isinstance(mine, Mapping) or not isinstance(saved, Mapping):
+    saved_hparams = load(meta, mmap=True).get("hyper_parameters") or {}
+    mine, saved = _model_record(hparams), _model_record(saved_hparams)
+    if mine is None or saved is None:
         return
-    theirs, ours = LlamaConfig(**saved), LlamaConfig(**mine)
-    wrong = theirs.architecture_differences(ours)
+    if mine[0] != saved[0]:
+        kinds = {"model_config": "our Llama", "hf_config": "a Hugging Face model as it is (model=hf)"}
+        wrong = [f"{kinds[saved[0]]} vs {kinds[mine[0]]}"]
+        theirs, ours = saved_hparams.get("model", kinds[saved[0]]), hparams.get("model", kinds[mine[0]])
+    elif mine[0] == "model_config":
+        a, b = LlamaConfig(**saved[1]), LlamaConfig(**mine[1])
+        wrong, theirs, ours = a.architecture_differences(b), a.name, b.name
+    else:  # a Hugging Face model trained as it is: its config.json's architecture
+        keys = [k for k in HF_ARCHITECTURE if saved[1].get(k) != mine[1].get(k)]
+        wrong = [f"{k}={saved[1].get(k)!r} (this run: {mine[1].get(k)!r})" for k in keys]
+        theirs, ours = saved_hparams.get("model", "an HF model"), hparams.get("model", "an HF model")
     if wrong:
         raise ConfigError(
-            f"{option}={path} was saved by model {theirs.name}, and this run builds {ours.name}: {', '.join(wrong)}; "
-            f"resume with the model the checkpoint was saved with ({theirs.name}), or start a new run"
+            f"{option}={path} was saved by model {theirs}, and this run builds {ours}: {', '.join(wrong)}; "
+            f"resume with the model the checkpoint was saved with ({theirs}), or start a new run"
         )
+
+
+#: The settings of an HF ``config.json`` that shape the parameters (and so the checkpoint).
+HF_ARCHITECTURE = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "tie_word_embeddings", "num_local_experts", "num_experts",
+    "moe_intermediate_size", "attention_bias",
+)  # fmt: skip
+
+
+def _model_record(hparams: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """``("model_config", our config)`` or ``("hf_config", an HF config.json)`` that a module saved, if any."""
+    for key in ("model_config", "hf_config"):
+        if isinstance(hparams.get(key), Mapping):
+            return key, hparams[key]
+    return None
 
 
 def resume_where_the_data_stopped(checkpoint: dict[str, Any]) -> None:

@@ -171,3 +171,25 @@ def test_attention_written_for_one_device_is_told_what_tensor_parallelism_needs(
     message = str(error.value)
     assert f"layers.0.attention raised under TensorParallel(tp=2): {raised}" in message, message[-2000:]
     assert "split a fused q/k/v projection into three Linears" in message
+
+
+def test_a_checkpoint_of_another_hf_architecture_is_refused_naming_what_differs(tmp_path):
+    # It failed after the process group with DCP's "Size mismatch": HF modules recorded no model_config.
+    from lightning_ultrascale.checkpoint import check_checkpoint_model
+    from lightning_ultrascale.hf_module import HFCausalLMModule
+    from lightning_ultrascale.module import LlamaModule
+
+    for name, width in (("small", 32), ("large", 48)):
+        config = AutoConfig.for_model("qwen2", hidden_size=width, num_hidden_layers=1, num_attention_heads=2)
+        config.save_pretrained(tmp_path / name)
+    saved = tmp_path / "step=1.ckpt"
+    saved.mkdir()
+    torch.save({"hyper_parameters": dict(HFCausalLMModule(tmp_path / "small").hparams)}, saved / "meta.pt")
+    large = HFCausalLMModule(tmp_path / "large").hparams
+    with pytest.raises(
+        ConfigError, match=r"saved by model hf:.*small, and this run builds hf:.*large: hidden_size=32 \("
+    ):
+        check_checkpoint_model(saved, large)
+    with pytest.raises(ConfigError, match=r"a Hugging Face model as it is \(model=hf\) vs our Llama"):
+        check_checkpoint_model(saved, LlamaModule("llama_tiny").hparams)
+    check_checkpoint_model(saved, HFCausalLMModule(tmp_path / "small").hparams)  # the same: resumes

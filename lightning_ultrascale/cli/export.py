@@ -42,7 +42,7 @@ from lightning_ultrascale.checkpoint_io import load, load_dcp, read_metadata
 from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_tokenizer
 from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, reported
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.hf import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
 from lightning_ultrascale.models.llama import Llama
@@ -277,12 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ and not dist.is_initialized():  # started by torchrun
         dist.init_process_group("gloo")
     try:
-        tokenizer = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer, not args.no_tokenizer)
+        with reported("ultrascale-export"):
+            tokenizer = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer, not args.no_tokenizer)
         if not dist.is_initialized() or dist.get_rank() == 0:
             with_tokenizer = f" and its tokenizer {tokenizer.name!r}" if tokenizer is not None else " (no tokenizer)"
             print(f"exported {args.checkpoint}{with_tokenizer} to {args.out_dir}")
-    except ConfigError as err:
-        raise SystemExit(f"ultrascale-export: {err}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
