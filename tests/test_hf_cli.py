@@ -3,8 +3,6 @@ layout; its first loss is transformers' own cross-entropy on the same batch."""
 
 import csv
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,11 +11,12 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
+from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.contract import ContractError
+from lightning_ultrascale.testing.commands import run_command
 
-TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
 DATA = ["data.seq_len=64", "data.micro_batch_size=2", "data.global_batch_size=4"]
 
 
@@ -48,8 +47,8 @@ def test_an_hf_directory_trains_from_the_command_line_from_transformers_loss(tmp
     run_dir = tmp_path / "run"
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     steps = ["trainer.max_steps=1", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0"]
-    cmd = [*TRAIN, "model=hf", f"model.path={directories / family}", layout, *DATA, *steps]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    cmd = ["ultrascale-train", "model=hf", f"model.path={directories / family}", layout, *DATA, *steps]
+    out = run_command(train_main, cmd, env, world_size=2, cwd=tmp_path)  # (ranks forked: testing.commands)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
     first = next(float(r["train/loss"]) for r in rows if r.get("train/loss"))
