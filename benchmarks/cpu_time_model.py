@@ -191,12 +191,12 @@ def host_worker(model: str, layout: dict[str, Any]) -> float:
     return statistics.median(b - a for a, b in zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :]))
 
 
-def host_times(gpu: Hardware) -> Hardware:
+def host_times(gpu: Hardware, runs: int = RUNS) -> Hardware:
     """``gpu`` with its ``step_overhead`` and ``host_overheads``: what the tiny runs take beyond what
     the planner already prices on ``gpu`` (their collectives' latency, their few ops)."""
 
     def excess(model: str, layout: dict[str, Any], on: Hardware) -> float:
-        measured = min(max(run_workers(host_worker, 2, model, layout, timeout_s=300)) for _ in range(RUNS))
+        measured = min(max(run_workers(host_worker, 2, model, layout, timeout_s=300)) for _ in range(runs))
         return measured - _predict(tiny_models()[model], layout, 1, on, seq_len=8)
 
     gpu = replace(gpu, step_overhead=max(0.0, excess("tiny", _(dp=2, zero=0), gpu)))
@@ -262,13 +262,13 @@ def label(layout: dict[str, Any], accumulation: int) -> str:
     return Candidate.layout(**layout).label() + (f" acc{accumulation}" if accumulation > 1 else "")
 
 
-def measure(layouts: list[tuple[str, dict[str, Any], int]]) -> list[tuple[float, float]]:
+def measure(layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS) -> list[tuple[float, float]]:
     """(step time, expert load) of each layout: the faster of :data:`RUNS` passes over all of them.
 
     A pass's step time is the slower rank's; the loads are global (the same on every rank).
     """
     passes = []
-    for n in range(RUNS):
+    for n in range(runs):
         passes.append([])
         for model, layout, acc in layouts:
             ranks = run_workers(run_worker, 2, model, layout, acc, timeout_s=600)
@@ -279,11 +279,12 @@ def measure(layouts: list[tuple[str, dict[str, Any], int]]) -> list[tuple[float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three layouts (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="three layouts, one pass (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     layouts = LAYOUTS[:1] + LAYOUTS[3:4] + LAYOUTS[4:5] if args.quick else LAYOUTS
-    gpu = host_times(cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(RUNS)]))
+    runs = 1 if args.quick else RUNS  # (a smoke test: one pass of each)
+    gpu = host_times(cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(runs)]), runs)
     print(f"cpu profile: {gpu.peak_flops / 1e9:.1f} GFLOP/s, {gpu.memory_bandwidth / 1e9:.1f} GB/s, "
           f"{gpu.op_overhead * 1e6:.1f} us/op, loop {gpu.step_overhead * 1e3:.1f} ms/step, "
           f"attention {gpu.attention_efficiency:.2f}, host ms per block: "
@@ -291,7 +292,7 @@ def main() -> None:
           f"gloo {gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.intra_node_latency * 1e6:.0f} us")  # fmt: skip
     print(f"{'layout':<58} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     rows = []
-    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts)):
+    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs)):
         predicted = predict(model, layout, acc, gpu, load)
         rows.append({"model": model, "layout": layout, "accumulation": acc, "label": label(layout, acc),
                      "expert_load": load, "measured_s": measured, "predicted_s": predicted,

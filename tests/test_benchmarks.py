@@ -2,21 +2,33 @@
 
 import json
 import math
-import subprocess
+import os
+import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from lightning_ultrascale.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script(path: Path) -> Callable[[], object]:
+    """``python PATH``: the script run as ``__main__`` with its directory first on the path."""
+
+    def main() -> object:
+        sys.path.insert(0, str(path.parent))
+        return runpy.run_path(str(path), run_name="__main__")
+
+    return main
+
+
 def _quick_run(name: str, tmp_path: Path) -> tuple[dict, str]:
-    """Run ``benchmarks/<name>.py --quick``; return its JSON and what it printed."""
+    """``benchmarks/<name>.py --quick``, forked from this process (testing.commands); its JSON and output."""
     out_file = tmp_path / f"{name}.json"
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out_file)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    script = ROOT / "benchmarks" / f"{name}.py"
+    out = run_command(
+        _script(script), [str(script), "--quick", "--out", str(out_file)], dict(os.environ), timeout_s=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out_file.read_text()), out.stdout

@@ -9,11 +9,12 @@ handled here:
   refuses copies that a plugin laid out differently (they cannot be one tensor);
 - a pipeline puts the embedding and the head on different ranks: each holds a copy, and the
   copies are kept equal by construction (:class:`TiedCopy`): the copy of the rank that holds
-  the first name (the one a single process initialises) is broadcast after initialisation and
-  loading (:func:`equalise`), and the copies' gradients are summed before every optimizer step
-  (:func:`sum_gradients`, Megatron's "embedding group"), so they take the same steps;
-- a file that stores a tied weight once (Hugging Face's ``save_pretrained`` omits the head):
-  the loaders read the stored name into every copy.
+  the first name (the one a single process initialises) is broadcast once the model is
+  initialised, or loaded by its ``pretrained`` loader (:func:`equalise`; a file that stores a
+  tied weight once, as Hugging Face's ``save_pretrained`` does, fills only the first name), and
+  the copies' gradients are summed before every optimizer step (:func:`sum_gradients`,
+  Megatron's "embedding group"), so they take the same steps. Our checkpoints store every
+  copy under its own name.
 
 Names are relative to the parallelised model, without wrapper components (``clean_name``).
 """
