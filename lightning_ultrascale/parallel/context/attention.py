@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
@@ -169,7 +170,7 @@ def block_attention_backward(
 
 
 def _pad(x: Tensor, dim: int) -> Tensor:
-    # The fused kernels want one head size for q, k and v; MLA's v is narrower than q/k. Zero
+    # The CPU kernel wants one head size for q, k and v; MLA's v is narrower than q/k. Zero
     # columns add nothing to the scores nor to the output's real columns, forward or backward.
     return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
 
@@ -179,26 +180,17 @@ def _cuda_flash(q: Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
-def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """A boolean mask as the additive bias the fused kernels take (they refuse booleans)."""
     if mask is None:
         return None
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def aligned_bias(bias: Tensor, alignment: int = 16) -> Tensor:
-    """``bias`` as a view whose rows start at multiples of ``alignment`` elements.
-
-    CUDA's memory-efficient kernel refuses a bias whose row stride is not aligned ("attn_bias is
-    not correctly aligned (strideM)"); ``F.scaled_dot_product_attention`` pads the mask so, a
-    direct call to the kernel must too. The ring cuts blocks to any length (documents).
-
-    Example:
-        >>> aligned_bias(torch.zeros(1, 1, 69, 431)).stride()[-2]
-        432
-    """
-    pad = -bias.shape[-1] % alignment
-    return F.pad(bias, (0, pad))[..., : bias.shape[-1]] if pad else bias
+def _bias(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """The memory-efficient kernel's bias: q's dtype, one per head, rows at 16-element multiples."""
+    bias = _additive(mask, q.dtype)
+    return None if bias is None else cuda.aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
 
 
 def _flash_block(
@@ -211,23 +203,19 @@ def _flash_block(
     LSE is padded to a multiple of 32 rows. A row ``mask`` masks whole gets LSE -inf and output 0
     (the kernels return 0 and 0, or NaN).
     """
-    d = max(q.shape[-1], v.shape[-1])
-    q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
-    bias = _bias(mask, q.dtype)
     causal = causal and mask is None  # a document mask holds the causal part, with the block's offset
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q_, k_, v_, 0.0, causal, attn_mask=bias, scale=scale
+    if not cuda.on_cuda(q):
+        d = max(q.shape[-1], v.shape[-1])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _pad(q, d), _pad(k, d), _pad(v, d), 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
         )[:2]
-    elif _cuda_flash(q) and bias is None:
-        out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
+        out = out[..., : v.shape[-1]]
+    elif _cuda_flash(q) and mask is None:
+        out, lse = cuda.flash_attention(q, k, v, causal, scale)
     else:
-        if bias is not None:
-            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
-        out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
+        out, lse = cuda.efficient_attention(q, k, v, _bias(mask, q), causal, scale)
         lse = lse[..., : q.shape[-2]]
-    out, lse = out[..., : v.shape[-1]].float(), lse.float()
+    out, lse = out.float(), lse.float()
     if mask is not None:
         attends = mask.any(-1)
         lse = torch.where(attends, lse, float("-inf"))
@@ -247,31 +235,19 @@ def _flash_block_backward(
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The same kernel's backward, given the GLOBAL output and LSE of the block's query rows."""
-    d = max(q.shape[-1], v.shape[-1])
-    dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-    bias = _bias(mask, q.dtype)
     causal = causal and mask is None  # as in the forward
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=bias, scale=scale
+    if not cuda.on_cuda(q):
+        d = max(q.shape[-1], v.shape[-1])
+        dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
         )
-    elif _cuda_flash(q) and bias is None:
-        # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
-        lengths = (q.shape[-2], k.shape[-2])
-        grads = aten._scaled_dot_product_flash_attention_backward(
-            dout_, q_, k_, v_, out_, lse, none, none, *lengths, 0.0, causal, none, none, scale=scale
-        )
+        grads = [g[..., : t.shape[-1]] for g, t in zip(grads[:3], (q, k, v))]
+    elif _cuda_flash(q) and mask is None:
+        grads = cuda.flash_attention_backward(dout, q, k, v, out, lse, causal, scale)
     else:
-        if bias is not None:
-            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
-        padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
-        grads = aten._scaled_dot_product_efficient_attention_backward(
-            dout_, q_, k_, v_, bias, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
-        )
-    dq, dk, dv = (g[..., : t.shape[-1]].float() for g, t in zip(grads[:3], (q, k, v)))
+        grads = cuda.efficient_attention_backward(dout, q, k, v, _bias(mask, q), out, lse, causal, scale)
+    dq, dk, dv = (g.float() for g in grads)
     return dq, dk, dv
 
 
