@@ -9,13 +9,26 @@ without a word, fails here.
 import pytest
 import torch
 import torch.distributed as dist
+from llama_runs import GLOBAL_BATCH, MOE_TINY, SEQ_LEN, SGD, run_tiny_llama
 
+from lightning_ultrascale import (
+    ContextParallel,
+    ExpertParallel,
+    FP8Precision,
+    LlamaModule,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+)
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
 from lightning_ultrascale.kernels import cuda
-from lightning_ultrascale.parallel.context.attention import KERNELS, local_positions, ring_attention
+from lightning_ultrascale.models.common.documents import document_mask
+from lightning_ultrascale.models.common.moe import GroupedExperts
+from lightning_ultrascale.parallel.context.attention import KERNELS, attention_fn, local_positions
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.cuda_attention import attend
 from lightning_ultrascale.testing.cuda_contracts import CudaContractError, emulate_cuda
-from lightning_ultrascale.testing.parity import relative_error
+from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
 
 BF16_TOL = 1e-2  # bf16 inputs and outputs against an fp32 reference on the same inputs: measured <= 3.1e-3
 
@@ -61,30 +74,53 @@ def test_the_flash_shim_computes_what_the_kernel_computes():
 
 
 # ------------------------------------------------------------------------------------ context parallel
-def _cp_errors(method: str, seq: int, head_dim: int) -> list[float]:
-    """Relative errors of this rank's bf16 ring attention (output, dq, dk, dv) against one process, on CUDA's path."""
-    cp, rank = dist.get_world_size(), dist.get_rank()
-    q, k, v, dout = (_bf16(2, n, seq, head_dim, seed=i) for i, n in enumerate((8, 2, 2, 8)))
+LENGTHS = [[5, 9, 1, 17, 3, 13, 16], [30, 34]]  # two windows of 64 tokens: seven documents, and two
+#: The private ops each layout's backward must reach on CUDA's path (bf16).
+BACKWARD_OPS = {
+    ("ring", False): "_scaled_dot_product_flash_attention_backward.default",
+    ("zigzag_ring", False): "_scaled_dot_product_flash_attention_backward.default",
+    ("ring", True): "_scaled_dot_product_efficient_attention_backward.default",  # flash takes no mask
+    ("zigzag_ring", True): "_scaled_dot_product_efficient_attention_backward.default",
+    ("all_to_all", True): "_flash_attention_backward.default",  # FlashAttention's variable-length kernel
+}
+
+
+def _reference(q, k, v, dout, docs):
+    """fp32 causal attention (within documents) of the whole window, with its q/k/v gradients."""
     full = [t.float().requires_grad_() for t in (q, k, v)]
-    ref, _ = attend(full[0], full[1], full[2], head_dim**-0.5, "top_left")
-    ref.backward(dout.float())
-    index = local_positions(method, seq, cp, rank)
+    bias = None
+    if docs is not None:
+        bias = torch.zeros(docs.shape[0], 1, docs.shape[1], docs.shape[1])
+        bias = bias.masked_fill(~document_mask(docs, docs, causal=True), float("-inf"))
+    out, _ = attend(*full, q.shape[-1] ** -0.5, "top_left", bias)
+    out.backward(dout.float())
+    return out.detach(), [t.grad for t in full]
+
+
+def _cp_errors(method: str, documents: bool, head_dim: int = 16) -> tuple[list[float], dict[str, int]]:
+    """Relative errors of this rank's bf16 attention (output, dq, dk, dv) on CUDA's path against one process."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    docs = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in LENGTHS])
+    q, k, v, dout = (_bf16(2, n, 64, head_dim, seed=i) for i, n in enumerate((8, 2, 2, 8)))
+    ref, ref_grads = _reference(q, k, v, dout, docs if documents else None)
+    index = local_positions("ring" if method == "all_to_all" else method, 64, cp, rank)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
     with emulate_cuda() as calls:
-        out = ring_attention(*mine, dist.group.WORLD, method, "flash")
+        out = attention_fn(method, dist.group.WORLD)(*mine, docs if documents else None)
         out.backward(dout[:, :, index])
-    assert calls.ops["_scaled_dot_product_flash_attention_backward.default"] > 0, calls.ops
-    errors = [relative_error(out.float(), ref.detach()[:, :, index])]
-    return errors + [relative_error(m.grad.float(), f.grad[:, :, index]) for m, f in zip(mine, full)]
+    errors = [relative_error(out.float(), ref[:, :, index])]
+    return errors + [relative_error(m.grad.float(), g[:, :, index]) for m, g in zip(mine, ref_grads)], calls.ops
 
 
-@pytest.mark.parametrize("method", ["ring", "zigzag_ring"])
-def test_bf16_ring_attention_on_the_cuda_path_equals_one_process(method):
-    # The default long-context path: FlashAttention-2 forward and backward per block. Before: the
-    # backward passed empty int64 cumulative lengths (the varlen kernel, which refuses them) and,
-    # for zig-zag, a strided LSE slice (read at raw offsets: wrong dq/dk/dv without an error).
-    errors = run_workers(_cp_errors, 2, method, 32, 16)
-    assert max(max(e) for e in errors) < BF16_TOL, errors
+@pytest.mark.parametrize(("method", "documents"), list(BACKWARD_OPS), ids=[f"{m}-docs={d}" for m, d in BACKWARD_OPS])
+def test_bf16_context_parallel_attention_on_the_cuda_path_equals_one_process(method, documents):
+    # The default long-context path: FlashAttention-2 per ring block (with documents the memory-efficient
+    # kernel and a bias; all-to-all the variable-length kernel). Before: the flash backward got empty int64
+    # cumulative lengths (the varlen kernel, which refuses them) and, for zig-zag, a strided LSE slice (read
+    # at raw offsets: wrong dq/dk/dv without an error).
+    results = run_workers(_cp_errors, 2, method, documents)
+    assert max(max(errors) for errors, _ in results) < BF16_TOL, results
+    assert all(ops[BACKWARD_OPS[method, documents]] > 0 for _, ops in results), results
 
 
 @pytest.mark.parametrize(
@@ -117,3 +153,96 @@ def test_the_cuda_branch_is_taken_only_inside_the_emulation():
     with emulate_cuda("B200"):
         assert cuda.on_cuda(t) and cuda.capability() == (10, 0)
     assert not cuda.on_cuda(t) and cuda.EMULATED is None
+
+
+# ------------------------------------------------------------------------------------ FP8 blockwise
+def _fp8_linear(emulate: bool) -> list[torch.Tensor]:
+    x = _bf16(200, 256, seed=0).requires_grad_()  # 200 tokens: the weight gradient's 128-token tiles pad
+    w = (torch.randn(128, 256, generator=torch.Generator().manual_seed(1)) * 0.02).requires_grad_()
+    y = blockwise_fp8_linear(x, w, emulate=emulate)
+    y.backward(_bf16(200, 128, seed=2))
+    return [y, x.grad, w.grad]
+
+
+def test_blockwise_fp8_on_hopper_runs_tensor_core_gemms_equal_to_their_emulation():
+    with emulate_cuda("H100") as calls:
+        fast = _fp8_linear(emulate=False)
+    # One GEMM per product (y, dx, dW), and the input quantised with its transpose in one Triton launch.
+    assert calls.ops == {"_scaled_mm_v2.default": 3}, calls.ops
+    assert [launch.kernel for launch in calls.launches] == ["_tile_quantize_transpose"]
+    for got, want in zip(fast, _fp8_linear(emulate=True)):  # the same quantisation: summation order only
+        assert relative_error(got.float(), want.float()) < 1e-3
+
+
+def test_blockwise_fp8_emulates_on_blackwell_where_torchs_blockwise_gemm_refuses():
+    # torch's blockwise scaled_mm runs on sm90 only (_check_deepseek_support): before, compute capability
+    # >= 9.0 turned emulation off, and a B200 crashed at the first FP8 GEMM.
+    with emulate_cuda("B200"):
+        assert FP8Precision("blockwise").emulate is True
+        with pytest.raises(
+            ConfigError, match=r"emulate=False\).*9.x \(Hopper\) only; this device: compute capability 10.0"
+        ):
+            FP8Precision("blockwise", emulate=False)
+        with pytest.raises(CudaContractError, match="only supported in CUDA for SM90"):
+            _fp8_linear(emulate=False)
+    with emulate_cuda("H100"):
+        assert FP8Precision("blockwise").emulate is False
+
+
+# ------------------------------------------------------------------------------------ MoE
+def test_bf16_experts_on_cudas_grouped_gemm_equal_the_per_expert_loop():
+    # Uneven and empty groups (not multiples of 8): CUTLASS's grouped kernel asserts 16-byte group
+    # sizes only where groups advance along a unit-stride dim, which none of the experts' GEMMs
+    # (forward, input and weight gradients) does, so no padding is needed.
+    torch.manual_seed(0)
+    grouped, loop = GroupedExperts(4, 32, 64, "grouped_mm"), GroupedExperts(4, 32, 64, "loop")
+    for p in grouped.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    loop.load_state_dict(grouped.state_dict())
+    counts, x, dy = torch.tensor([5, 0, 11, 3]), _bf16(19, 32, seed=1), _bf16(19, 32, seed=2)
+    x_fast, x_loop = x.clone().requires_grad_(), x.float().requires_grad_()
+    with emulate_cuda("H100") as calls:
+        grouped.to(torch.bfloat16)(x_fast, counts).backward(dy)
+    loop(x_loop, counts).backward(dy.float())
+    assert calls.ops["_grouped_mm.default"] == 3 + 6  # forward; input and weight gradient of each
+    for got, want in [(x_fast, x_loop), *zip(grouped.parameters(), loop.parameters())]:
+        assert relative_error(got.grad.float(), want.grad) < BF16_TOL
+
+
+def test_the_grouped_gemm_shim_holds_the_kernels_group_alignment():
+    # A row-major [features, tokens] operand split along its tokens: each group must start 16 bytes apart.
+    a, b = _bf16(32, 24, seed=0), _bf16(24, 16, seed=1)
+    with emulate_cuda("H100"), pytest.raises(CudaContractError, match="multiple of 16: group sizes"):
+        torch._grouped_mm(a, b, offs=torch.tensor([5, 16, 24], dtype=torch.int32))
+    with emulate_cuda("H100"):
+        torch._grouped_mm(a, b, offs=torch.tensor([8, 16, 24], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------ a training step
+class _OnTheCudaPath(LlamaModule):
+    """Trains through the package's CUDA branches (``emulate_cuda``) and checks that their ops ran."""
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._emulation = emulate_cuda("H100")
+        self._calls = self._emulation.__enter__()
+
+    def on_fit_end(self) -> None:
+        self._emulation.__exit__(None, None, None)
+        ops = self._calls.ops
+        assert ops["_scaled_dot_product_efficient_attention_backward.default"] and ops["_grouped_mm.default"], ops
+        super().on_fit_end()
+
+
+def test_moe_training_with_experts_and_context_split_on_the_cuda_path_matches_one_process():
+    # fp32: the ring's blocks take the memory-efficient kernel, the experts CUTLASS's grouped GEMM (its
+    # fp32 loop); expert parallelism and the ring move their tensors on gloo as NCCL would.
+    reference = run_tiny_llama(SGD, model=MOE_TINY, steps=3)
+    run = record_run(
+        lambda: _OnTheCudaPath(MOE_TINY, optim=SGD),
+        lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH, seed=0),
+        steps=3,
+        strategy=lambda: UltraScaleStrategy(ExpertParallel(2), ContextParallel(2)),
+        world_size=2,
+    )
+    assert_parity(run, reference, rtol=1e-5)

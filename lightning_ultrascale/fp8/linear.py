@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_ultrascale.fp8.quantize import TILE, Quantized, quantize
+from lightning_ultrascale.kernels import cuda
 
 __all__ = ["blockwise_fp8_linear", "quantize_input"]
 
@@ -60,9 +61,7 @@ def _scaled_mm(a: Quantized, b: Quantized, dtype: torch.dtype) -> Tensor:
         padded = b.scale.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
         padded[:, :blocks_k] = b.scale
         scale_b = padded.t()  # [L4, N / 128], stride (1, L4)
-    return F.scaled_mm(
-        a.data, b.data.t(), scale_a, kinds[a.granularity], scale_b, kinds[b.granularity], output_dtype=dtype
-    )
+    return cuda.scaled_mm(a.data, b.data.t(), scale_a, kinds[a.granularity], scale_b, kinds[b.granularity], dtype)
 
 
 def _pad_tokens(t: Tensor) -> Tensor:
@@ -79,7 +78,7 @@ def quantize_input(x: Tensor) -> tuple[Quantized, Quantized]:
     (they add nothing to ``dW``). On a CUDA GPU one Triton kernel writes both
     (:mod:`lightning_ultrascale.kernels.triton_fp8`), with the same bits.
     """
-    if x.is_cuda and _HAS_TRITON:
+    if cuda.on_cuda(x) and _HAS_TRITON:
         from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
 
         return tile_quantize_with_transpose(x)

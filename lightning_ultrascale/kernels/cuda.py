@@ -174,12 +174,16 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_le
     """Causal FlashAttention over the sequences of a flattened ``[tokens, heads, d]`` batch, cut at ``cu_seqlens``.
 
     ``cu_seqlens`` int32 (``mha_varlen_fwd``: "cu_seqlens_q must have dtype int32"), ``max_len`` at least
-    the longest sequence (it sizes the kernel's grid); as many kv heads as query heads.
+    the longest sequence (it sizes the kernel's grid); as many kv heads as query heads. Head sizes are
+    padded as for :func:`flash_attention` (``varlen_attn`` calls the kernel without SDPA's padding).
     """
     from torch.nn.attention.varlen import varlen_attn
 
-    out: Tensor = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
-    return out
+    d = _flash_head_size(q, v)
+    scale = 1.0 / q.shape[-1] ** 0.5  # of the real head size, not the padded one
+    padded = (_pad_head(t, d) for t in (q, k, v))
+    out: Tensor = varlen_attn(*padded, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, window_size=(-1, 0))
+    return out[..., : v.shape[-1]]
 
 
 # ------------------------------------------------------------------------------------ GEMMs

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_ultrascale.fp8.quantize import E4M3, E4M3_MAX, TILE, Quantized
+from lightning_ultrascale.kernels import cuda
 
 __all__ = ["tile_quantize_with_transpose"]
 
@@ -92,8 +93,8 @@ def tile_quantize_with_transpose(x: Tensor) -> tuple[Quantized, Quantized]:
     grid = (m_padded // TILE, k // TILE)
     # A 128 x 128 fp32 tile is 16,384 values: 8 warps hold 64 per thread (4 would spill). One
     # stage: each program reads its tile once, there is no loop to pipeline.
-    _tile_quantize_transpose[grid](
-        x, q, s, qt, st, m, k, m_padded, BLOCK=TILE, MIN_AMAX=_MIN_AMAX, MAX_AMAX=_MAX_AMAX, MAX=E4M3_MAX,
-        num_warps=8, num_stages=1,
+    cuda.launch(
+        _tile_quantize_transpose, grid, x, q, s, qt, st, m, k, m_padded,
+        BLOCK=TILE, MIN_AMAX=_MIN_AMAX, MAX_AMAX=_MAX_AMAX, MAX=E4M3_MAX, num_warps=8, num_stages=1,
     )  # fmt: skip
     return Quantized(q, s, "tile"), Quantized(qt, st, "tile")

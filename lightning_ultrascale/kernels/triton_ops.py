@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_ultrascale.kernels import cuda
+
 __all__ = ["rms_norm", "rope", "swiglu"]
 
 _ELEMENTWISE_BLOCK = 1024
@@ -92,7 +94,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps(block))
+        cuda.launch(_rms_norm_fwd, (n_rows,), x2, weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(shape)
 
@@ -102,20 +104,21 @@ class _RMSNorm(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = dy.reshape(-1, n_cols).contiguous()
         dx = torch.empty_like(x2)
-        programs = min(n_rows, _parallel_programs(x2.device))
+        programs = min(n_rows, _parallel_programs(x2))
         rows_per_program = triton.cdiv(n_rows, programs)
         programs = triton.cdiv(n_rows, rows_per_program)
         dw = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_bwd[(programs,)](
-            dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program, BLOCK=block, num_warps=num_warps(block)
-        )
+        cuda.launch(
+            _rms_norm_bwd, (programs,), dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program,
+            BLOCK=block, num_warps=num_warps(block),
+        )  # fmt: skip
         return dx.view(dy.shape), dw.sum(0).to(weight.dtype), None
 
 
-def _parallel_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _parallel_programs(x: Tensor) -> int:
+    if cuda.on_cuda(x):
+        return 4 * cuda.multiprocessors(x.device)
     return 8  # the interpreter runs programs one after the other: few, long ones
 
 
@@ -156,7 +159,7 @@ class _SwiGLU(torch.autograd.Function):
         a, b = gate.contiguous(), up.contiguous()
         y = torch.empty_like(a)
         n = a.numel()
-        _swiglu_fwd[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](a, b, y, n, BLOCK=_ELEMENTWISE_BLOCK)
+        cuda.launch(_swiglu_fwd, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), a, b, y, n, BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(a, b)
         return y
 
@@ -165,7 +168,8 @@ class _SwiGLU(torch.autograd.Function):
         a, b = ctx.saved_tensors
         da, db = torch.empty_like(a), torch.empty_like(b)
         n = a.numel()
-        _swiglu_bwd[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](dy.contiguous(), a, b, da, db, n, BLOCK=_ELEMENTWISE_BLOCK)
+        grid = (triton.cdiv(n, _ELEMENTWISE_BLOCK),)
+        cuda.launch(_swiglu_bwd, grid, dy.contiguous(), a, b, da, db, n, BLOCK=_ELEMENTWISE_BLOCK)
         return da, db
 
 
@@ -208,9 +212,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     # cos/sin are [b or 1, 1, s, d]; a batch of one broadcasts (stride 0).
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     half = d // 2
-    _rope[(b * heads * seq,)](
-        x, cos, sin, y, heads, seq, half, x.stride(0), x.stride(1), x.stride(2), scb, cos.stride(2), sign,
-        BLOCK=triton.next_power_of_2(half),
+    cuda.launch(
+        _rope, (b * heads * seq,), x, cos, sin, y, heads, seq, half,
+        x.stride(0), x.stride(1), x.stride(2), scb, cos.stride(2), sign, BLOCK=triton.next_power_of_2(half),
     )  # fmt: skip
     return y
 
