@@ -218,12 +218,13 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
     return events
 
 
-def test_the_gradient_exchange_overlaps_the_next_block_in_the_compute_dtype():
+def test_the_gradient_exchange_overlaps_the_next_block_and_accumulates_in_fp32():
     events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # zig-zag: a block at both steps
-    # Step 0: K/V go on, the block; the accumulator leaves (bf16); K/V waited. Step 1: the next
-    # block is computed BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last
-    # that needs rank 0's block: its accumulator goes straight home (a direct send, not the ring).
-    assert events == ["start torch.bfloat16", "block", "start torch.bfloat16", "wait", "block", "wait"], events
+    # Step 0: K/V go on (bf16), the block; the accumulator leaves (fp32, as torch's context parallel
+    # keeps it: before, bf16, rounded at every hop); K/V waited. Step 1: the next block is computed
+    # BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last that needs rank 0's
+    # block: its accumulator goes straight home (a direct send, not the ring).
+    assert events == ["start torch.bfloat16", "block", "start torch.float32", "wait", "block", "wait"], events
 
 
 def _attention_pairs(method: str, seq: int) -> int:

@@ -27,7 +27,7 @@ from lightning_ultrascale.models.common.moe import GroupedExperts
 from lightning_ultrascale.parallel.context.attention import KERNELS, attention_fn, local_positions
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.cuda_attention import attend
-from lightning_ultrascale.testing.cuda_contracts import CudaContractError, emulate_cuda
+from lightning_ultrascale.testing.cuda_contracts import CudaContractError, OpCalls, emulate_cuda
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
 
 BF16_TOL = 1e-2  # bf16 inputs and outputs against an fp32 reference on the same inputs: measured <= 3.1e-3
@@ -97,7 +97,7 @@ def _reference(q, k, v, dout, docs):
     return out.detach(), [t.grad for t in full]
 
 
-def _cp_errors(method: str, documents: bool, head_dim: int = 16) -> tuple[list[float], dict[str, int]]:
+def _cp_errors(method: str, documents: bool, head_dim: int = 16) -> tuple[list[float], OpCalls]:
     """Relative errors of this rank's bf16 attention (output, dq, dk, dv) on CUDA's path against one process."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     docs = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in LENGTHS])
@@ -109,7 +109,7 @@ def _cp_errors(method: str, documents: bool, head_dim: int = 16) -> tuple[list[f
         out = attention_fn(method, dist.group.WORLD)(*mine, docs if documents else None)
         out.backward(dout[:, :, index])
     errors = [relative_error(out.float(), ref[:, :, index])]
-    return errors + [relative_error(m.grad.float(), g[:, :, index]) for m, g in zip(mine, ref_grads)], calls.ops
+    return errors + [relative_error(m.grad.float(), g[:, :, index]) for m, g in zip(mine, ref_grads)], calls
 
 
 @pytest.mark.parametrize(("method", "documents"), list(BACKWARD_OPS), ids=[f"{m}-docs={d}" for m, d in BACKWARD_OPS])
@@ -120,7 +120,11 @@ def test_bf16_context_parallel_attention_on_the_cuda_path_equals_one_process(met
     # at raw offsets: wrong dq/dk/dv without an error).
     results = run_workers(_cp_errors, 2, method, documents)
     assert max(max(errors) for errors, _ in results) < BF16_TOL, results
-    assert all(ops[BACKWARD_OPS[method, documents]] > 0 for _, ops in results), results
+    assert all(calls.ops[BACKWARD_OPS[method, documents]] > 0 for _, calls in results), results
+    # 8 query heads on 2 kv heads: FlashAttention reads the kv heads as they are (before: expanded to 8 per block).
+    key = {"_scaled_dot_product_flash_attention.default": 1, "_scaled_dot_product_flash_attention_backward.default": 2}
+    flash = {shapes[key[op]][1] for _, calls in results for op, shapes in calls.shapes if op in key}
+    assert flash <= {2}, flash
 
 
 @pytest.mark.parametrize(

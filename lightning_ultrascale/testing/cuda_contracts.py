@@ -76,9 +76,10 @@ class Launch:
 
 @dataclass
 class OpCalls:
-    """What ran under :func:`emulate_cuda`: private CUDA ops by name, and every Triton launch."""
+    """What ran under :func:`emulate_cuda`: private CUDA ops by name, their input shapes, every Triton launch."""
 
     ops: Counter[str] = field(default_factory=Counter)
+    shapes: list[tuple[str, tuple[tuple[int, ...], ...]]] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
 
 
@@ -99,6 +100,9 @@ class _Contracts(TorchDispatchMode):
         shim = self.shims.get(func)
         if shim is not None:
             self.calls.ops[func.__name__] += 1
+            self.calls.shapes.append(
+                (func.__name__, tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+            )
             return shim(*args, **kwargs)
         opdef = _maybe_get_opdef(func) if isinstance(func, torch._ops.OpOverload) else None
         if opdef is not None:  # a Python custom op: its body runs under the mode, private ops and all

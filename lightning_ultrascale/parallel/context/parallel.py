@@ -15,7 +15,7 @@ sequence; with ignored labels the strategy weights each rank by its tokens (``ut
 method             traffic per attention layer and rank         constraint
 =================  ==========================================  ===================================
 ``ring``           (cp-1) K/V blocks forward, 2x backward        sequence divisible by cp; rank
-                   (+ dK/dV)                                     cp-1 computes cp x rank 0's work
+                   (+ dK/dV in fp32)                             cp-1 computes cp x rank 0's work
 ``zigzag_ring``    the same                                      sequence divisible by 2 cp; balanced
 ``all_to_all``     4 all-to-alls forward (q, k, v, out), 4 back  heads (per tp rank) divisible by cp
 =================  ==========================================  ===================================
@@ -129,9 +129,9 @@ class ContextParallel(ParallelPlugin):
             q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
             add_traffic(terms.traffic, "cp", "all_to_all", 2 * q_k_v_o * layers * m)
             return terms
-        kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
-        # forward: K/V to the next rank cp-1 times; backward: K/V again and dK/dV cp times.
-        sends = (2 * (self.size - 1) + self.size) * kv * layers * m
+        kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim)
+        # forward: K/V to the next rank cp-1 times; backward: K/V again, and the dK/dV accumulators cp times, in fp32.
+        sends = (2 * (self.size - 1) * e + self.size * 4) * kv * layers * m
         add_traffic(terms.traffic, "cp", "send", sends)
         add_traffic(terms.traffic, "cp", "recv", sends)
         return terms
