@@ -384,9 +384,18 @@ def _block_inputs(
 
 
 def _local_documents(documents: Tensor | None, method: str, size: int, rank: int) -> Tensor | None:
+    """The document ids of the rows ``rank`` holds, cut once per micro-batch for every rank and layer."""
     if documents is None:
         return None
-    return documents.index_select(1, local_positions(method, documents.shape[1], size, rank).to(documents.device))
+    return memo(documents, f"local_documents/{method}/{size}", lambda d: _cut_documents(d, method, size))[rank]
+
+
+def _cut_documents(documents: Tensor, method: str, size: int) -> tuple[Tensor, ...]:
+    # The positions are built on the host: one copy to the device for all ranks, not one per ring step,
+    # layer and pass (a blocking host-to-device copy each on a GPU).
+    seq = documents.shape[1]
+    index = torch.cat([local_positions(method, seq, size, r) for r in range(size)]).to(documents.device)
+    return documents.index_select(1, index).chunk(size, dim=1)
 
 
 # ------------------------------------------------------------------------------------ ring attention
