@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+import lightning_ultrascale.kernels.cuda as cuda
 from lightning_ultrascale.fp8.quantize import E4M3, E4M3_MAX, TILE, Quantized
-from lightning_ultrascale.kernels import cuda
 
 __all__ = ["tile_quantize_with_transpose"]
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_ultrascale.kernels import cuda
+import lightning_ultrascale.kernels.cuda as cuda
 
 __all__ = ["rms_norm", "rope", "swiglu"]
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_ultrascale.kernels import cuda
-from lightning_ultrascale.testing.cuda_contracts import require
+from lightning_ultrascale.testing.cuda_rules import require
 
 _FLASH_API = "flash_attn/flash_api.cpp"
 _ATTENTION = "attention.cu"

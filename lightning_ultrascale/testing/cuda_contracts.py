@@ -25,7 +25,7 @@ Example:
     ...     torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True, False, scale=0.3)
     Traceback (most recent call last):
     ...
-    lightning_ultrascale.testing.cuda_contracts.CudaContractError: head_size must be a multiple of 8, ...
+    lightning_ultrascale.testing.cuda_rules.CudaContractError: head_size must be a multiple of 8, ...
     >>> out.shape, dict(calls.ops)
     (torch.Size([1, 2, 16, 12]), {'_scaled_dot_product_flash_attention.default': 2})
 """
@@ -43,6 +43,8 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale.kernels import cuda
+from lightning_ultrascale.testing import cuda_attention, cuda_gemms
+from lightning_ultrascale.testing.cuda_rules import CudaContractError, require
 
 __all__ = ["DEVICES", "CudaContractError", "Launch", "OpCalls", "emulate_cuda", "require"]
 
@@ -52,16 +54,6 @@ DEVICES = {
     "H100": cuda.Device("H100", (9, 0), 132),
     "B200": cuda.Device("B200", (10, 0), 148),
 }
-
-
-class CudaContractError(RuntimeError):
-    """A CUDA kernel would refuse this call, or read its input wrongly without a word."""
-
-
-def require(ok: bool, message: str, source: str) -> None:
-    """Raise :class:`CudaContractError` with the kernel's ``message`` and the ``source`` of the check, unless ``ok``."""
-    if not ok:
-        raise CudaContractError(f"{message} [{source}]")
 
 
 @dataclass(frozen=True)
@@ -83,17 +75,11 @@ class OpCalls:
     launches: list[Launch] = field(default_factory=list)
 
 
-def _shims() -> dict[Any, Callable[..., Any]]:
-    from lightning_ultrascale.testing import cuda_attention, cuda_gemms
-
-    return {**cuda_attention.SHIMS, **cuda_gemms.SHIMS}
-
-
 class _Contracts(TorchDispatchMode):
     def __init__(self, calls: OpCalls) -> None:
         super().__init__()
         self.calls = calls
-        self.shims = _shims()
+        self.shims = {**cuda_attention.SHIMS, **cuda_gemms.SHIMS}
 
     def __torch_dispatch__(self, func: Any, types: Sequence[type], args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

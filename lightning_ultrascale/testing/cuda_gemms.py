@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_ultrascale.kernels import cuda
-from lightning_ultrascale.testing.cuda_contracts import require
+from lightning_ultrascale.testing.cuda_rules import require
 
 _SCALED = "ScaledBlas.cpp"
 _GROUPED = "GroupedMMUtils.h"
