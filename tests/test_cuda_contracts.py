@@ -171,9 +171,12 @@ def _fp8_linear(emulate: bool) -> list[torch.Tensor]:
 def test_blockwise_fp8_on_hopper_runs_tensor_core_gemms_equal_to_their_emulation():
     with emulate_cuda("H100") as calls:
         fast = _fp8_linear(emulate=False)
-    # One GEMM per product (y, dx, dW), and the input quantised with its transpose in one Triton launch.
+    # One GEMM per product (y, dx, dW). One Triton pass each quantises the input with its transpose, the
+    # weight with its transpose, and dy both ways (before: the weight and dy in ~10 eager passes each,
+    # dy with a transposed padded copy, and a transposed copy of the weight in backward).
     assert calls.ops == {"_scaled_mm_v2.default": 3}, calls.ops
-    assert [launch.kernel for launch in calls.launches] == ["_tile_quantize_transpose"]
+    launches = [launch.kernel for launch in calls.launches]
+    assert launches == ["_tile_quantize_transpose", "_block_quantize_transpose", "_tile_quantize_transpose"]
     for got, want in zip(fast, _fp8_linear(emulate=True)):  # the same quantisation: summation order only
         assert relative_error(got.float(), want.float()) < 1e-3
 
