@@ -253,3 +253,18 @@ def test_moe_training_with_experts_and_context_split_on_the_cuda_path_matches_on
         world_size=2,
     )
     assert_parity(run, reference, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ Triton launches
+def test_rope_launches_a_program_per_position_with_work_for_every_thread():
+    # Llama 3 8B's 32 query heads of 128. Before: one program per (batch, head, position) held 64
+    # elements for 4 warps (128 threads): half of them idle, and cos/sin were read again for every head.
+    from lightning_ultrascale.kernels import get_kernels, reference
+
+    q, angles = _bf16(1, 32, 16, 128, seed=0), torch.randn(1, 1, 16, 128)
+    with emulate_cuda() as calls:
+        out = get_kernels("triton").rope(q, q, angles.cos(), angles.sin())[0]
+    launch = calls.launches[0]
+    assert launch.kernel == "_rope" and launch.grid == (16,)  # batch x positions
+    assert launch.constexprs["BLOCK_H"] * launch.constexprs["BLOCK"] >= 32 * launch.num_warps
+    assert relative_error(out.float(), reference.rope(q, q, angles.cos(), angles.sin())[0].float()) < BF16_TOL

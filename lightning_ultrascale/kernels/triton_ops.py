@@ -28,8 +28,7 @@ def num_warps(block: int) -> int:
     Triton's default of 4 warps (128 threads) leaves a row of 8,192-16,384 elements (Llama 3's
     hidden sizes) at 64-128 fp32 values per thread, several such rows live at once in the
     backward: registers spill to local memory. 8 warps from 2,048 elements, 16 from 8,192 and
-    32 from 32,768 keep it at 16-32 per thread. (RoPE's rows are half a head, 32-64 elements:
-    the default stands.)
+    32 from 32,768 keep it at 16-32 per thread.
 
     Example:
         >>> num_warps(4096), num_warps(16384)
@@ -184,23 +183,25 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _rope(X, COS, SIN, Y, heads, seq, half, sxb, sxh, sxs, scb, scs, sign, BLOCK: tl.constexpr):
-    # One program per (batch, head, position) row; the two halves of the head pair up (rotate_half).
+def _rope(X, COS, SIN, Y, heads, seq, half, sxb, sxh, sxs, scb, scs, sign, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (batch, position): every head of it as one [heads, half] tile, cos and sin read
+    # once for all of them; the two halves of a head pair up (rotate_half).
     pid = tl.program_id(0).to(tl.int64)
     s = pid % seq
-    h = (pid // seq) % heads
-    b = pid // (seq * heads)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < half
-    x_row = X + b * sxb + h * sxh + s * sxs
+    b = pid // seq
+    h = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    in_row = cols < half
+    mask = (h < heads) & in_row
+    c_row = b * scb + s * scs
+    c1 = tl.load(COS + c_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + c_row + half + cols, mask=in_row, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + c_row + cols, mask=in_row, other=0.0).to(tl.float32) * sign
+    s2 = tl.load(SIN + c_row + half + cols, mask=in_row, other=0.0).to(tl.float32) * sign
+    x_row = X + b * sxb + s * sxs + h * sxh
     x1 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-    c_row = b * scb + s * scs
-    c1 = tl.load(COS + c_row + cols, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + c_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + c_row + cols, mask=mask, other=0.0).to(tl.float32) * sign
-    s2 = tl.load(SIN + c_row + half + cols, mask=mask, other=0.0).to(tl.float32) * sign
-    y_row = Y + pid * 2 * half
+    y_row = Y + ((b * heads + h) * seq + s) * 2 * half
     tl.store(y_row + cols, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty), mask=mask)
     tl.store(y_row + half + cols, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty), mask=mask)
 
@@ -212,9 +213,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     # cos/sin are [b or 1, 1, s, d]; a batch of one broadcasts (stride 0).
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     half = d // 2
+    block_h, block = triton.next_power_of_2(heads), triton.next_power_of_2(half)
     cuda.launch(
-        _rope, (b * heads * seq,), x, cos, sin, y, heads, seq, half,
-        x.stride(0), x.stride(1), x.stride(2), scb, cos.stride(2), sign, BLOCK=triton.next_power_of_2(half),
+        _rope, (b * seq,), x, cos, sin, y, heads, seq, half, x.stride(0), x.stride(1), x.stride(2), scb,
+        cos.stride(2), sign, BLOCK_H=block_h, BLOCK=block, num_warps=num_warps(block_h * block),
     )  # fmt: skip
     return y
 
