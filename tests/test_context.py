@@ -142,19 +142,6 @@ def test_the_fused_flash_kernel_gives_the_same_ring_attention(method, cp):
     assert max(max(e) for e in errors) < 1e-5, errors
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("qk_dim", "v_dim"), [(64, 64), (192, 128)])
-def test_the_cuda_kernel_calls_match_torchs_op_schemas(dtype, qk_dim, v_dim):
-    # No GPU here: the CUDA branch (FlashAttention-2 in bf16, the memory-efficient kernel in fp32;
-    # MLA's 192/128 head sizes padded) runs on meta tensors, which torch's meta kernels check.
-    q, k = (torch.empty(2, 4, n, qk_dim, device="meta", dtype=dtype) for n in (48, 40))
-    v = torch.empty(2, 4, 40, v_dim, device="meta", dtype=dtype)
-    out, lse = context_attention._flash_block(q, k, v, True, 0.1)
-    assert out.shape == (2, 4, 48, v_dim) and lse.shape == (2, 4, 48) and out.dtype == lse.dtype == torch.float32
-    dq, dk, dv = context_attention._flash_block_backward(q, k, v, out, lse, out, False, 0.1)
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-
-
 def _ring_peak_bytes(kernel: str, seq: int) -> int:
     # The ring's own forward and backward functions: inside the op a dispatch mode sees nothing.
     g = torch.Generator().manual_seed(0)
@@ -231,12 +218,13 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
     return events
 
 
-def test_the_gradient_exchange_overlaps_the_next_block_in_the_compute_dtype():
+def test_the_gradient_exchange_overlaps_the_next_block_and_accumulates_in_fp32():
     events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # zig-zag: a block at both steps
-    # Step 0: K/V go on, the block; the accumulator leaves (bf16); K/V waited. Step 1: the next
-    # block is computed BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last
-    # that needs rank 0's block: its accumulator goes straight home (a direct send, not the ring).
-    assert events == ["start torch.bfloat16", "block", "start torch.bfloat16", "wait", "block", "wait"], events
+    # Step 0: K/V go on (bf16), the block; the accumulator leaves (fp32, as torch's context parallel
+    # keeps it: before, bf16, rounded at every hop); K/V waited. Step 1: the next block is computed
+    # BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last that needs rank 0's
+    # block: its accumulator goes straight home (a direct send, not the ring).
+    assert events == ["start torch.bfloat16", "block", "start torch.float32", "wait", "block", "wait"], events
 
 
 def _attention_pairs(method: str, seq: int) -> int:
@@ -394,7 +382,7 @@ def test_document_biases_reach_the_cuda_kernel_with_aligned_rows(shape):
     # CUDA's memory-efficient kernel refuses a bias whose row stride is not a multiple of 16
     # (F.scaled_dot_product_attention pads masks so; our direct call must). The ring cuts blocks
     # to odd lengths with packed documents (e.g. a 69 x 431 block). Not run on a GPU here.
-    from lightning_ultrascale.parallel.context.attention import aligned_bias
+    from lightning_ultrascale.kernels.cuda import aligned_bias
 
     bias = torch.randn(shape)
     aligned = aligned_bias(bias)

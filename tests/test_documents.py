@@ -16,6 +16,7 @@ from lightning_ultrascale.models import build_model
 from lightning_ultrascale.models.common import documents
 from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context import attention as context_attention
+from lightning_ultrascale.parallel.context import parallel as parallel_module
 from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity
@@ -265,3 +266,42 @@ def test_tiled_attention_trains_as_the_whole_window(masked_references, short_doc
     plugins, world_size = (None, 1) if layout == "one-process" else (lambda: [ContextParallel(2, "ring")], 2)
     run = run_tiny_llama(SGD, plugins, world_size, dp=1, steps=3, data_kwargs=_masked(short_documents))
     assert_parity(run, masked_references["llama"], rtol=1e-5)
+
+
+def _positions_built(layers: int) -> int:
+    """How many times the ring built host positions for ``layers`` attention layers of one micro-batch (fwd + bwd)."""
+    built = 0
+    real = context_attention.local_positions
+
+    def counted(*args: Any) -> torch.Tensor:
+        nonlocal built
+        built += 1
+        return real(*args)
+
+    context_attention.local_positions = counted  # this worker's module only
+    docs = _documents(LENGTHS)
+    index = local_positions("zigzag_ring", 48, 2, dist.get_rank())
+    x = torch.randn(2, 2, 48, 8)[:, :, index].requires_grad_()
+    out = x
+    for _ in range(layers):
+        out = attention_fn("zigzag_ring", dist.group.WORLD, "flash")(out, out, out, docs)
+    out.sum().backward()
+    return built
+
+
+def test_the_ring_builds_its_document_positions_once_per_micro_batch_not_per_layer():
+    # Each build is a host tensor copied to the device: a blocking host-to-device copy on a GPU. Before:
+    # every ring step of every layer, forward and backward (8 builds for one layer, 26 for four).
+    for layers in (1, 4):
+        # Both ranks' positions, once (on a GPU twice: for the plan's host copy of the ids, and the device's).
+        assert run_workers(_positions_built, 2, layers) == [2, 2]
+
+
+def test_context_parallel_copies_its_positions_to_the_device_once_not_per_batch(monkeypatch):
+    built = []
+    monkeypatch.setattr(parallel_module, "local_positions", lambda *a: built.append(a) or local_positions(*a))
+    plugin = ContextParallel(2, "zigzag_ring")
+    for _ in range(3):
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        plugin.shard_batch({"input_ids": tokens, "labels": tokens})
+    assert built == [("zigzag_ring", 16, 2, 0)]

@@ -102,8 +102,11 @@ def test_fast_kernels_equal_the_reference_forward_and_backward(op, name, dtype):
             )
 
 
+@pytest.mark.parametrize("requantize", [True, False], ids=["activation", "gradient"])
 @pytest.mark.parametrize("tokens", [128, 200, 5], ids=["one-tile", "tail", "fewer-than-a-tile"])
-def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations_bit_for_bit(tokens):
+def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations_bit_for_bit(tokens, requantize):
+    # Activations: the transposed tiles from the E4M3 values (DeepSeek-V3 caches them in FP8);
+    # gradients: from dy itself, in the same single pass (before: two eager quantisations and a copy).
     from lightning_ultrascale.fp8.quantize import quantize
     from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
 
@@ -112,14 +115,30 @@ def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations
     x[0, :128] = 0.0  # a zero tile: a tiny scale, all zeros
     x[-1, 128:] *= 1e-6  # values that land on E4M3 subnormals
     x[tokens // 2, 7] = float("inf")  # saturates at 448, no NaN
-    ours, ours_t = tile_quantize_with_transpose(x.to(DEVICE))
+    ours, ours_t = tile_quantize_with_transpose(x.to(DEVICE), requantize)
     q = quantize(x, "tile")
-    x_t = torch.nn.functional.pad(q.dequantize().t(), (0, -tokens % 128))  # tiles along the tokens
-    q_t = quantize(x_t, "tile")
+    source = q.dequantize() if requantize else x
+    q_t = quantize(torch.nn.functional.pad(source.t(), (0, -tokens % 128)), "tile")  # tiles along the tokens
     for got, want in ((ours, q), (ours_t, q_t)):
         assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8))
         assert torch.equal(got.scale.cpu(), want.scale)
         assert torch.isfinite(got.dequantize()).all()
+
+
+def test_fp8_weight_blocks_and_their_transpose_in_one_pass_equal_the_eager_quantisation_bit_for_bit():
+    from lightning_ultrascale.fp8.quantize import quantize
+    from lightning_ultrascale.kernels.triton_fp8 import block_quantize_with_transpose
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 384) * 0.02
+    w[:128, :128] = 0.0  # a zero block
+    w[200, 300] = 5.0  # one large value sets its block's scale
+    ours, ours_t = block_quantize_with_transpose(w.to(DEVICE))
+    q = quantize(w, "block")
+    assert torch.equal(ours.data.cpu().view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(ours_t.data.cpu().view(torch.uint8), q.data.t().contiguous().view(torch.uint8))
+    assert torch.equal(ours.scale.cpu(), q.scale) and torch.equal(ours_t.scale.cpu(), q.scale.t())
+    assert ours_t.data.is_contiguous()  # the tensor-core GEMM of dx reads it column-major
 
 
 def _loss_inputs(tokens: int, dim: int, vocab: int) -> list[Tensor]:

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from lightning_ultrascale.fp8.quantize import TILE, Quantized, quantize
+from lightning_ultrascale.kernels import cuda
 
-__all__ = ["blockwise_fp8_linear", "quantize_input"]
+__all__ = ["blockwise_fp8_linear", "quantize_input", "quantize_weight"]
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -60,9 +61,7 @@ def _scaled_mm(a: Quantized, b: Quantized, dtype: torch.dtype) -> Tensor:
         padded = b.scale.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
         padded[:, :blocks_k] = b.scale
         scale_b = padded.t()  # [L4, N / 128], stride (1, L4)
-    return F.scaled_mm(
-        a.data, b.data.t(), scale_a, kinds[a.granularity], scale_b, kinds[b.granularity], output_dtype=dtype
-    )
+    return cuda.scaled_mm(a.data, b.data.t(), scale_a, kinds[a.granularity], scale_b, kinds[b.granularity], dtype)
 
 
 def _pad_tokens(t: Tensor) -> Tensor:
@@ -71,42 +70,56 @@ def _pad_tokens(t: Tensor) -> Tensor:
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
-def quantize_input(x: Tensor) -> tuple[Quantized, Quantized]:
+def quantize_input(x: Tensor, requantize: bool = True) -> tuple[Quantized, Quantized]:
     """``x [tokens, in]`` in 1 x 128 tiles (forward GEMM), and ``x^T`` in tiles along the tokens (``dW``).
 
     The transposed copy is re-quantised from the E4M3 values of the first, as DeepSeek-V3 caches
-    activations in FP8; a token count that is not a multiple of 128 is padded with zero tokens
-    (they add nothing to ``dW``). On a CUDA GPU one Triton kernel writes both
-    (:mod:`lightning_ultrascale.kernels.triton_fp8`), with the same bits.
+    activations in FP8 (``requantize=False``: from ``x`` itself, for the gradient ``dy``); a token count
+    that is not a multiple of 128 is padded with zero tokens (they add nothing to ``dW``). On a CUDA
+    GPU one Triton kernel writes both (:mod:`lightning_ultrascale.kernels.triton_fp8`), with the same bits.
     """
-    if x.is_cuda and _HAS_TRITON:
+    if cuda.on_cuda(x) and _HAS_TRITON:
         from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
 
-        return tile_quantize_with_transpose(x)
+        return tile_quantize_with_transpose(x, requantize)
     qx = quantize(x, "tile")
-    return qx, quantize(_pad_tokens(qx.dequantize().t()), "tile")
+    return qx, quantize(_pad_tokens(qx.dequantize().t() if requantize else x.t()), "tile")
+
+
+def quantize_weight(weight: Tensor, emulate: bool) -> tuple[Quantized, Quantized]:
+    """``W`` and ``W^T`` in 128 x 128 blocks: the forward's operand and ``dx = dy W``'s (the same values).
+
+    The tensor-core GEMM reads its second operand column-major: ``W^T`` is then a contiguous copy. On a
+    CUDA GPU one Triton kernel writes both (:mod:`lightning_ultrascale.kernels.triton_fp8`), with the same bits.
+    """
+    if cuda.on_cuda(weight) and _HAS_TRITON:
+        from lightning_ultrascale.kernels.triton_fp8 import block_quantize_with_transpose
+
+        return block_quantize_with_transpose(weight)
+    qw = quantize(weight, "block")
+    w_t = qw.data.t() if emulate else qw.data.t().contiguous()
+    return qw, Quantized(w_t, qw.scale.t().contiguous(), "block")
 
 
 class _BlockwiseFP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
         qx, qx_t = quantize_input(x.reshape(-1, x.shape[-1]))
-        qw = quantize(weight, "block")
+        qw, w_t = quantize_weight(weight, emulate)
         # Backward needs x only for dW, tiled along the tokens: keep that E4M3 copy (same bytes).
-        ctx.save_for_backward(qx_t.data, qx_t.scale, qw.data, qw.scale)
+        ctx.save_for_backward(qx_t.data, qx_t.scale, w_t.data, w_t.scale)
         ctx.shape, ctx.dtype, ctx.weight_dtype, ctx.emulate = x.shape, x.dtype, weight.dtype, emulate
         return _mm(qx, qw, emulate, x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor, None]:
-        xt_data, xt_scale, w_data, w_scale = ctx.saved_tensors
-        qx_t, qw = Quantized(xt_data, xt_scale, "tile"), Quantized(w_data, w_scale, "block")
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        # dx = dy W: dy tiled along the output features, W's blocks read transposed.
-        w_t = Quantized(qw.data.t() if ctx.emulate else qw.data.t().contiguous(), qw.scale.t().contiguous(), "block")
-        dx = _mm(quantize(dy2, "tile"), w_t, ctx.emulate, ctx.dtype)
-        # dW = dy^T x: both operands tiled along the tokens, the dim the GEMM reduces.
-        dw = _mm(quantize(_pad_tokens(dy2.t()), "tile"), qx_t, ctx.emulate, torch.float32)
+        xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
+        qx_t, w_t = Quantized(xt_data, xt_scale, "tile"), Quantized(wt_data, wt_scale, "block")
+        # dy tiled along the output features (dx = dy W) and along the tokens (dW = dy^T x, the dim the
+        # GEMM reduces), both from dy: one pass on a GPU.
+        qdy, qdy_t = quantize_input(dy.reshape(-1, dy.shape[-1]), requantize=False)
+        dx = _mm(qdy, w_t, ctx.emulate, ctx.dtype)
+        dw = _mm(qdy_t, qx_t, ctx.emulate, torch.float32)
         return dx.reshape(ctx.shape), dw.to(ctx.weight_dtype), None
 
 

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.fp8.convert import RECIPES, TORCHAO_RECIPES, FP8Conversion, convert_to_fp8
+from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
@@ -57,10 +58,17 @@ BASE_PRECISIONS: dict[str, tuple[str, ...]] = {
 
 
 def fp8_gemms_available(blockwise: bool = False) -> bool:
-    """Whether this machine has FP8 tensor cores (CUDA compute capability 8.9 or later; 9.0 for blockwise scales)."""
+    """Whether this machine has FP8 tensor-core GEMMs: compute capability 8.9 or later; for blockwise scales, 9.x.
+
+    torch's blockwise ``scaled_mm`` (1 x 128 / 128 x 128 scales) runs on Hopper only: ScaledBlas.cpp
+    ``_check_deepseek_support`` refuses any other major version, Blackwell (10.x, 12.x) included.
+    """
     if blockwise and not hasattr(torch.nn.functional, "scaled_mm"):  # torch's blockwise recipes (2.13 has them)
         return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= ((9, 0) if blockwise else (8, 9))
+    capability = cuda.capability()
+    if capability is None:
+        return False
+    return capability[0] == 9 if blockwise else capability >= (8, 9)
 
 
 class FP8Precision(MixedPrecision):
@@ -74,7 +82,7 @@ class FP8Precision(MixedPrecision):
         emulate: dequantise and multiply in high precision instead of FP8 tensor-core GEMMs (the
             same quantisation, hence the same numerics up to summation order). Default: emulate
             where the machine has no FP8 GEMMs (CPU, GPUs before Ada/Hopper; for blockwise, whose
-            1 x 128 / 128 x 128 ``scaled_mm`` needs Hopper, before Hopper).
+            1 x 128 / 128 x 128 ``scaled_mm`` torch runs on Hopper only, any GPU but Hopper).
         fp8_all_gather: tensorwise under ZeRO-3: all-gather weights in FP8 (half of bf16's bytes).
         device: the autocast device type; default: ``"cuda"`` where there is one, else ``"cpu"``.
 
@@ -113,9 +121,9 @@ class FP8Precision(MixedPrecision):
             raise ConfigError(f"{option(self, 'precision', precision)} cannot carry FP8: {why}; valid: {valid}")
         if recipe == "blockwise" and emulate is False and not fp8_gemms_available(blockwise=True):
             raise ConfigError(
-                f"{option(self, 'emulate', False)} with the blockwise recipe needs FP8 tensor cores with blockwise "
-                "scales (a CUDA GPU of compute capability 9.0 or later); the emulated path (emulate=None or True) "
-                "runs the same quantisation on any device"
+                f"{option(self, 'emulate', False)} with the blockwise recipe needs torch's blockwise FP8 GEMM, which "
+                f"runs on compute capability 9.x (Hopper) only; this device: {_device_name()}. The emulated path "
+                "(emulate=None or True) runs the same quantisation on any device"
             )
         if recipe in TORCHAO_RECIPES:
             _require_torchao(recipe)
@@ -167,6 +175,11 @@ class FP8Precision(MixedPrecision):
 
     def __repr__(self) -> str:
         return f"FP8Precision(recipe={self.recipe!r}, precision={self.precision!r}, emulate={self.emulate})"
+
+
+def _device_name() -> str:
+    capability = cuda.capability()
+    return "no CUDA GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
 
 
 class FP8Swap(ParallelPlugin):

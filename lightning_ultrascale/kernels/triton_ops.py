@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+import lightning_ultrascale.kernels.cuda as cuda
+
 __all__ = ["rms_norm", "rope", "swiglu"]
 
 _ELEMENTWISE_BLOCK = 1024
@@ -26,8 +28,7 @@ def num_warps(block: int) -> int:
     Triton's default of 4 warps (128 threads) leaves a row of 8,192-16,384 elements (Llama 3's
     hidden sizes) at 64-128 fp32 values per thread, several such rows live at once in the
     backward: registers spill to local memory. 8 warps from 2,048 elements, 16 from 8,192 and
-    32 from 32,768 keep it at 16-32 per thread. (RoPE's rows are half a head, 32-64 elements:
-    the default stands.)
+    32 from 32,768 keep it at 16-32 per thread.
 
     Example:
         >>> num_warps(4096), num_warps(16384)
@@ -92,7 +93,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps(block))
+        cuda.launch(_rms_norm_fwd, (n_rows,), x2, weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps(block))
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(shape)
 
@@ -102,20 +103,21 @@ class _RMSNorm(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = dy.reshape(-1, n_cols).contiguous()
         dx = torch.empty_like(x2)
-        programs = min(n_rows, _parallel_programs(x2.device))
+        programs = min(n_rows, _parallel_programs(x2))
         rows_per_program = triton.cdiv(n_rows, programs)
         programs = triton.cdiv(n_rows, rows_per_program)
         dw = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(n_cols)
-        _rms_norm_bwd[(programs,)](
-            dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program, BLOCK=block, num_warps=num_warps(block)
-        )
+        cuda.launch(
+            _rms_norm_bwd, (programs,), dy2, x2, weight, rstd, dx, dw, n_rows, n_cols, rows_per_program,
+            BLOCK=block, num_warps=num_warps(block),
+        )  # fmt: skip
         return dx.view(dy.shape), dw.sum(0).to(weight.dtype), None
 
 
-def _parallel_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _parallel_programs(x: Tensor) -> int:
+    if cuda.on_cuda(x):
+        return 4 * cuda.multiprocessors(x.device)
     return 8  # the interpreter runs programs one after the other: few, long ones
 
 
@@ -156,7 +158,7 @@ class _SwiGLU(torch.autograd.Function):
         a, b = gate.contiguous(), up.contiguous()
         y = torch.empty_like(a)
         n = a.numel()
-        _swiglu_fwd[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](a, b, y, n, BLOCK=_ELEMENTWISE_BLOCK)
+        cuda.launch(_swiglu_fwd, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), a, b, y, n, BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(a, b)
         return y
 
@@ -165,7 +167,8 @@ class _SwiGLU(torch.autograd.Function):
         a, b = ctx.saved_tensors
         da, db = torch.empty_like(a), torch.empty_like(b)
         n = a.numel()
-        _swiglu_bwd[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](dy.contiguous(), a, b, da, db, n, BLOCK=_ELEMENTWISE_BLOCK)
+        grid = (triton.cdiv(n, _ELEMENTWISE_BLOCK),)
+        cuda.launch(_swiglu_bwd, grid, dy.contiguous(), a, b, da, db, n, BLOCK=_ELEMENTWISE_BLOCK)
         return da, db
 
 
@@ -180,23 +183,25 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _rope(X, COS, SIN, Y, heads, seq, half, sxb, sxh, sxs, scb, scs, sign, BLOCK: tl.constexpr):
-    # One program per (batch, head, position) row; the two halves of the head pair up (rotate_half).
+def _rope(X, COS, SIN, Y, heads, seq, half, sxb, sxh, sxs, scb, scs, sign, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (batch, position): every head of it as one [heads, half] tile, cos and sin read
+    # once for all of them; the two halves of a head pair up (rotate_half).
     pid = tl.program_id(0).to(tl.int64)
     s = pid % seq
-    h = (pid // seq) % heads
-    b = pid // (seq * heads)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < half
-    x_row = X + b * sxb + h * sxh + s * sxs
+    b = pid // seq
+    h = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    in_row = cols < half
+    mask = (h < heads) & in_row
+    c_row = b * scb + s * scs
+    c1 = tl.load(COS + c_row + cols, mask=in_row, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + c_row + half + cols, mask=in_row, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + c_row + cols, mask=in_row, other=0.0).to(tl.float32) * sign
+    s2 = tl.load(SIN + c_row + half + cols, mask=in_row, other=0.0).to(tl.float32) * sign
+    x_row = X + b * sxb + s * sxs + h * sxh
     x1 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-    c_row = b * scb + s * scs
-    c1 = tl.load(COS + c_row + cols, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + c_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + c_row + cols, mask=mask, other=0.0).to(tl.float32) * sign
-    s2 = tl.load(SIN + c_row + half + cols, mask=mask, other=0.0).to(tl.float32) * sign
-    y_row = Y + pid * 2 * half
+    y_row = Y + ((b * heads + h) * seq + s) * 2 * half
     tl.store(y_row + cols, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty), mask=mask)
     tl.store(y_row + half + cols, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty), mask=mask)
 
@@ -208,9 +213,10 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
     # cos/sin are [b or 1, 1, s, d]; a batch of one broadcasts (stride 0).
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     half = d // 2
-    _rope[(b * heads * seq,)](
-        x, cos, sin, y, heads, seq, half, x.stride(0), x.stride(1), x.stride(2), scb, cos.stride(2), sign,
-        BLOCK=triton.next_power_of_2(half),
+    block_h, block = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+    cuda.launch(
+        _rope, (b * seq,), x, cos, sin, y, heads, seq, half, x.stride(0), x.stride(1), x.stride(2), scb,
+        cos.stride(2), sign, BLOCK_H=block_h, BLOCK=block, num_warps=num_warps(block_h * block),
     )  # fmt: skip
     return y
 

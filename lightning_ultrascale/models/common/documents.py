@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ultrascale.kernels import cuda
+
 
 def document_mask(doc_q: Tensor, doc_k: Tensor, causal: bool, offset: int = 0) -> Tensor:
     """``[b, 1, sq, sk]`` booleans, True where query ``i`` may attend to key ``j``: same document (and causal).
@@ -124,20 +126,17 @@ def _cu_seqlens(document_ids: Tensor) -> Tensor:
 
 def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
     """FlashAttention over the documents of the flattened batch (CUDA, half precision)."""
-    from torch.nn.attention.varlen import varlen_attn
-
     b, h, s, _ = q.shape
     cu = memo(document_ids, "cu_seqlens", _cu_seqlens)
     k, v = _expand_kv(q, k, v)
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1]) for t in (q, k, v)]
     # ``s`` bounds every document's length: no host read of the true maximum.
-    out = varlen_attn(*flat, cu, cu, s, s, window_size=(-1, 0))
-    return out.view(b, s, h, -1).transpose(1, 2)
+    return cuda.varlen_attention(*flat, cu, s).view(b, s, h, -1).transpose(1, 2)
 
 
 def uses_varlen(q: Tensor) -> bool:
     """Whether :func:`document_attention` takes FlashAttention's variable-length kernel for ``q``."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return cuda.on_cuda(q) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) -> Tensor:
@@ -150,7 +149,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) ->
         >>> torch.allclose(document_attention(q, k, v, docs)[:, :, 2:], alone, atol=1e-6)
         True
     """
-    if uses_varlen(q) and v.shape[-1] == q.shape[-1]:
+    if uses_varlen(q):
         return _varlen_attention(q, k, v, document_ids)
     k, v = _expand_kv(q, k, v)
     # Tile by tile (document_tiles): the masked pairs between tiles are never computed.

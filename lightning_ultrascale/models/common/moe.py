@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.common.layers import FeedForward
 from lightning_ultrascale.models.spec import SequenceSplit
 from lightning_ultrascale.utils.tensors import local_tensor
@@ -260,9 +261,9 @@ class GroupedExperts(nn.Module):
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         if self._grouped(x, w1):
             offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-            h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+            h = F.silu(cuda.grouped_mm(x, w1.transpose(-2, -1), offsets))
+            h = h * cuda.grouped_mm(x, w3.transpose(-2, -1), offsets)
+            return cuda.grouped_mm(h, w2.transpose(-2, -1), offsets)
         # The fallback reads the counts on the host. unbind: one backward op stacks the experts'
         # gradients (indexing w[i] would add a full-size zero-padded gradient per expert).
         sizes = counts.tolist()

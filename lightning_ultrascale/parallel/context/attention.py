@@ -4,7 +4,8 @@
 and value blocks travel around the ring, and each rank merges its partial results with their
 log-sum-exp in fp32 (the online softmax of FlashAttention). The backward pass sends the K/V blocks
 around again, together with their gradient accumulators, which arrive home after a full circle.
-Only the kv heads travel (grouped-query attention expands them locally).
+Only the kv heads travel; FlashAttention reads them as they are (grouped-query attention), the
+other kernels get them expanded per block. The dK/dV accumulators travel in fp32.
 
 Which blocks a rank computes at ring step ``i`` (keys from rank ``src = rank - i``):
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
 from lightning_ultrascale.parallel.context.comms import RingExchange, all_to_all
 
@@ -132,17 +134,30 @@ def _finite(lse: Tensor) -> Tensor:
     return torch.where(torch.isfinite(lse), lse, 0.0)
 
 
+def _expand(kv: Tensor, heads: int) -> Tensor:
+    """K or V with one head per query head (grouped-query attention: each kv head serves ``heads / kv`` of them)."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1) if kv.shape[1] != heads else kv
+
+
+def _fold(grad: Tensor, kv_heads: int) -> Tensor:
+    """The gradient of :func:`_expand`: summed over the query heads that shared a kv head."""
+    b, h, s, d = grad.shape
+    return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
 def block_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``softmax(q k^T scale) v`` and its log-sum-exp per query row, in fp32 (``[b, h, s, d]`` inputs).
 
+    ``k``, ``v`` may hold fewer heads than ``q`` (grouped-query attention), as every kernel's may.
     ``mask`` (``[b, 1, sq, sk]``, True: attend) keeps documents apart; a row it masks whole has
     output 0 and log-sum-exp -inf.
     """
-    s = _scores(q.float(), k.float(), causal, scale, mask)
+    heads = q.shape[1]
+    s = _scores(q.float(), _expand(k, heads).float(), causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - _finite(lse)[..., None]), v.float())
+    out = torch.matmul(torch.exp(s - _finite(lse)[..., None]), _expand(v, heads).float())
     return out, lse
 
 
@@ -158,18 +173,20 @@ def block_attention_backward(
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the GLOBAL output and ``lse`` of its query rows (FlashAttention-2)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = _expand(k, heads).float(), _expand(v, heads).float()
     delta = (dout * out).sum(-1)
-    s = _scores(q.float(), k.float(), causal, scale, mask)
+    s = _scores(q.float(), k, causal, scale, mask)
     p = torch.exp(s - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.float().transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(ds, k.float()) * scale
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
-    return dq, dk, dv
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 def _pad(x: Tensor, dim: int) -> Tensor:
-    # The fused kernels want one head size for q, k and v; MLA's v is narrower than q/k. Zero
+    # The CPU kernel wants one head size for q, k and v; MLA's v is narrower than q/k. Zero
     # columns add nothing to the scores nor to the output's real columns, forward or backward.
     return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
 
@@ -179,26 +196,17 @@ def _cuda_flash(q: Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
 
-def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """A boolean mask as the additive bias the fused kernels take (they refuse booleans)."""
     if mask is None:
         return None
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def aligned_bias(bias: Tensor, alignment: int = 16) -> Tensor:
-    """``bias`` as a view whose rows start at multiples of ``alignment`` elements.
-
-    CUDA's memory-efficient kernel refuses a bias whose row stride is not aligned ("attn_bias is
-    not correctly aligned (strideM)"); ``F.scaled_dot_product_attention`` pads the mask so, a
-    direct call to the kernel must too. The ring cuts blocks to any length (documents).
-
-    Example:
-        >>> aligned_bias(torch.zeros(1, 1, 69, 431)).stride()[-2]
-        432
-    """
-    pad = -bias.shape[-1] % alignment
-    return F.pad(bias, (0, pad))[..., : bias.shape[-1]] if pad else bias
+def _bias(mask: Tensor | None, q: Tensor) -> Tensor | None:
+    """The memory-efficient kernel's bias: q's dtype, one per head, rows at 16-element multiples."""
+    bias = _additive(mask, q.dtype)
+    return None if bias is None else cuda.aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
 
 
 def _flash_block(
@@ -211,23 +219,21 @@ def _flash_block(
     LSE is padded to a multiple of 32 rows. A row ``mask`` masks whole gets LSE -inf and output 0
     (the kernels return 0 and 0, or NaN).
     """
-    d = max(q.shape[-1], v.shape[-1])
-    q_, k_, v_ = _pad(q, d), _pad(k, d), _pad(v, d)
-    bias = _bias(mask, q.dtype)
     causal = causal and mask is None  # a document mask holds the causal part, with the block's offset
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q_, k_, v_, 0.0, causal, attn_mask=bias, scale=scale
+    heads = q.shape[1]
+    if not cuda.on_cuda(q):
+        d = max(q.shape[-1], v.shape[-1])
+        k, v_ = _pad(_expand(k, heads), d), _pad(_expand(v, heads), d)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _pad(q, d), k, v_, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
         )[:2]
-    elif _cuda_flash(q) and bias is None:
-        out, lse = aten._scaled_dot_product_flash_attention(q_, k_, v_, 0.0, causal, False, scale=scale)[:2]
+        out = out[..., : v.shape[-1]]
+    elif _cuda_flash(q) and mask is None:  # FlashAttention reads each kv head for its group of query heads
+        out, lse = cuda.flash_attention(q, k, v, causal, scale)
     else:
-        if bias is not None:
-            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
-        out, lse = aten._scaled_dot_product_efficient_attention(q_, k_, v_, bias, True, 0.0, causal, scale=scale)[:2]
+        out, lse = cuda.efficient_attention(q, _expand(k, heads), _expand(v, heads), _bias(mask, q), causal, scale)
         lse = lse[..., : q.shape[-2]]
-    out, lse = out[..., : v.shape[-1]].float(), lse.float()
+    out, lse = out.float(), lse.float()
     if mask is not None:
         attends = mask.any(-1)
         lse = torch.where(attends, lse, float("-inf"))
@@ -247,32 +253,24 @@ def _flash_block_backward(
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The same kernel's backward, given the GLOBAL output and LSE of the block's query rows."""
-    d = max(q.shape[-1], v.shape[-1])
-    dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k, v, out.to(q.dtype)))
-    bias = _bias(mask, q.dtype)
     causal = causal and mask is None  # as in the forward
-    aten = torch.ops.aten
-    if q.device.type == "cpu":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=bias, scale=scale
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if not cuda.on_cuda(q):
+        d = max(q.shape[-1], v.shape[-1])
+        k_, v_ = _expand(k, heads), _expand(v, heads)
+        dout_, q_, k_, v_, out_ = (_pad(t, d) for t in (dout.to(q.dtype), q, k_, v_, out.to(q.dtype)))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout_, q_, k_, v_, out_, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
         )
-    elif _cuda_flash(q) and bias is None:
-        # Dense (not variable-length) batches and no dropout: empty cumulative lengths and RNG state.
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
-        lengths = (q.shape[-2], k.shape[-2])
-        grads = aten._scaled_dot_product_flash_attention_backward(
-            dout_, q_, k_, v_, out_, lse, none, none, *lengths, 0.0, causal, none, none, scale=scale
-        )
+        grads = [g[..., : t.shape[-1]] for g, t in zip(grads[:3], (q, k, v))]
+    elif _cuda_flash(q) and mask is None:  # dK/dV come back per kv head
+        grads = cuda.flash_attention_backward(dout, q, k, v, out, lse, causal, scale)
     else:
-        if bias is not None:
-            bias = aligned_bias(bias).expand(-1, q.shape[1], -1, -1)
-        padded = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's own LSE layout
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
-        grads = aten._scaled_dot_product_efficient_attention_backward(
-            dout_, q_, k_, v_, bias, out_, padded, none, none, 0.0, [True, True, True, False], causal, scale=scale
+        grads = cuda.efficient_attention_backward(
+            dout, q, _expand(k, heads), _expand(v, heads), _bias(mask, q), out, lse, causal, scale
         )
-    dq, dk, dv = (g[..., : t.shape[-1]].float() for g, t in zip(grads[:3], (q, k, v)))
-    return dq, dk, dv
+    dq, dk, dv = (g.float() for g in grads)
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 #: Local kernels: name -> (forward returning (out, lse), backward given the global out and lse);
@@ -282,18 +280,6 @@ KERNELS: dict[str, tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tup
     "flash": (_flash_block, _flash_block_backward),
     "reference": (block_attention, block_attention_backward),
 }
-
-
-def _expand(kv: Tensor, n_rep: int) -> Tensor:
-    return kv.repeat_interleave(n_rep, dim=1) if n_rep > 1 else kv
-
-
-def _fold(grad: Tensor, n_rep: int) -> Tensor:
-    # The gradient of repeat_interleave: sum over the query heads that shared a kv head.
-    if n_rep == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // n_rep, n_rep, s, d).sum(2)
 
 
 # ------------------------------------------------------------------------------------ the ring's plan
@@ -386,10 +372,11 @@ def _dense_plan(method: str, size: int, local_len: int) -> RingPlan:
 
 
 def _block_inputs(
-    blk: Block, q: Tensor, kv: tuple[Tensor, Tensor], n_rep: int, masks: tuple[Tensor, Tensor] | None
+    blk: Block, q: Tensor, kv: tuple[Tensor, Tensor], masks: tuple[Tensor, Tensor] | None
 ) -> tuple[Tensor, Tensor, Tensor, bool, Tensor | None]:
-    """One block's q, expanded k and v, causal flag and document mask (which then holds the causal part too)."""
-    k, v = _expand(kv[0][:, :, blk.k], n_rep), _expand(kv[1][:, :, blk.k], n_rep)
+    """One block's q, k and v (its kv heads: each kernel expands them if it must), causal flag and document
+    mask (which then holds the causal part too)."""
+    k, v = kv[0][:, :, blk.k], kv[1][:, :, blk.k]
     if masks is None:
         return q[:, :, blk.q], k, v, blk.causal, None
     mask = document_mask(masks[0][:, blk.q], masks[1][:, blk.k], blk.causal, blk.q.start - blk.k.start)
@@ -397,9 +384,18 @@ def _block_inputs(
 
 
 def _local_documents(documents: Tensor | None, method: str, size: int, rank: int) -> Tensor | None:
+    """The document ids of the rows ``rank`` holds, cut once per micro-batch for every rank and layer."""
     if documents is None:
         return None
-    return documents.index_select(1, local_positions(method, documents.shape[1], size, rank).to(documents.device))
+    return memo(documents, f"local_documents/{method}/{size}", lambda d: _cut_documents(d, method, size))[rank]
+
+
+def _cut_documents(documents: Tensor, method: str, size: int) -> tuple[Tensor, ...]:
+    # The positions are built on the host: one copy to the device for all ranks, not one per ring step,
+    # layer and pass (a blocking host-to-device copy each on a GPU).
+    seq = documents.shape[1]
+    index = torch.cat([local_positions(method, seq, size, r) for r in range(size)]).to(documents.device)
+    return documents.index_select(1, index).chunk(size, dim=1)
 
 
 # ------------------------------------------------------------------------------------ ring attention
@@ -410,7 +406,6 @@ def _ring_forward(
     block_forward = KERNELS[kernel][0]
     ring = RingExchange(_resolve_process_group(group_name))
     rank, size = ring.rank, ring.size
-    n_rep = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     length = q.shape[-2]
     plan = _plan(method, size, length, documents)
@@ -428,7 +423,7 @@ def _ring_forward(
         theirs = _local_documents(documents, method, size, src)
         for blk in plan.blocks[rank][src] if plan.holds(rank, step) else ():
             masks = None if mine is None or theirs is None else (mine, theirs)
-            q_, k_, v_, causal, mask = _block_inputs(blk, q, kv, n_rep, masks)
+            q_, k_, v_, causal, mask = _block_inputs(blk, q, kv, masks)
             _count(blk, q)
             o, block_lse = block_forward(q_, k_, v_, causal, scale, mask)
             # Online-softmax merge of two partial results by their log-sum-exp, in fp32.
@@ -454,18 +449,19 @@ def _ring_backward(
     An accumulator moves on with its block after the step that adds to it and is waited for only
     after the next step's compute (its transfer overlaps that compute); from the last rank that
     needs the block (:class:`RingPlan`; the rank before its owner when every rank needs it) it
-    goes home. It travels in the compute dtype (q's) and is summed in fp32 on each rank.
+    goes home. It travels in fp32, as torch's context parallel keeps it: rounded to bf16 at every hop,
+    ``cp`` roundings of a sum would each lose its low bits.
     """
     group = _resolve_process_group(group_name)
     kv_ring, grad_ring = RingExchange(group), RingExchange(group)
     rank, size = kv_ring.rank, kv_ring.size
     plan = _plan(method, size, q.shape[-2], documents)
     mine = _local_documents(documents, method, size, rank)
-    grads = _BlockGrads(q, out, lse, dout, KERNELS[kernel][1], q.shape[1] // k.shape[1])
+    grads = _BlockGrads(q, out, lse, dout, KERNELS[kernel][1])
     # The accumulators' shapes and dtype, for a receive.
     template = (
-        torch.empty(k.shape, dtype=q.dtype, device=k.device),
-        torch.empty(v.shape, dtype=q.dtype, device=v.device),
+        torch.empty(k.shape, dtype=torch.float32, device=k.device),
+        torch.empty(v.shape, dtype=torch.float32, device=v.device),
     )
     kv = (k.contiguous(), v.contiguous())
     arriving: list[Tensor] = []
@@ -479,9 +475,9 @@ def _ring_backward(
             dk, dv = grads(plan.blocks[rank][src], kv, masks)
             if step > 0:  # this block's accumulator, sent by the previous rank after its step
                 grad_ring.wait()
-                dk, dv = dk + arriving[0].float(), dv + arriving[1].float()
+                dk, dv = dk + arriving[0], dv + arriving[1]
             if plan.sends(rank, step):
-                moving = (dk.to(q.dtype), dv.to(q.dtype))
+                moving = (dk, dv)
             else:
                 done[src] = (dk, dv)
         grad_ring.wait()  # our send of the step before
@@ -497,9 +493,9 @@ def _ring_backward(
 class _BlockGrads:
     """Runs the backward of one ring step's blocks: adds into ``dq``, returns the step's dK/dV in fp32."""
 
-    def __init__(self, q: Tensor, out: Tensor, lse: Tensor, dout: Tensor, kernel: Callable[..., Any], n_rep: int):
+    def __init__(self, q: Tensor, out: Tensor, lse: Tensor, dout: Tensor, kernel: Callable[..., Any]):
         self.q, self.out, self.lse, self.dout = q, out, lse, dout.float()
-        self.kernel, self.n_rep = kernel, n_rep
+        self.kernel = kernel
         self.scale = 1.0 / math.sqrt(q.shape[-1])
         self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
@@ -509,13 +505,13 @@ class _BlockGrads:
         dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=kv[0].device)
         dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=kv[1].device)
         for blk in blocks:
-            q, k, v, causal, mask = _block_inputs(blk, self.q, kv, self.n_rep, masks)
+            q, k, v, causal, mask = _block_inputs(blk, self.q, kv, masks)
             gq, gk, gv = self.kernel(
                 q, k, v, self.out[:, :, blk.q], self.lse[:, :, blk.q], self.dout[:, :, blk.q], causal, self.scale, mask
             )
             self.dq[:, :, blk.q] += gq
-            dk[:, :, blk.k] += _fold(gk, self.n_rep)
-            dv[:, :, blk.k] += _fold(gv, self.n_rep)
+            dk[:, :, blk.k] += gk
+            dv[:, :, blk.k] += gv
         return dk, dv
 
 
@@ -537,7 +533,7 @@ def _send_home(
     ops, own = [], done.pop(rank, None)
     for src, (dk, dv) in sorted(done.items()):
         peer = dist.get_global_rank(group, src)
-        ops += [dist.P2POp(dist.isend, t.to(template[0].dtype).contiguous(), peer, group) for t in (dk, dv)]
+        ops += [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t in (dk, dv)]
     if own is None:  # ours comes back from the last rank that needed it
         peer = dist.get_global_rank(group, (rank + plan.last[rank]) % size)
         received = [torch.empty_like(t) for t in template]
@@ -546,7 +542,7 @@ def _send_home(
         FLOPS.sends += len(done)
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-    return own if own is not None else (received[0].float(), received[1].float())
+    return own if own is not None else (received[0], received[1])
 
 
 def _resolve_process_group(name: str) -> dist.ProcessGroup:
@@ -636,14 +632,12 @@ def ulysses_attention(
     cp = dist.get_world_size(group)
     if k.shape[1] % cp:
         # Fewer kv heads than ranks: give every query head its kv head before scattering heads.
-        n_rep = q.shape[1] // k.shape[1]
-        k, v = _expand(k, n_rep), _expand(v, n_rep)
+        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (q, k, v))
     if documents is not None:
         out = document_attention(q, k, v, documents)
     else:
-        n_rep = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(q, _expand(k, n_rep), _expand(v, n_rep), is_causal=True)
+        out = F.scaled_dot_product_attention(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]), is_causal=True)
     return all_to_all(out, scatter_dim=2, gather_dim=1, group=group)
 
 

@@ -15,7 +15,7 @@ sequence; with ignored labels the strategy weights each rank by its tokens (``ut
 method             traffic per attention layer and rank         constraint
 =================  ==========================================  ===================================
 ``ring``           (cp-1) K/V blocks forward, 2x backward        sequence divisible by cp; rank
-                   (+ dK/dV)                                     cp-1 computes cp x rank 0's work
+                   (+ dK/dV in fp32)                             cp-1 computes cp x rank 0's work
 ``zigzag_ring``    the same                                      sequence divisible by 2 cp; balanced
 ``all_to_all``     4 all-to-alls forward (q, k, v, out), 4 back  heads (per tp rank) divisible by cp
 =================  ==========================================  ===================================
@@ -75,6 +75,7 @@ class ContextParallel(ParallelPlugin):
         self._rank = 0
         self._probe: PositionProbe | None = None  # the first batch's positions: did the model read them?
         self._probed = False
+        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"cp": self.size}
@@ -129,9 +130,9 @@ class ContextParallel(ParallelPlugin):
             q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
             add_traffic(terms.traffic, "cp", "all_to_all", 2 * q_k_v_o * layers * m)
             return terms
-        kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim) * e
-        # forward: K/V to the next rank cp-1 times; backward: K/V again and dK/dV cp times.
-        sends = (2 * (self.size - 1) + self.size) * kv * layers * m
+        kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim)
+        # forward: K/V to the next rank cp-1 times; backward: K/V again, and the dK/dV accumulators cp times, in fp32.
+        sends = (2 * (self.size - 1) * e + self.size * 4) * kv * layers * m
         add_traffic(terms.traffic, "cp", "send", sends)
         add_traffic(terms.traffic, "cp", "recv", sends)
         return terms
@@ -142,6 +143,7 @@ class ContextParallel(ParallelPlugin):
         spec = require_spec(model)
         cp_mesh = layout.mesh["cp"]
         self._rank = cp_mesh.get_local_rank()
+        self._index = {}
         self._tp = layout.dims.tp
         fn = self._noting_forwards(attention_fn(self.method, cp_mesh.get_group(), self.kernel))
         for block in model.get_submodule(spec.layers).values():
@@ -177,8 +179,7 @@ class ContextParallel(ParallelPlugin):
         seq_len = tokens.shape[1]
         # Checked per batch too: a DataModule that declares no shape is only known here.
         self.validate_sequence(DataShape(seq_len, tokens.shape[0], owner="batch"), self._tp)
-        layout = "ring" if self.method == "all_to_all" else self.method
-        index = local_positions(layout, seq_len, self.size, self._rank).to(tokens.device)
+        index = self._positions(seq_len, tokens.device)
         out = dict(batch)
         if "position_ids" not in out:
             out["position_ids"] = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
@@ -186,6 +187,14 @@ class ContextParallel(ParallelPlugin):
             if key in out:
                 out[key] = out[key].index_select(1, index)
         return self._handshake(out)
+
+    def _positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """This rank's positions on ``device``: built on the host and copied once per length, not per batch."""
+        key = (seq_len, device)
+        if key not in self._index:
+            layout = "ring" if self.method == "all_to_all" else self.method
+            self._index[key] = local_positions(layout, seq_len, self.size, self._rank).to(device)
+        return self._index[key]
 
     def _handshake(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Watch the first batch's positions; at a batch after a forward has run (the attention
