@@ -94,8 +94,8 @@ def _run(main: Callable[[], object], argv: list[str], env: dict[str, str], cwd: 
         os.dup2(err.fileno(), 2)
         streams = {id(sys.stdout): out, id(sys.stderr): err, id(sys.__stdout__): out, id(sys.__stderr__): err}
         sys.stdout, sys.stderr = out, err
-        for handler in _stream_handlers():  # (created at import, they hold the parent's streams)
-            handler.setStream(streams.get(id(handler.stream), err))
+        for handler in _stream_handlers():  # they hold the parent's streams, some closed since: no flush
+            handler.stream = streams.get(id(handler.stream), err)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = argv
