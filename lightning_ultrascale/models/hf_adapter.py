@@ -90,9 +90,13 @@ _FAMILY = {"qwen3": _Family(qk_norm=True), "qwen3_moe": _Family(qk_norm=True)}
 
 
 def is_hf_causal_lm(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers`` model with a language-model head (never imports transformers)."""
-    tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(module, tf.PreTrainedModel) and hasattr(module, "lm_head")
+    """Whether ``module`` is a ``transformers`` model with a language-model head (never imports transformers).
+
+    ``transformers.PreTrainedModel`` is a lazy attribute whose first access imports the modeling code
+    (0.75 s); no such model exists unless that module was imported, so it is looked up, never loaded.
+    """
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel) and hasattr(module, "lm_head")
 
 
 def adapt_in(root: nn.Module) -> None:
