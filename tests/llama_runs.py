@@ -56,7 +56,7 @@ def run_tiny_llama(
     plugins: Callable[[], list[ParallelPlugin]] | None = None,
     world_size: int = 1,
     accumulate: int = 1,
-    steps: int = 5,
+    steps: int = 3,
     dp: int | None = None,
     model: str | LlamaConfig = "llama_tiny",
     precision_plugin: Any = None,

@@ -21,7 +21,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.testing.spawn import run_workers
@@ -37,29 +38,48 @@ QUIET_TRAINER: dict[str, Any] = {
 }
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().float()
+@dataclass(frozen=True)
+class _Piece:
+    """A rank's part of a tensor, and where it sits in the whole: recorded without a collective."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def _piece(t: torch.Tensor) -> _Piece:
+    t = t.detach()
+    if isinstance(t, DTensor):
+        if all(type(p) in (Shard, Replicate) for p in t.placements):  # a block of the whole on every rank
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            return _Piece(t.to_local().clone().float(), tuple(t.shape), tuple(offset))
+        t = t.full_tensor()  # (partial sums, strided shards: gathered, by every rank of its mesh alike)
+    return _Piece(t.clone().float(), tuple(t.shape), (0,) * t.dim())
 
 
 def _whole_model(
-    tensors: dict[str, torch.Tensor], spread: dict[str, float] | None = None, copies: dict[str, str] | None = None
+    parts: list[dict[str, _Piece]], spread: dict[str, float] | None = None, copies: dict[str, str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every rank's named tensors merged: pipeline stages each hold only their own parameters.
+    """Every rank's pieces put together: shards into their places, pipeline stages' parameters side by side.
 
-    ``spread``, if given, receives each name's largest difference between the ranks that hold it.
-    ``copies`` maps the other names of a tied weight to its first name: one process names it
-    once, a pipeline stage that holds only a copy names the copy; each copy must equal the original.
+    ``spread``, if given, receives each name's largest difference between the ranks that hold the
+    same piece. ``copies`` maps the other names of a tied weight to its first name: one process
+    names it once, a pipeline stage that holds only a copy names the copy; each copy must equal
+    the original.
     """
     merged: dict[str, torch.Tensor] = {}
-    parts: list[Any] = [tensors]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, tensors)
+    placed: set[tuple[str, tuple[int, ...]]] = set()
     for part in parts:
-        for name, value in part.items():
-            first = merged.setdefault(name, value)
+        for name, piece in part.items():
+            whole = merged.setdefault(name, torch.zeros(piece.shape))
+            where = tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.local.shape))
+            if (name, piece.offset) not in placed:
+                placed.add((name, piece.offset))
+                whole[where] = piece.local
+            elif spread is not None and piece.local.numel():
+                spread[name] = max(spread.get(name, 0.0), float((piece.local - whole[where]).abs().max()))
             if spread is not None:
-                spread[name] = max(spread.get(name, 0.0), float((value - first).abs().max()))
+                spread.setdefault(name, 0.0)
     for copy, original in (copies or {}).items():
         if copy in merged and original in merged:
             value = merged.pop(copy)
@@ -92,11 +112,17 @@ class RunRecord:
 
 
 class ParityRecorder(L.Callback):
-    """Records a :class:`RunRecord` on every rank (collectives inside: every rank must run it)."""
+    """Records a :class:`RunRecord`; every rank must run it, rank 0 holds the whole record.
+
+    Each rank keeps its own pieces of every tensor as training goes (no collective per step, beyond
+    the loss); :meth:`on_train_end` gathers them once on rank 0, which puts the whole model together.
+    """
 
     def __init__(self) -> None:
         self.record = RunRecord()
         self._loss_sum = torch.zeros(())
+        self._grads: list[dict[str, _Piece]] = []
+        self._initial: dict[str, _Piece] = {}
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -123,26 +149,39 @@ class ParityRecorder(L.Callback):
         # (for the parameters it shards: another group's engine may keep them in .grad).
         reduced = getattr(trainer.strategy, "reduced_gradients", lambda: None)() or {}
         grads = {n: reduced.get(p, p.grad) for n, p in pl_module.named_parameters()}
-        grads = {n: _full(g) for n, g in grads.items() if g is not None}
-        self.record.grads.append(_whole_model(grads, copies=_tied_copies(trainer, pl_module)))
+        self._grads.append({n: _piece(g) for n, g in grads.items() if g is not None})
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.record.initial = _stepped(trainer, pl_module)
+        self._initial = _stepped(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Callbacks run before the strategy's on_train_end: a sharded optimizer's gathers may be in flight.
         getattr(trainer.strategy, "wait_for_parameters", lambda: None)()
-        self.record.params = _stepped(trainer, pl_module)
         persistent = pl_module.state_dict().keys()
-        buffers = {n: _full(b) for n, b in pl_module.named_buffers() if n in persistent}
-        self.record.buffers = _whole_model(buffers, self.record.buffer_spread)
+        mine = {
+            "grads": self._grads,
+            "initial": self._initial,
+            "params": _stepped(trainer, pl_module),
+            "buffers": {n: _piece(b) for n, b in pl_module.named_buffers() if n in persistent},
+        }
+        ranks: list[Any] = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+            dist.gather_object(mine, ranks or None, dst=0)
+            if dist.get_rank() != 0:
+                return  # the whole record is rank 0's (what record_run returns)
+        copies = _tied_copies(trainer, pl_module)
+        record = self.record
+        record.grads = [_whole_model([r["grads"][i] for r in ranks], copies=copies) for i in range(len(self._grads))]
+        record.initial = _whole_model([r["initial"] for r in ranks], copies=copies)
+        record.params = _whole_model([r["params"] for r in ranks], copies=copies)
+        record.buffers = _whole_model([r["buffers"] for r in ranks], record.buffer_spread)
 
 
-def _stepped(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
-    """The whole model's parameters as the optimizer steps them: the fp32 masters of bf16 weights where kept."""
+def _stepped(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, _Piece]:
+    """This rank's pieces of the parameters as the optimizer steps them: the fp32 masters of bf16 weights where kept."""
     masters = getattr(trainer.strategy, "master_weights", dict)()
-    params = {n: _full(masters.get(p, p)) for n, p in pl_module.named_parameters()}
-    return _whole_model(params, copies=_tied_copies(trainer, pl_module))
+    return {n: _piece(masters.get(p, p)) for n, p in pl_module.named_parameters()}
 
 
 def record_run(
