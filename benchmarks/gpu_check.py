@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -320,26 +321,37 @@ def _run_section(name: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(out))
 
 
+#: Each section runs in a process forked from a server that imported torch and the package once (a fresh
+#: interpreter per section paid those imports again); the server never touches CUDA, so its children may.
+_PROCESSES = mp.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["torch", "lightning", "lightning_ultrascale"])
+
+
+def _section_process(name: str, result_path: str, output_path: str) -> None:
+    with open(output_path, "w") as output:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
+        _run_section(name, result_path)
+
+
 def _section(name: str, cuda: bool) -> dict[str, Any]:
     section = SECTIONS[name]
     if not cuda and not section.on_cpu:
         return {"status": "not measured", "why": "no CUDA device"}
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
+        result, output = Path(tmp) / "result.json", Path(tmp) / "output.txt"
         start = time.perf_counter()
-        try:
-            # Without CUDA, Triton runs its kernels in its interpreter (read when a kernel is defined).
-            env = {**os.environ, **({} if cuda else {"TRITON_INTERPRET": "1"})}
-            run = subprocess.run(
-                [sys.executable, __file__, "--run-section", name, "--result", str(result)],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=section.timeout_s,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or b"")[-2000:]
-            return {"status": "timeout", "seconds": section.timeout_s, "tail": str(tail)}
+        process = _PROCESSES.Process(target=_section_process, args=(name, str(result), str(output)))
+        process.start()
+        process.join(section.timeout_s)
+        tail = output.read_text(errors="replace")[-3000:] if output.exists() else ""
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return {"status": "timeout", "seconds": section.timeout_s, "tail": tail[-2000:]}
         seconds = round(time.perf_counter() - start, 1)
-        if run.returncode != 0 or not result.exists():
-            return {"status": "failed", "seconds": seconds, "tail": (run.stdout + run.stderr)[-3000:]}
+        if process.exitcode != 0 or not result.exists():
+            return {"status": "failed", "seconds": seconds, "tail": tail}
         out: dict[str, Any] = json.loads(result.read_text())
         if not cuda:
             out["status"] = "cpu smoke (GPU figures not measured)"
@@ -365,6 +377,8 @@ def main() -> None:
     import torch
 
     cuda = torch.cuda.is_available()
+    if not cuda:  # Triton runs its kernels in its interpreter (read when a kernel is defined)
+        os.environ["TRITON_INTERPRET"] = "1"
     report = {
         "device": torch.cuda.get_device_name() if cuda else "cpu (no CUDA device: every GPU figure not measured)",
         "torch": torch.__version__,
