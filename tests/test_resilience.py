@@ -1,18 +1,19 @@
 """Runs that survive a cluster (lightning_ultrascale/resilience.py): ``ckpt_path=auto`` finds the newest complete
 checkpoint; SIGUSR1 / SIGTERM stop every rank at one step after a save, requeue under SLURM, and the run
-resumes bit-identically. CLI runs: 2 processes, ~15 s each (five runs, ~80 s in all)."""
+resumes bit-identically. CLI runs: 2 forked processes each (five runs)."""
 
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.resilience import Preemption, newest_checkpoint, resolve_ckpt_path
 from lightning_ultrascale.testing.chaos import read_losses
+from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.spawn import free_port
 
 CHAOS = "lightning_ultrascale.testing.chaos"
@@ -49,28 +50,27 @@ def test_a_bad_signal_name_is_refused_with_the_valid_ones():
 
 
 def _train(run_dir: Path, steps: int, *extra: str, env: dict | None = None, srun: bool = False) -> None:
-    """A 2-process CLI run in ``run_dir``: Lightning starts the second process, or (``srun``) both are started
-    as srun starts a job's tasks, with SLURM's variables (the run directory then comes from SLURM_JOB_ID)."""
+    """A 2-process CLI run in ``run_dir``, its ranks forked as torchrun starts them (testing.commands), or
+    (``srun``) as srun starts a job's tasks, with SLURM's variables (the run directory then comes from
+    SLURM_JOB_ID). Signals reach each rank's own process either way."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     losses = f"+callbacks.losses={{_target_: {CHAOS}.StepLossLog, path: {run_dir / 'losses.jsonl'}}}"
     base = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_RUN_DIR" and not k.startswith("SLURM_")}
     base.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    cmd = [*TRAIN, f"trainer.max_steps={steps}", *FAST, losses, *extra]
+    argv = ["ultrascale-train", f"trainer.max_steps={steps}", *FAST, losses, *extra]
     if not srun:
         base["ULTRASCALE_RUN_DIR"] = str(run_dir)
-        out = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=300, cwd=run_dir.parent)
+        out = run_command(train_main, argv, base, world_size=2, cwd=run_dir.parent)
         assert out.returncode == 0, out.stderr[-3000:]
         return
     slurm = {"SLURM_JOB_NAME": "ultrascale", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0",
              "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
     base.update(slurm, MASTER_PORT=str(free_port()))
-    tasks = [
-        subprocess.Popen([*cmd, "cluster=slurm"], env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-                         cwd=run_dir.parent.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]  # fmt: skip
-    outputs = [t.communicate(timeout=300) for t in tasks]
-    assert [t.returncode for t in tasks] == [0, 0], [err[-2000:] for _, err in outputs]
+    out = run_command(
+        train_main, [*argv, "cluster=slurm"], base, world_size=2, cwd=run_dir.parent.parent,
+        rank_env=lambda r: {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_auto_resumes_bit_identically(t
     run_dir = tmp_path / "run"
     # Rank 0 alone, after step 2's check (callbacks run in order, Preemption's first): both stop after step 3.
     _train(run_dir, 6, _signals({0: 2}, "SIGTERM", {0: "end"}))
-    logs = (run_dir / "train.log").read_text() + (run_dir / "train_ddp_process_1.log").read_text()
+    logs = "".join(p.read_text() for p in run_dir.glob("*.log"))
     assert "preempted (SIGTERM)" in logs and "preempted (a signal on another rank)" in logs
     assert max(read_losses(str(run_dir / "losses.jsonl"))) == 3
     _train(run_dir, 6)

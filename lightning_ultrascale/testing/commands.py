@@ -43,8 +43,12 @@ def run_command(
     world_size: int = 1,
     cwd: str | Path | None = None,
     timeout_s: float = 300.0,
+    rank_env: Callable[[int], Mapping[str, str]] | None = None,
 ) -> Completed:
     """Run ``main()`` with ``sys.argv = argv`` and ``os.environ = env`` on ``world_size`` forked ranks.
+
+    Each rank also gets torchrun's variables, or ``rank_env(rank)`` instead (e.g. SLURM's, as srun
+    starts a job's tasks).
 
     Example:
         >>> out = run_command(lambda: print("hello"), ["prog"], {})
@@ -56,7 +60,10 @@ def run_command(
     with tempfile.TemporaryDirectory(prefix="ultrascale-command-") as tmp:
         procs = []
         for rank in range(world_size):
-            ranks = {} if world_size == 1 else _torchrun_variables(rank, world_size, port)
+            if rank_env is not None:
+                ranks = dict(rank_env(rank))
+            else:
+                ranks = {} if world_size == 1 else _torchrun_variables(rank, world_size, port)
             target = Path(tmp) / str(rank)
             proc = ctx.Process(target=_run, args=(main, list(argv), {**env, **ranks}, cwd, target))
             proc.start()
