@@ -2,18 +2,16 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
+from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.profiling import TraceProfiler
-
-TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
+from lightning_ultrascale.testing.commands import run_command
 
 
 def _compose(*overrides: str):
@@ -35,7 +33,7 @@ def test_profiler_torch_writes_rank_0_s_trace_of_the_active_steps_naming_the_gra
         "data.micro_batch_size=2",
         "data.global_batch_size=4",
     ]
-    out = subprocess.run([*TRAIN, *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = run_command(train_main, ["ultrascale-train", *overrides], env, world_size=2, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in (run_dir / "profiler").iterdir()) == ["rank0-steps3-4.json"]
     assert "no CUDA memory snapshot on rank 0" in out.stderr + out.stdout
