@@ -204,7 +204,7 @@ def test_torchrun_launch_shares_one_run_dir_without_a_rendezvous_id(tmp_path):
 
 
 def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
-    """Two processes started as ``srun`` would start them: SLURM's variables, no launcher of ours."""
+    """Two processes started as ``srun`` would start them: SLURM's variables, no launcher of ours or Lightning's."""
     base = {k: v for k, v in os.environ.items() if k != "ULTRASCALE_RUN_DIR" and not k.startswith("SLURM_")}
     base.update(
         OMP_NUM_THREADS="1",
@@ -218,20 +218,13 @@ def test_slurm_launch_names_the_run_dir_after_the_job(tmp_path):
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
     )
-    cmd = [*TRAIN, "cluster=slurm", *_train_overrides()]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outputs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    # (Forked, as testing.commands does, with each task's own SLURM_PROCID: what srun would set.)
+    tasks = lambda r: {"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}  # noqa: E731
+    out = run_command(
+        train_main, ["ultrascale-train", "cluster=slurm", *_train_overrides()], base, world_size=2, cwd=tmp_path,
+        rank_env=tasks,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "outputs" / "slurm-4242"
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["slurm-4242"]
     assert (run_dir / "csv" / "metrics.csv").is_file()
