@@ -4,8 +4,8 @@ process group (the command line exits with status 2, no traceback)."""
 
 import dataclasses
 import json
+import os
 import re
-import sys
 
 import lightning as L
 import pytest
@@ -23,6 +23,7 @@ from lightning_ultrascale.cli import train as train_cli
 from lightning_ultrascale.errors import ConfigError, ContractError
 from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.testing import WorkerError
+from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.parity import record_run
 
 
@@ -38,13 +39,19 @@ def foreign_directories(tmp_path_factory):
     return root
 
 
-def _main(entry, monkeypatch, capsys, *argv):
-    """Run a command line's entry point in this process; (exit status, stderr)."""
-    monkeypatch.setattr(sys, "argv", [entry.__name__, *argv])
-    with pytest.raises(SystemExit) as exited:
-        entry.main() if entry is train_cli else entry.main(list(argv))
-    assert not dist.is_initialized()
-    return exited.value.code, capsys.readouterr().err
+def _main(entry, *argv, env=None):
+    """Run a command line's entry point in a process forked from this one (testing.commands: Hydra's
+    logging set-up stays there); (exit status, stderr). Its stdout says whether a process group existed."""
+
+    def main():
+        try:
+            entry.main()
+        finally:
+            print(f"process group: {dist.is_initialized()}")
+
+    out = run_command(main, [entry.__name__, *argv], {**os.environ, **(env or {})})
+    assert "process group: False" in out.stdout, out.stdout
+    return out.returncode, out.stderr
 
 
 @pytest.mark.parametrize(
@@ -57,19 +64,17 @@ def _main(entry, monkeypatch, capsys, *argv):
         ("unknown", r"^ultrascale-train: model.path=.*unknown holds model_type='my_own_lm', which transformers does"),
     ],
 )
-def test_an_hf_family_not_trained_as_it_is_exits_with_one_line(
-    tmp_path, monkeypatch, capsys, foreign_directories, directory, message
-):
-    monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
-    code, err = _main(train_cli, monkeypatch, capsys, "model=hf", f"model.path={foreign_directories / directory}")
+def test_an_hf_family_not_trained_as_it_is_exits_with_one_line(tmp_path, foreign_directories, directory, message):
+    path = f"model.path={foreign_directories / directory}"
+    code, err = _main(train_cli, "model=hf", path, env={"ULTRASCALE_RUN_DIR": str(tmp_path / "run")})
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and "Error executing job" not in err
     assert re.search(message, err), err
     assert "Convert it to our Llama" not in err  # (no converter reads GPT-2's blocks)
 
 
-def test_the_planner_exits_with_one_line_on_a_model_it_cannot_take(monkeypatch, capsys, foreign_directories):
-    code, err = _main(plan_cli, monkeypatch, capsys, "model=hf", f"model.path={foreign_directories / 'gpt2'}")
+def test_the_planner_exits_with_one_line_on_a_model_it_cannot_take(foreign_directories):
+    code, err = _main(plan_cli, "model=hf", f"model.path={foreign_directories / 'gpt2'}")
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert re.match(
         r"ultrascale-plan: model=hf model.path=.*gpt2 \(priced as our Llama\) holds a model_type='gpt2'", err

@@ -252,9 +252,9 @@ def _peak_growth(run: Callable[[], object]) -> int:
 
 def test_tokenizing_holds_a_chunk_in_memory_not_the_corpus(tmp_path):
     # 2 workers tokenize a corpus 5x the chunk: their and this process's memory grows by less than
-    # two chunks (holding the corpus would be 5). The baseline is taken with the workers up and warm (they have tokenized a small
-    # file): forked from a process holding torch, each touches ~100 MB of its parent's pages once,
-    # whatever the corpus.
+    # two chunks (holding the corpus would be 5). The baseline is taken with the workers up and warm
+    # (they have tokenized a small file): forked from a process holding torch, each touches ~100 MB
+    # of its parent's pages once, whatever the corpus.
     chunk = 4 << 20
     line = (
         json.dumps({"text": "A line of English prose for the tokenizer to chew on, with numbers 12345. " * 40}) + "\n"
