@@ -181,22 +181,22 @@ HOST_PROBES: list[tuple[str, str, dict[str, Any], dict[str, Any], int]] = [
 ]
 
 
-def host_worker(model: str, layout: dict[str, Any]) -> float:
+def host_worker(model: str, layout: dict[str, Any], steps: int = 20) -> float:
     """Seconds per step of a nil-compute model: the loop's and the layout's host time."""
     clock, candidate = StepClock(), Candidate.layout(**layout)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=20, callbacks=[clock],
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=steps, callbacks=[clock],
                         **QUIET_TRAINER)  # fmt: skip
     module = LlamaModule(tiny_models()[model], optim=ADAMW)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=8, micro_batch_size=candidate.batch_per_rank))
     return statistics.median(b - a for a, b in zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :]))
 
 
-def host_times(gpu: Hardware, runs: int = RUNS) -> Hardware:
+def host_times(gpu: Hardware, runs: int = RUNS, steps: int = 20) -> Hardware:
     """``gpu`` with its ``step_overhead`` and ``host_overheads``: what the tiny runs take beyond what
     the planner already prices on ``gpu`` (their collectives' latency, their few ops)."""
 
     def excess(model: str, layout: dict[str, Any], on: Hardware) -> float:
-        measured = min(max(run_workers(host_worker, 2, model, layout, timeout_s=300)) for _ in range(runs))
+        measured = min(max(run_workers(host_worker, 2, model, layout, steps, timeout_s=300)) for _ in range(runs))
         return measured - _predict(tiny_models()[model], layout, 1, on, seq_len=8)
 
     gpu = replace(gpu, step_overhead=max(0.0, excess("tiny", _(dp=2, zero=0), gpu)))
@@ -226,12 +226,12 @@ class StepClock(L.Callback):
                 self.loads.append(module.expert_stats.loads.clone())
 
 
-def run_worker(model: str, layout: dict[str, Any], accumulation: int) -> tuple[float, float]:
+def run_worker(model: str, layout: dict[str, Any], accumulation: int, steps: int = STEPS) -> tuple[float, float]:
     """The median step time after the warm-up, and the timed steps' mean :func:`expert_load` (1.0 dense)."""
     candidate = Candidate.layout(**layout)
     clock = StepClock()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=STEPS,
+        accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=steps,
         accumulate_grad_batches=accumulation, callbacks=[clock], **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank)
@@ -262,7 +262,9 @@ def label(layout: dict[str, Any], accumulation: int) -> str:
     return Candidate.layout(**layout).label() + (f" acc{accumulation}" if accumulation > 1 else "")
 
 
-def measure(layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS) -> list[tuple[float, float]]:
+def measure(
+    layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS, steps: int = STEPS
+) -> list[tuple[float, float]]:
     """(step time, expert load) of each layout: the faster of :data:`RUNS` passes over all of them.
 
     A pass's step time is the slower rank's; the loads are global (the same on every rank).
@@ -271,7 +273,7 @@ def measure(layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS) ->
     for n in range(runs):
         passes.append([])
         for model, layout, acc in layouts:
-            ranks = run_workers(run_worker, 2, model, layout, acc, timeout_s=600)
+            ranks = run_workers(run_worker, 2, model, layout, acc, steps, timeout_s=600)
             passes[-1].append((max(r[0] for r in ranks), ranks[0][1]))
             print(f"  pass {n + 1}: {model} {label(layout, acc)} {passes[-1][-1][0]:.3f} s", flush=True)
     return [min(runs) for runs in zip(*passes)]
@@ -283,8 +285,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     layouts = LAYOUTS[:1] + LAYOUTS[3:4] + LAYOUTS[4:5] if args.quick else LAYOUTS
-    runs = 1 if args.quick else RUNS  # (a smoke test: one pass of each)
-    gpu = host_times(cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(runs)]), runs)
+    # A smoke test: one short pass of each (two timed steps after the warm-up).
+    runs, host_steps, steps = (1, 6, WARMUP + 3) if args.quick else (RUNS, 20, STEPS)
+    gpu = host_times(
+        cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(runs)]), runs, host_steps
+    )
     print(f"cpu profile: {gpu.peak_flops / 1e9:.1f} GFLOP/s, {gpu.memory_bandwidth / 1e9:.1f} GB/s, "
           f"{gpu.op_overhead * 1e6:.1f} us/op, loop {gpu.step_overhead * 1e3:.1f} ms/step, "
           f"attention {gpu.attention_efficiency:.2f}, host ms per block: "
@@ -292,7 +297,7 @@ def main() -> None:
           f"gloo {gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.intra_node_latency * 1e6:.0f} us")  # fmt: skip
     print(f"{'layout':<58} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     rows = []
-    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs)):
+    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs, steps)):
         predicted = predict(model, layout, acc, gpu, load)
         rows.append({"model": model, "layout": layout, "accumulation": acc, "label": label(layout, acc),
                      "expert_load": load, "measured_s": measured, "predicted_s": predicted,
