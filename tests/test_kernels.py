@@ -19,6 +19,7 @@ import pytest
 import torch
 from llama_runs import SGD, run_tiny_llama
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale import ConfigError, LlamaModule, TensorParallel, ZeRO
 from lightning_ultrascale.kernels import check_kernels, fused_linear_cross_entropy, get_kernels, reference
@@ -203,6 +204,36 @@ def test_fused_linear_cross_entropy_peak_memory_is_lower_by_more_than_the_logits
     fused = _loss_peak_bytes(fused_linear_cross_entropy, tokens, dim, vocab)
     # Materialised: the logits, their fp32 softmax and gradient live together (~3 x logits).
     assert materialised - fused >= logits, f"peak {materialised:,} B materialised vs {fused:,} B fused"
+
+
+class _WeightSizedResults(TorchDispatchMode):
+    """Counts the ops returning a new tensor of the head weight's shape (in-place and ``out=`` ops write, not make)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.made = shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        mutates = func._schema.is_mutable or func.__name__.endswith("_")
+        if isinstance(out, Tensor) and tuple(out.shape) == self.shape and not mutates:
+            self.made.append((func.__name__, out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "fp32-under-autocast"])
+def test_the_chunked_weight_gradient_allocates_no_weight_sized_temporary_per_chunk(autocast):
+    # It allocated a [V, D] low-precision product and its fp32 copy for every chunk.
+    torch.manual_seed(0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    h, weight, labels = (t.to(dtype) if t.is_floating_point() else t for t in _loss_inputs(64, 16, 96))
+    weight.requires_grad_()
+    counter = _WeightSizedResults(tuple(weight.shape))
+    with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused_linear_cross_entropy(h, weight, labels, chunk_size=8)  # 8 chunks
+    # The fp32 sum and the one product buffer (the casts of the weight for the logits' GEMMs excepted).
+    made = [m for m in counter.made if m[0] not in ("_to_copy.default", "t.default")]
+    assert len(made) <= 2, made
 
 
 def _vocab_parallel_errors(sequence_parallel: bool) -> dict[str, float]:

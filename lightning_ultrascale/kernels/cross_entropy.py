@@ -96,6 +96,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = 1.0 / valid.sum().clamp(min=1).float()
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        product: Tensor | None = None  # a low-precision chunk's weight gradient, one buffer for every chunk
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -120,8 +121,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             if g.dtype == hc.dtype == torch.float32 and not torch.is_autocast_enabled(hc.device.type):
                 grad_w.addmm_(g.T, hc)  # in place: no weight-sized temporary per chunk
-            else:
-                grad_w += (g.T @ hc).float()
+                continue
+            # bf16 GEMM into one reused buffer, added into the fp32 sum as it is read (was: a [V, D]
+            # product and its fp32 copy allocated per chunk; addmm_ cannot mix an fp32 sum with bf16 inputs).
+            autocast = torch.is_autocast_enabled(hc.device.type)
+            low = torch.get_autocast_dtype(hc.device.type) if autocast else g.dtype  # (what g.T @ hc would run in)
+            if product is None:
+                product = torch.empty(weight.shape, dtype=low, device=weight.device)
+            torch.mm(g.T.to(low), hc.to(low), out=product)
+            grad_w.add_(product)
         ctx.save_for_backward(grad_h, grad_w)
         return total * scale
 
