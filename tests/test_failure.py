@@ -35,11 +35,13 @@ def _boom() -> None:
     trainer.fit(Boom("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=2))
 
 
-def test_a_failing_rank_ends_the_job_with_its_own_message():
+def test_a_failing_rank_ends_the_job_with_its_own_message(tmp_path):
     # Both ranks forked as torchrun starts them (testing.commands; the hang test below goes through
     # Lightning's own launcher); the collective timeout is 10 minutes, so finishing within 120 s
-    # proves the job did not wait for it.
-    out = run_command(_boom, ["boom"], {**os.environ, "OMP_NUM_THREADS": "1"}, world_size=2, timeout_s=120)
+    # proves the job did not wait for it. Run in tmp_path: the run directory may get the collectives'
+    # report (when rank 0 saw the failure in a collective), which must not land in the checkout.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = run_command(_boom, ["boom"], env, world_size=2, timeout_s=120, cwd=tmp_path)
     assert out.returncode != 0 and out.returncode != -9, out.stderr[-3000:]  # (-9: killed at the timeout)
     assert "RuntimeError: rank 1 exploded on purpose" in out.stderr
 

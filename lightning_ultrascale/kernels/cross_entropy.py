@@ -77,6 +77,25 @@ def _all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup
     return t
 
 
+def _add_weight_gradient(grad_w: Tensor, g: Tensor, hc: Tensor, product: Tensor | None) -> Tensor | None:
+    """Add one chunk's ``g.T @ hc`` into the fp32 sum ``grad_w``, with no weight-sized temporary per chunk.
+
+    fp32 inputs go through ``addmm_`` in place. Low-precision ones (``addmm_`` cannot mix an fp32 sum
+    with bf16 inputs) run their GEMM into ``product``, one [V, D] buffer made at the first chunk and
+    reused by every later one, and are added into the sum as it is read. Returns that buffer.
+    """
+    autocast = torch.is_autocast_enabled(hc.device.type)
+    if g.dtype == hc.dtype == torch.float32 and not autocast:
+        grad_w.addmm_(g.T, hc)
+        return product
+    low = torch.get_autocast_dtype(hc.device.type) if autocast else g.dtype  # (what g.T @ hc would run in)
+    if product is None:
+        product = torch.empty(grad_w.shape, dtype=low, device=grad_w.device)
+    torch.mm(g.T.to(low), hc.to(low), out=product)
+    grad_w.add_(product)
+    return product
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -117,19 +136,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = probs.mul_((vc * scale)[:, None]).to(weight.dtype)
             if grad_h is not None:
                 grad_h[rows] = g @ weight
-            if grad_w is None:
-                continue
-            if g.dtype == hc.dtype == torch.float32 and not torch.is_autocast_enabled(hc.device.type):
-                grad_w.addmm_(g.T, hc)  # in place: no weight-sized temporary per chunk
-                continue
-            # bf16 GEMM into one reused buffer, added into the fp32 sum as it is read (was: a [V, D]
-            # product and its fp32 copy allocated per chunk; addmm_ cannot mix an fp32 sum with bf16 inputs).
-            autocast = torch.is_autocast_enabled(hc.device.type)
-            low = torch.get_autocast_dtype(hc.device.type) if autocast else g.dtype  # (what g.T @ hc would run in)
-            if product is None:
-                product = torch.empty(weight.shape, dtype=low, device=weight.device)
-            torch.mm(g.T.to(low), hc.to(low), out=product)
-            grad_w.add_(product)
+            if grad_w is not None:
+                product = _add_weight_gradient(grad_w, g, hc, product)
         ctx.save_for_backward(grad_h, grad_w)
         return total * scale
 
