@@ -7,6 +7,8 @@ workers), so both happen here, before any test module runs.
 """
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +48,42 @@ def pytest_pycollect_makemodule(module_path, parent):  # type: ignore[no-untyped
     if module_path.name == "conftest.py":
         return None
     return _SkippedWithoutOptionalPackages.from_parent(parent, path=module_path)
+
+
+#: The checkout's root: the suite must leave it as it found it (a run directory's report written to the
+#: working directory landed in the repository once and was committed).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _changed_files() -> set[str] | None:
+    """The checkout's changed and untracked files (``git status``), or None outside a git checkout.
+
+    Python and Markdown files are left out: a developer may edit those while the suite runs.
+    """
+    if not (ROOT / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line[3:] for line in out.splitlines() if not line.endswith((".py", ".md"))}
+
+
+def pytest_sessionstart(session):  # type: ignore[no-untyped-def]
+    session.config.stash[_BEFORE] = _changed_files()
+
+
+def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
+    before = session.config.stash.get(_BEFORE, None)
+    after = _changed_files() if before is not None else None
+    if before is None or after is None or not (after - before):
+        return
+    written = ", ".join(sorted(after - before))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"the suite wrote into the checkout (write under tmp_path instead): {written}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set[str] | None]()
