@@ -89,6 +89,7 @@ def _fit_saving(path: str, max_steps: int, strategy_cls=UltraScaleStrategy, ckpt
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy_cls(ZeRO(stage=1, bucket_mb=0.1), **strategy_kwargs),
         max_steps=max_steps, callbacks=[SaveCheckpoint(path), recorder], **QUIET_TRAINER,
+        default_root_dir=os.path.dirname(path),  # where rank 0 writes collective-hang.json when rank 1 dies
     )  # fmt: skip
     trainer.fit(
         LlamaModule("llama_tiny", optim=ADAMW), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4),
