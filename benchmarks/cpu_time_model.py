@@ -15,7 +15,7 @@
    MoE layout with its measured ``Workload.expert_load``).
 
 Side by side in one run; prints a table and writes ``benchmarks/results/cpu_time_model.json``,
-which ``tests/test_plan_time.py`` checks (and re-predicts with today's code).
+which ``tests/unit/test_plan_time.py`` checks (and re-predicts with today's code).
 
     python benchmarks/cpu_time_model.py            # ~8 min on 2 cores (each run twice)
 """

@@ -22,7 +22,7 @@ Each section runs in a process of its own with its own timeout (they sum to 470 
 hang loses that section only; the JSON keeps the tail of its output. It needs the GPU machine's image
 as it is (torch 2.11, triton, lightning, transformers, pytest) and this checkout, whose root it puts on
 the path: the package imports hydra, omegaconf and torchao only where a command needs them, so no
-wheel is carried (``tests/test_gpu_image.py`` runs the script with those three hidden).
+wheel is carried (``tests/e2e/test_gpu_image.py`` runs the script with those three hidden).
 
 Without CUDA every section but the tier runs at small sizes in under a minute (the suite runs them): Triton's
 kernels in its interpreter, FP8's tensor-core calls under ``testing.cuda_contracts.emulate_cuda``. Those figures

@@ -8,11 +8,15 @@ workers), so both happen here, before any test module runs.
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The tiers (unit/, multiprocess/, e2e/) share the helper modules beside this file (llama_runs.py, ...).
+sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 

@@ -25,7 +25,7 @@ and drops what is large but cheap (element-wise ops and fp32 norm intermediates)
 cent of step time. The playbook's selective figure (~70% of activations saved for ~2.7% compute
 on GPT-3 175B) comes from dropping the attention scores; fused attention (SDPA/flash) never stores
 them, so op-level selection saves less here. Measured on llama_tiny (fp32, 2 x 64 tokens, bytes
-kept for backward; ``tests/test_recompute.py``): none 3.00 MB, selective every 2 1.62 MB,
+kept for backward; ``tests/multiprocess/test_recompute.py``): none 3.00 MB, selective every 2 1.62 MB,
 selective_op 1.69 MB, full 0.24 MB.
 
 Torchtitan's mapping: ``mode="full"`` -> ``Recompute("full")``; ``mode="selective"`` with

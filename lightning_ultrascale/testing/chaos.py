@@ -1,7 +1,7 @@
 """Callbacks that prove a run survives a cluster: an exact per-step loss log, signals and SIGKILLs on cue.
 
 Add them to any run (``ultrascale-train +callbacks.chaos={_target_: lightning_ultrascale.testing.chaos.ChaosMonkey,
-...}``) to test your own cluster's restarts, as ``tests/test_resilience.py`` and ``benchmarks/chaos.py`` do:
+...}``) to test your own cluster's restarts, as ``tests/e2e/test_resilience.py`` and ``benchmarks/chaos.py`` do:
 
 - :class:`StepLossLog`: rank 0 appends each optimizer step's global-batch loss to a JSON-lines file
   (floats written exactly), so runs that were killed and resumed compare bit for bit with one that was not;

@@ -13,7 +13,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.plan import Candidate, Hardware, Workload, estimate, expert_load, get_hardware
 
-ROOT = Path(__file__).parent.parent / "benchmarks"
+ROOT = Path(__file__).parents[2] / "benchmarks"
 H100 = get_hardware("h100")
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cli_configs import compose_train as _compose
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -36,12 +37,6 @@ from lightning_ultrascale.testing.commands import Completed, run_command
 from lightning_ultrascale.testing.spawn import free_port
 
 TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]
-
-
-def _compose(*overrides: str):
-    """The config the entry point composes from these overrides (its argv rewriting included)."""
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=hydra_argv(list(overrides)))
 
 
 def test_compose_applies_command_line_overrides():
@@ -538,7 +533,7 @@ def test_model_keys_change_the_named_preset(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "hf"))
-def test_every_model_node_is_its_preset(name):  # (model=hf: its directory's, tests/test_hf_cli.py)
+def test_every_model_node_is_its_preset(name):  # (model=hf: its directory's, tests/e2e/test_hf_cli.py)
     from lightning_ultrascale.models import get_model_config
 
     assert _model_config(_compose(f"model={name}").model) == get_model_config(name)
@@ -583,7 +578,7 @@ UNSHAPED_DATA = ["data._target_=user_datamodule.UnshapedTokens", *NOT_TAKEN, "~d
 
 def test_a_users_datamodule_trains_through_the_cli(tmp_path):
     run_dir = tmp_path / "run"
-    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     overrides = [*USER_DATA, *_train_overrides(steps=4)]
     out = _train(*overrides, env=env, cwd=tmp_path)

@@ -14,7 +14,7 @@ from lightning_ultrascale.plan.hardware import GPUS, H100_MATMUL_EFFICIENCY, get
 from lightning_ultrascale.utils.comm import wire_bytes
 from lightning_ultrascale.utils.memory import playbook_model_state_bytes
 
-RESULTS = Path(__file__).parent.parent / "benchmarks" / "results" / "plan.json"
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results" / "plan.json"
 
 
 def _results() -> dict:
@@ -184,7 +184,7 @@ def test_published_runs_are_priced_as_committed():
     # benchmarks/published_runs.py: the planner against runs others measured on GPUs. The committed
     # predictions must be today's (a formula change without a re-run fails here); the published
     # figures each name their source.
-    root = Path(__file__).parent.parent / "benchmarks"
+    root = Path(__file__).parents[2] / "benchmarks"
     bench = load_benchmark("published_runs")
     data = json.loads((root / "published" / "runs.json").read_text())
     committed = json.loads((root / "results" / "published_runs.json").read_text())

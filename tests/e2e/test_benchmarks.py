@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lightning_ultrascale.testing.commands import run_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(path: Path) -> Callable[[], object]:

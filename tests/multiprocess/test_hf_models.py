@@ -87,7 +87,7 @@ def test_a_hugging_face_model_trains_like_one_process(family, layout):
 
 def test_fp8_trains_a_hugging_face_model_like_one_process_with_the_same_quantisation():
     # ZeRO-3 on 2 ranks of 4 sequences each against one process accumulating 2 micro-batches of 4:
-    # the same tensorwise scales per micro-batch (as tests/test_fp8_training.py).
+    # the same tensorwise scales per micro-batch (as tests/multiprocess/test_fp8_training.py).
     fp8 = FP8Precision("tensorwise", "32-true")
     reference = _run("llama", accumulate=2, precision=fp8)
     run = _run("llama", lambda: [ZeRO(3)], 2, dp=2, precision=fp8)

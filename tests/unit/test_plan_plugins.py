@@ -25,7 +25,7 @@ from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
 from lightning_ultrascale.plan import Candidate, Workload, estimate, get_hardware, search
 
-SNAPSHOT = Path(__file__).parent / "data" / "plan_predictions_before_plugins_priced.json"
+SNAPSHOT = Path(__file__).parents[1] / "data" / "plan_predictions_before_plugins_priced.json"
 
 
 def _snapshot_rows() -> list[dict[str, Any]]:
@@ -57,7 +57,7 @@ def test_every_prediction_is_the_planner_s_from_before_the_plugins_priced_themse
             # Step times: commit e73443a reproduced these to 1e-12 (but the two dp1 x cp2 layouts, whose
             # gradient all-reduce over cp was timed as ring traffic before); the time model
             # has changed since (matmuls by shape, attention, memory-bound kernels, the optimizer
-            # step, per-phase overlap): tests/test_plan_time.py and the benchmarks hold it now.
+            # step, per-phase overlap): tests/unit/test_plan_time.py and the benchmarks hold it now.
 
 
 def _fp32_ring_gradients(comm: dict[str, int], row: dict[str, Any]) -> dict[str, float]:

@@ -176,7 +176,7 @@ def test_a_python_api_run_with_a_bad_sequence_length_fails_before_any_process_gr
     for var in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var)
 
-    from test_cli import _compose
+    from cli_configs import compose_train as _compose
 
     from lightning_ultrascale.cli.train import build
 

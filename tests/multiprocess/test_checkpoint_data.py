@@ -11,8 +11,8 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_configs import compose_train as _compose
 from omegaconf import DictConfig, OmegaConf
-from test_cli import _compose
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -29,7 +29,7 @@ from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 
 #: Written by commit a1e54bd, before checkpoints were read as data (its make.py).
-BEFORE = Path(__file__).parent / "data" / "checkpoints_before_data"
+BEFORE = Path(__file__).parents[1] / "data" / "checkpoints_before_data"
 _HPARAMS = torch.load(BEFORE / "dcp.ckpt" / "meta.pt", weights_only=True)["hyper_parameters"]
 CONFIG = LlamaConfig(**_HPARAMS["model_config"])
 OPTIM = OptimConfig(**_HPARAMS["optim"])

@@ -3,7 +3,7 @@
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent.parent / "lightning_ultrascale"
+PACKAGE = Path(__file__).parents[2] / "lightning_ultrascale"
 
 
 def _modules() -> dict[str, Path]:
