@@ -195,7 +195,7 @@ def _fp8(n: int) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from lightning_ultrascale.fp8.linear import _mm, blockwise_fp8_linear, quantize_input
-    from lightning_ultrascale.fp8.quantize import quantize
+    from lightning_ultrascale.kernels.quantize import quantize
 
     x, w, dy = _randn(n, n), _randn(n, n, dtype=torch.float32) * 0.02, _randn(n, n)
     qx, qw, wb = quantize_input(x)[0], quantize(w, "block"), w.to(torch.bfloat16)

@@ -7,7 +7,7 @@ Example:
     >>> data = UltraScaleDataModule(seq_len=256, micro_batch_size=8)
     >>> trainer.fit(LlamaModule("llama_tiny"), datamodule=data)  # doctest: +SKIP
 
-Under Lightning Fabric the same plugins go to :class:`FabricStrategy` (``lightning_ultrascale.fabric``):
+Under Lightning Fabric the same plugins go to :class:`FabricStrategy` (``lightning_ultrascale.core.fabric``):
 
     >>> from lightning_ultrascale import FabricStrategy, ZeRO
     >>> fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
@@ -15,13 +15,12 @@ Under Lightning Fabric the same plugins go to :class:`FabricStrategy` (``lightni
 
 from importlib import metadata as _metadata
 
+from lightning_ultrascale.core.fabric import FabricStrategy
+from lightning_ultrascale.core.strategy import UltraScaleStrategy
 from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
 from lightning_ultrascale.fp8.precision import FP8Precision
-from lightning_ultrascale.hf_module import HFCausalLMModule
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
-from lightning_ultrascale.module import LlamaModule, OptimConfig
 from lightning_ultrascale.parallel.context import ContextParallel
 from lightning_ultrascale.parallel.data import DataParallel, ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
@@ -29,7 +28,8 @@ from lightning_ultrascale.parallel.expert import ExpertParallel
 from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
-from lightning_ultrascale.strategy import UltraScaleStrategy
+from lightning_ultrascale.training.hf_module import HFCausalLMModule
+from lightning_ultrascale.training.module import LlamaModule, OptimConfig
 
 try:
     __version__ = _metadata.version("lightning-ultrascale")  # the installed distribution's, so one number in one place

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_ultrascale.models.hf_adapter import adapt
+from lightning_ultrascale.models.hf.adapter import adapt
 
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -37,14 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.checkpoint import check_checkpoint_path, checkpoint_location
-from lightning_ultrascale.checkpoint_io import load, load_dcp, read_metadata
+from lightning_ultrascale.core.checkpoint import check_checkpoint_path, checkpoint_location
+from lightning_ultrascale.core.checkpoint_io import load, load_dcp, read_metadata
 from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_tokenizer
 from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
 from lightning_ultrascale.errors import ConfigError, reported
 from lightning_ultrascale.models import LlamaConfig, get_model_config
-from lightning_ultrascale.models.hf import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
+from lightning_ultrascale.models.hf.convert import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
 from lightning_ultrascale.models.llama import Llama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

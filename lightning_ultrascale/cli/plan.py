@@ -87,9 +87,9 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
     """Dry-run ``ranks`` of the composed run against the planner; print a table; True if all agree."""
     from lightning_ultrascale.cli.keys import error_keys
     from lightning_ultrascale.cli.train import _model_config, plugins
+    from lightning_ultrascale.core.strategy import UltraScaleStrategy
     from lightning_ultrascale.models import build_model
     from lightning_ultrascale.plan import dry_run, predict_shards
-    from lightning_ultrascale.strategy import UltraScaleStrategy
     from lightning_ultrascale.utils.memory import format_bytes
 
     cfg = compose_run(overrides)

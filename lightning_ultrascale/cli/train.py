@@ -364,7 +364,7 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
     ``global_batch_size`` is the CLI's own key (gradient accumulation is derived from it), so it
     leaves the node before the DataModule is built; every other key is a constructor argument.
     """
-    from lightning_ultrascale.module import LlamaModule, OptimConfig
+    from lightning_ultrascale.training.module import LlamaModule, OptimConfig
 
     optim = {k: (tuple(v) if k == "betas" else v) for k, v in cfg.optim.items() if k != "grad_clip"}
     init_from = cfg.model.get("init_from")
@@ -374,7 +374,7 @@ def _module_and_data(cfg: DictConfig) -> tuple[Any, Any, int | None]:
     global_batch_size = settings.pop("global_batch_size", None)
     if cfg.model.name == "hf":
         if settings.get("documents") == "mask":
-            from lightning_ultrascale.models.hf_adapter import NO_DOCUMENTS
+            from lightning_ultrascale.models.hf.adapter import NO_DOCUMENTS
 
             raise ConfigError(NO_DOCUMENTS)
         return _hf_module(cfg, OptimConfig(**optim)), instantiate(settings, "data"), global_batch_size
@@ -395,7 +395,7 @@ HF_MODEL_KEYS = ("name", "path", "pretrained")
 
 def _hf_module(cfg: DictConfig, optim: Any) -> Any:
     """``model=hf model.path=DIR``: the HF model of the directory, as transformers defines it."""
-    from lightning_ultrascale.hf_module import HFCausalLMModule
+    from lightning_ultrascale.training.hf_module import HFCausalLMModule
 
     path = hf_path(cfg.model)
     unknown = [k for k in cfg.model if k not in HF_MODEL_KEYS]
@@ -475,7 +475,7 @@ def _model_config(model: DictConfig) -> LlamaConfig:
     from lightning_ultrascale.models import LlamaConfig, get_model_config
 
     if model.name == "hf":  # the planner prices our Llama's architecture: the directory's, converted
-        from lightning_ultrascale.models.hf import hf_directory_config
+        from lightning_ultrascale.models.hf.convert import hf_directory_config
 
         path = hf_path(model)
         return hf_directory_config(path, f"model=hf model.path={path} (priced as our Llama)")
@@ -536,8 +536,8 @@ def _differences(config: Any, preset: Any, prefix: str = "") -> list[str]:
 
 def _resume_from(cfg: DictConfig, module: Any) -> None:
     """``ckpt_path``: ``auto`` resolved to the newest checkpoint (or None); a path checked (one, of this model)."""
-    from lightning_ultrascale.checkpoint import check_checkpoint_model, check_checkpoint_path
-    from lightning_ultrascale.resilience import resolve_ckpt_path
+    from lightning_ultrascale.core.checkpoint import check_checkpoint_model, check_checkpoint_path
+    from lightning_ultrascale.training.resilience import resolve_ckpt_path
 
     cfg.ckpt_path = resolve_ckpt_path(cfg.ckpt_path, _checkpoint_dir(cfg))
     if cfg.ckpt_path is not None:
@@ -552,11 +552,11 @@ def _checkpoint_dir(cfg: DictConfig) -> Path:
 
 
 def _cluster_plugins(callbacks: list[Any]) -> list[Any]:
-    """Under SLURM with our :class:`~lightning_ultrascale.resilience.Preemption`: Lightning's own requeue off
+    """Under SLURM with our :class:`~lightning_ultrascale.training.resilience.Preemption`: Lightning's own requeue off
     (it saves inside the signal handler, on whichever rank the signal reaches first, at any point of a step)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from lightning_ultrascale.resilience import Preemption
+    from lightning_ultrascale.training.resilience import Preemption
 
     if not SLURMEnvironment.detect() or not any(isinstance(c, Preemption) for c in callbacks):
         return []
@@ -590,8 +590,8 @@ def _accumulation(t: DictConfig, shape: Any, strategy: Any) -> dict[str, int]:
 def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     import lightning as L
 
-    from lightning_ultrascale.guard import NonFiniteGuard
-    from lightning_ultrascale.strategy import UltraScaleStrategy
+    from lightning_ultrascale.core.guard import NonFiniteGuard
+    from lightning_ultrascale.core.strategy import UltraScaleStrategy
 
     chosen = _auto_layout(cfg)
     module, datamodule, global_batch_size = _module_and_data(cfg)

@@ -10,7 +10,7 @@ Example:
 
 from lightning_ultrascale.fp8.convert import RECIPES, BlockwiseFP8Linear, FP8Conversion, convert_to_fp8, plan_fp8
 from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
-from lightning_ultrascale.fp8.quantize import E4M3_MAX, GRANULARITIES, TILE, Quantized, quantize, to_e4m3
+from lightning_ultrascale.kernels.quantize import E4M3_MAX, GRANULARITIES, TILE, Quantized, quantize, to_e4m3
 
 __all__ = [
     "E4M3_MAX",

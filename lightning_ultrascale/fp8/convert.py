@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.fp8.linear import blockwise_fp8_linear
-from lightning_ultrascale.fp8.quantize import TILE
+from lightning_ultrascale.kernels.quantize import TILE
 
 __all__ = ["RECIPES", "TORCHAO_RECIPES", "BlockwiseFP8Linear", "FP8Conversion", "convert_to_fp8", "plan_fp8"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_ultrascale.fp8.quantize import TILE, Quantized, quantize
 from lightning_ultrascale.kernels import cuda
+from lightning_ultrascale.kernels.quantize import TILE, Quantized, quantize
 
 __all__ = ["blockwise_fp8_linear", "quantize_input", "quantize_weight"]
 

@@ -87,7 +87,7 @@ class FP8Precision(MixedPrecision):
         device: the autocast device type; default: ``"cuda"`` where there is one, else ``"cpu"``.
 
     Under Lightning Fabric, give it to ``L.Fabric(plugins=[...])`` with
-    ``lightning_ultrascale.fabric.UltraScaleStrategy``, which takes it in Fabric's interface.
+    ``lightning_ultrascale.FabricStrategy``, which takes it in Fabric's interface.
 
     Example:
         >>> import lightning as L

@@ -9,7 +9,7 @@ One program here loads a 128 x 128 block of ``x`` once and writes both E4M3 copi
 scales: the row amax of the block is a forward tile's, the column amax of its dequantised values
 a transposed tile's. No library has this op (torchao's blockwise kernels quantise one way at a time).
 
-Numerics are :func:`~lightning_ultrascale.fp8.quantize.quantize`'s, bit for bit (tested in Triton's
+Numerics are :func:`~lightning_ultrascale.kernels.quantize.quantize`'s, bit for bit (tested in Triton's
 interpreter on CPU).
 """
 
@@ -21,7 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 import lightning_ultrascale.kernels.cuda as cuda
-from lightning_ultrascale.fp8.quantize import E4M3, E4M3_MAX, TILE, Quantized
+from lightning_ultrascale.kernels.quantize import E4M3, E4M3_MAX, TILE, Quantized
 
 __all__ = ["block_quantize_with_transpose", "tile_quantize_with_transpose"]
 

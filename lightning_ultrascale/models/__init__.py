@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.common.mla import MLAConfig, YarnScaling
 from lightning_ultrascale.models.common.moe import MoEConfig
-from lightning_ultrascale.models.deepseek.mla import MLAConfig, YarnScaling
 from lightning_ultrascale.models.llama import Llama, LlamaConfig, RopeScaling
 from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, require_spec
 

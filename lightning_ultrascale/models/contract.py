@@ -124,7 +124,7 @@ HOOKS: tuple[Hook, ...] = (
          lambda m, module, spec: callable(getattr(m, "forward_stage", None))),
     Hook("loss_fn(logits, labels) on the LightningModule", "PipelineParallel",
          "a method returning the mean loss of one microbatch (the last stage computes it; labels -100 ignored)",
-         "lightning_ultrascale.module.LlamaModule.loss_fn",
+         "lightning_ultrascale.training.module.LlamaModule.loss_fn",
          lambda m, module, spec: callable(getattr(module, "loss_fn", None))),
     Hook("attention_fn(q, k, v) on each block's attention module", "ContextParallel",
          "an attribute holding the attention kernel, called as attention_fn(q, k, v) with q, k, v of shape "

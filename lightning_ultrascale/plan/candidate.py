@@ -135,7 +135,7 @@ class Candidate:
 
     def strategy(self) -> Any:
         """A strategy of fresh copies of this layout's plugins (a run's plugins hold its state)."""
-        from lightning_ultrascale.strategy import UltraScaleStrategy
+        from lightning_ultrascale.core.strategy import UltraScaleStrategy
 
         return UltraScaleStrategy(*copy.deepcopy(self.plugins))
 

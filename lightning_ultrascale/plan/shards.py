@@ -10,10 +10,10 @@ from multiprocessing.connection import Connection
 import torch.distributed as dist
 from torch import nn
 
+from lightning_ultrascale.core.strategy import UltraScaleStrategy
 from lightning_ultrascale.parallel.dims import MESH_DIMS
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import build_mesh
-from lightning_ultrascale.strategy import UltraScaleStrategy
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = ["dry_run", "predict_shards"]

@@ -180,9 +180,9 @@ def test_attention_written_for_one_device_is_told_what_tensor_parallelism_needs(
 
 def test_a_checkpoint_of_another_hf_architecture_is_refused_naming_what_differs(tmp_path):
     # It failed after the process group with DCP's "Size mismatch": HF modules recorded no model_config.
-    from lightning_ultrascale.checkpoint import check_checkpoint_model
-    from lightning_ultrascale.hf_module import HFCausalLMModule
-    from lightning_ultrascale.module import LlamaModule
+    from lightning_ultrascale.core.checkpoint import check_checkpoint_model
+    from lightning_ultrascale.training.hf_module import HFCausalLMModule
+    from lightning_ultrascale.training.module import LlamaModule
 
     for name, width in (("small", 32), ("large", 48)):
         config = AutoConfig.for_model("qwen2", hidden_size=width, num_hidden_layers=1, num_attention_heads=2)

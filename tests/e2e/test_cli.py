@@ -28,11 +28,11 @@ from lightning_ultrascale.cli.train import (
     plugins,
 )
 from lightning_ultrascale.cli.train import main as train_main
+from lightning_ultrascale.core.strategy import UltraScaleStrategy
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.parallel.plugin import APPLY_ORDER
-from lightning_ultrascale.strategy import UltraScaleStrategy
 from lightning_ultrascale.testing.commands import Completed, run_command
 from lightning_ultrascale.testing.spawn import free_port
 
@@ -541,7 +541,7 @@ def test_every_model_node_is_its_preset(name):  # (model=hf: its directory's, te
 
 def test_init_from_an_hf_directory_of_other_sizes_is_refused(tmp_path, monkeypatch):
     from lightning_ultrascale.models import get_model_config
-    from lightning_ultrascale.models.hf import config_to_hf
+    from lightning_ultrascale.models.hf.convert import config_to_hf
 
     monkeypatch.setenv("ULTRASCALE_RUN_DIR", str(tmp_path / "run"))
     hf = tmp_path / "tiny"

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, forensics
+from lightning_ultrascale.core.watchdog import Watchdog
 from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.spawn import WorkerError, run_workers
-from lightning_ultrascale.watchdog import Watchdog
 
 
 class Boom(LlamaModule):

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
 from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.profiling import TraceProfiler
 from lightning_ultrascale.testing.commands import run_command
+from lightning_ultrascale.training.profiling import TraceProfiler
 
 
 def _compose(*overrides: str):

@@ -1,5 +1,5 @@
-"""Runs that survive a cluster (lightning_ultrascale/resilience.py): ``ckpt_path=auto`` finds the newest complete
-checkpoint; SIGUSR1 / SIGTERM stop every rank at one step after a save, requeue under SLURM, and the run
+"""Runs that survive a cluster (lightning_ultrascale/training/resilience.py): ``ckpt_path=auto`` finds the
+newest complete checkpoint; SIGUSR1 / SIGTERM stop every rank at one step after a save, requeue under SLURM, and the run
 resumes bit-identically. CLI runs: 2 forked processes each (five runs)."""
 
 import os
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_ultrascale.cli.train import main as train_main
-from lightning_ultrascale.resilience import Preemption, newest_checkpoint, resolve_ckpt_path
 from lightning_ultrascale.testing.chaos import read_losses
 from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.spawn import free_port
+from lightning_ultrascale.training.resilience import Preemption, newest_checkpoint, resolve_ckpt_path
 
 CHAOS = "lightning_ultrascale.testing.chaos"
 TRAIN = [sys.executable, "-m", "lightning_ultrascale.cli.train"]

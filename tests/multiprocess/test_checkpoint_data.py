@@ -17,13 +17,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale import LlamaConfig, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO
-from lightning_ultrascale.checkpoint_io import CheckpointDataError, load, to_data
 from lightning_ultrascale.cli.export import export
 from lightning_ultrascale.cli.train import build
+from lightning_ultrascale.core.checkpoint_io import CheckpointDataError, load, to_data
+from lightning_ultrascale.core.fabric import FabricStrategy
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
 from lightning_ultrascale.models import get_model_config
-from lightning_ultrascale.models.hf import config_to_hf, hf_file_tensors
+from lightning_ultrascale.models.hf.convert import config_to_hf, hf_file_tensors
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER

@@ -28,7 +28,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.checkpoint import ACCUMULATION_KEY, rebase_accumulation
+from lightning_ultrascale.core.checkpoint import ACCUMULATION_KEY, rebase_accumulation
 from lightning_ultrascale.data.sampler import DataParallelSampler
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.testing import run_workers

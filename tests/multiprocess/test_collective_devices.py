@@ -20,7 +20,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.guard import NonFiniteGuard
+from lightning_ultrascale.core.guard import NonFiniteGuard
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.collectives import CollectiveDeviceCheck, CollectiveDeviceError
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
@@ -82,7 +82,7 @@ def test_the_check_fails_a_collective_on_a_tensor_built_without_a_device():
 
 
 def _deviceless_in_package() -> None:
-    import lightning_ultrascale.guard as guard_module
+    import lightning_ultrascale.core.guard as guard_module
 
     # The guard's status vector built without a device again, as it was: the check must name it.
     original = guard_module.collective_device

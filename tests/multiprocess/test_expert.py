@@ -316,7 +316,7 @@ def test_hf_weights_load_into_zero3_shards_inside_each_expert(tmp_path):
     # The same layout imports a Hugging Face Mixtral: each rank reads its half of its expert's rows
     # (was NotImplementedError: "expert weights split inside an expert cannot load from HF").
     transformers = pytest.importorskip("transformers")
-    from lightning_ultrascale.models.hf import config_to_hf, hf_architecture
+    from lightning_ultrascale.models.hf.convert import config_to_hf, hf_architecture
 
     cfg = replace(FEW_EXPERTS, ffn_hidden_dim=FEW_EXPERTS.moe.moe_ffn_dim)  # Mixtral has no dense width of its own
     torch.manual_seed(1)

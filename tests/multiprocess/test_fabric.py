@@ -23,9 +23,9 @@ from lightning_ultrascale import (
     ZeRO,
 )
 from lightning_ultrascale import UltraScaleStrategy as TrainerStrategy
+from lightning_ultrascale.core.fabric import FabricStrategy as UltraScaleStrategy
 from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.fabric import UltraScaleStrategy
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.testing import run_workers

@@ -5,7 +5,7 @@ import torch
 from llama_runs import SGD
 
 from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
-from lightning_ultrascale.guard import NonFiniteError, NonFiniteGuard
+from lightning_ultrascale.core.guard import NonFiniteError, NonFiniteGuard
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 

@@ -17,7 +17,7 @@ from lightning_ultrascale import (
 from lightning_ultrascale.cli.export import export
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, get_model_config
-from lightning_ultrascale.models.hf import hf_architecture
+from lightning_ultrascale.models.hf.convert import hf_architecture
 from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, record_run
@@ -76,7 +76,7 @@ def test_the_export_imports_back_into_a_tp2_run_with_the_same_first_loss(exporte
 
 def test_an_hf_directory_of_another_architecture_is_refused(exported):
     with pytest.raises(ConfigError, match=r"model.init_from=hf:.* is another architecture: dim=64 \(model llama3_1b"):
-        from lightning_ultrascale.models.hf import load_hf_weights
+        from lightning_ultrascale.models.hf.convert import load_hf_weights
 
         with torch.device("meta"):
             load_hf_weights(Llama(get_model_config("llama3_1b")), exported / "hf")

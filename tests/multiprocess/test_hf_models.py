@@ -21,8 +21,8 @@ from lightning_ultrascale import (
     ZeRO,
 )
 from lightning_ultrascale.models.contract import ContractError
-from lightning_ultrascale.models.hf_adapter import adapt
-from lightning_ultrascale.models.hf_weights import save_pretrained
+from lightning_ultrascale.models.hf.adapter import adapt
+from lightning_ultrascale.models.hf.weights import save_pretrained
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, assert_parity, record_run, relative_error
 from lightning_ultrascale.testing.spawn import WorkerError, run_workers
 
@@ -191,7 +191,7 @@ def test_the_initial_weights_follow_hf_distributions_drawn_per_parameter_name():
 # ----------------------------------------------------------------------------- Lightning Fabric
 def _fabric_loop(plugins, steps=STEPS):
     """An HF model in a Fabric loop of one's own: built on meta, set up, trained with SGD; losses and parameters."""
-    from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
+    from lightning_ultrascale.core.fabric import FabricStrategy
 
     fabric = L.Fabric(strategy=FabricStrategy(*plugins()), accelerator="cpu", devices=2)
     fabric.launch()

@@ -108,7 +108,7 @@ def test_fast_kernels_equal_the_reference_forward_and_backward(op, name, dtype):
 def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations_bit_for_bit(tokens, requantize):
     # Activations: the transposed tiles from the E4M3 values (DeepSeek-V3 caches them in FP8);
     # gradients: from dy itself, in the same single pass (before: two eager quantisations and a copy).
-    from lightning_ultrascale.fp8.quantize import quantize
+    from lightning_ultrascale.kernels.quantize import quantize
     from lightning_ultrascale.kernels.triton_fp8 import tile_quantize_with_transpose
 
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def test_fp8_tile_quantisation_fused_with_its_transpose_equals_two_quantisations
 
 
 def test_fp8_weight_blocks_and_their_transpose_in_one_pass_equal_the_eager_quantisation_bit_for_bit():
-    from lightning_ultrascale.fp8.quantize import quantize
+    from lightning_ultrascale.kernels.quantize import quantize
     from lightning_ultrascale.kernels.triton_fp8 import block_quantize_with_transpose
 
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ultrascale import LlamaModule, PipelineParallel, UltraScaleDataModule, UltraScaleStrategy, ZeRO
-from lightning_ultrascale.callbacks import TrainingMetrics, UltraScaleProgressBar, peak_tflops
 from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.training.callbacks import TrainingMetrics, UltraScaleProgressBar, peak_tflops
 
 SEQ, VOCAB = 8, 32
 

@@ -14,7 +14,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from lightning_ultrascale import ContextParallel, TensorParallel
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import get_model_config
-from lightning_ultrascale.models.deepseek.mla import MLA_HF_NAMES, MLAConfig, MLAttention, YarnScaling, mla_inv_freq
+from lightning_ultrascale.models.common.mla import MLA_HF_NAMES, MLAConfig, MLAttention, YarnScaling, mla_inv_freq
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import assert_parity, relative_error
 

@@ -19,9 +19,9 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.stragglers import RankFigures, StragglerMonitor
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
+from lightning_ultrascale.training.stragglers import RankFigures, StragglerMonitor
 
 # Well above what a busy shared CPU adds to one rank's short steps, as is the minimum gap below.
 DELAY_S, MIN_GAP_S = 0.5, 0.25
@@ -63,7 +63,7 @@ def _train(slow_rank: int | None, layout: str = "zero0") -> dict[str, Any]:
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("lightning_ultrascale.stragglers").addHandler(handler)
+    logging.getLogger("lightning_ultrascale.training.stragglers").addHandler(handler)
     monitor, logger = StragglerMonitor(slow_ratio=1.25, min_gap_s=MIN_GAP_S), _Logged()
     callbacks = [monitor] + ([_SlowForward(slow_rank)] if slow_rank is not None else [])
     trainer = L.Trainer(

@@ -27,11 +27,11 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.fabric import UltraScaleStrategy as FabricStrategy
-from lightning_ultrascale.hf_module import HFCausalLMModule
+from lightning_ultrascale.core.fabric import FabricStrategy
 from lightning_ultrascale.parallel.tied import find_tied
 from lightning_ultrascale.testing import WorkerError, run_workers
 from lightning_ultrascale.testing.parity import RunRecord, assert_parity, record_run
+from lightning_ultrascale.training.hf_module import HFCausalLMModule
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 32, 4, 3
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from lightning_ultrascale import UltraScaleDataModule
-from lightning_ultrascale.callbacks import TrainingMetrics
 from lightning_ultrascale.data.blend import BlendedDataset, blend_index
 from lightning_ultrascale.data.datasets import PackedDataset
 from lightning_ultrascale.data.prepare import tokenize_corpus
 from lightning_ultrascale.data.sampler import DataParallelSampler
 from lightning_ultrascale.data.tokenizer import ByteTokenizer
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.training.callbacks import TrainingMetrics
 
 
 @pytest.mark.parametrize(

@@ -221,8 +221,8 @@ def test_one_bf16_training_step_of_llama3_1b_reports_mfu_and_peak_memory():
     import lightning as L
 
     from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
-    from lightning_ultrascale.callbacks import peak_tflops
     from lightning_ultrascale.testing.parity import QUIET_TRAINER
+    from lightning_ultrascale.training.callbacks import peak_tflops
 
     times: list[float] = []
 

@@ -11,7 +11,7 @@ from llama_runs import DEEPSEEK_V3_TINY, MIXTRAL_TINY
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, build_model, get_model_config
-from lightning_ultrascale.models.hf import (
+from lightning_ultrascale.models.hf.convert import (
     config_from_hf,
     config_to_hf,
     hf_architecture,

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.common.hf import common_to_hf, hf_field
+from lightning_ultrascale.models.common.mla import MLAConfig, YarnScaling
 from lightning_ultrascale.models.common.moe import MoEConfig
-from lightning_ultrascale.models.deepseek.mla import MLAConfig, YarnScaling
 
 if TYPE_CHECKING:
     from lightning_ultrascale.models.llama import LlamaConfig

@@ -1,8 +1,8 @@
 """The Llama family (Llama 3.x; with MoE blocks, Mixtral and DeepSeek-style MoE; with MLA, DeepSeek-V2/V3).
 
 ``model``: the config and the module; ``parallel``: its tensor-parallel plan. Its Hugging Face
-state-dict adapter is :mod:`lightning_ultrascale.models.hf`; the layers it shares with other
-families live in :mod:`lightning_ultrascale.models.common`, MLA in :mod:`lightning_ultrascale.models.deepseek`.
+state-dict adapter is :mod:`lightning_ultrascale.models.hf.convert`; the layers it shares with other
+families live in :mod:`lightning_ultrascale.models.common`, MLA in :mod:`lightning_ultrascale.models.common.mla`.
 """
 
 from lightning_ultrascale.models.llama.model import (

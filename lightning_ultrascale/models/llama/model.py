@@ -36,8 +36,8 @@ from lightning_ultrascale.errors import ConfigError, divisors
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, causal_attention
+from lightning_ultrascale.models.common.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
 from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
-from lightning_ultrascale.models.deepseek.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
 from lightning_ultrascale.models.llama.parallel import llama_tp_plan
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
@@ -87,7 +87,7 @@ class LlamaConfig:
 
     ``rope_scaling``, ``moe`` and ``mla`` may be given as mappings (as they come from a YAML file);
     they are turned into :class:`RopeScaling`, :class:`~lightning_ultrascale.models.common.moe.MoEConfig`
-    and :class:`~lightning_ultrascale.models.deepseek.mla.MLAConfig`. With ``moe`` the blocks from
+    and :class:`~lightning_ultrascale.models.common.mla.MLAConfig`. With ``moe`` the blocks from
     ``moe.first_k_dense`` on have a mixture-of-experts feed-forward (the others the dense SwiGLU of
     width ``ffn_hidden_dim``); with ``mla`` attention is DeepSeek's multi-head latent attention.
 
@@ -373,7 +373,8 @@ class Llama(nn.Module):
         config.validate()
         self.config = config
         #: A loader :meth:`init_weights` calls with the model instead of drawing new weights, e.g.
-        #: ``functools.partial(lightning_ultrascale.models.hf.load_hf_weights, path=DIR)`` (each rank its shards).
+        #: ``functools.partial(lightning_ultrascale.models.hf.convert.load_hf_weights, path=DIR)``
+        #: (each rank its shards).
         self.pretrained = pretrained
         self.spec = ModelSpec(
             name=config.name,

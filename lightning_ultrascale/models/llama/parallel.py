@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_ultrascale.models.deepseek.mla import mla_tp_plan
+from lightning_ultrascale.models.common.mla import mla_tp_plan
 
 if TYPE_CHECKING:
     from lightning_ultrascale.models.llama.model import LlamaConfig

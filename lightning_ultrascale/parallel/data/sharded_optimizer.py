@@ -535,7 +535,7 @@ class ZeroEngine(GradientBuckets):
     def state_dict(self, names: Mapping[nn.Parameter, Sequence[str]]) -> dict[str, Any]:
         """This rank's part of the optimizer state of this engine's parameters, keyed by parameter name.
 
-        The format every layout saves (``lightning_ultrascale.checkpoint``): ``state.<name>.<key>``
+        The format every layout saves (``lightning_ultrascale.core.checkpoint``): ``state.<name>.<key>``
         at the parameter's own shape, ``param_groups.<name>.<hyperparameter>``; ``names`` gives
         each parameter's names in the model (a tied weight has two). An element-wise state
         (Adam's ``exp_avg``) holds this rank's part of the parameter as chunks

@@ -36,7 +36,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.checkpoint_io import CheckpointDataError, load
+from lightning_ultrascale.core.checkpoint_io import CheckpointDataError, load
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.utils.comm import collective_device
 

@@ -1,7 +1,7 @@
 """Hugging Face directories into and out of a Hugging Face model trained as it is, in any layout.
 
 :func:`load_hf_directory` reads a ``save_pretrained`` directory (safetensors) into an adapted model
-(:mod:`~lightning_ultrascale.models.hf_adapter`) through DCP: each rank reads what it holds (a
+(:mod:`~lightning_ultrascale.models.hf.adapter`) through DCP: each rank reads what it holds (a
 tensor-parallel, FSDP or expert shard, a pipeline stage's blocks), nothing is gathered. Files keep
 the layout models are released in: Mixtral's experts one tensor per expert and projection
 (``block_sparse_moe.experts.{j}.w1.weight``), Qwen3-MoE's likewise (``mlp.experts.{j}.gate_proj``);
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.hf_adapter import tied_names
+from lightning_ultrascale.models.hf.adapter import tied_names
 from lightning_ultrascale.models.shard_init import clean_name, local_indices
 from lightning_ultrascale.models.spec import piece
 
@@ -114,7 +114,7 @@ def load_hf_directory(model: nn.Module, path: str | Path) -> None:
             targets[key] = held[name]
             continue
         if name not in experts:
-            from lightning_ultrascale.models.hf import _local_experts
+            from lightning_ultrascale.models.hf.convert import _local_experts
 
             experts[name] = _local_experts(held[name])
         local, first = experts[name]

@@ -17,7 +17,7 @@ layer's expert gate and up projections into one ``gate_up_proj [E, 2I, H]`` that
 :func:`load_hf_pretrained`; the other functions work on plain configs and state dicts.
 
 Example (fine-tune from a downloaded checkpoint):
-    >>> from lightning_ultrascale.models.hf import load_hf_pretrained, state_dict_to_hf
+    >>> from lightning_ultrascale.models.hf.convert import load_hf_pretrained, state_dict_to_hf
     >>> model = load_hf_pretrained("/models/Llama-3.2-1B")  # doctest: +SKIP
     >>> # ... train ...
     >>> hf_sd = state_dict_to_hf(model.state_dict(), model.config)  # doctest: +SKIP
@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.common.hf import hf_field
+from lightning_ultrascale.models.common.mla import MLA_HF_NAMES
 from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepseek_v3_to_hf
-from lightning_ultrascale.models.deepseek.mla import MLA_HF_NAMES
 from lightning_ultrascale.models.llama import Llama, LlamaConfig
 from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
 

@@ -81,7 +81,7 @@ class TrainingMetrics(L.Callback):
     - ``train/mfu``: that over the device's dense peak (:func:`peak_tflops`); only on a GPU listed
       in :data:`PEAK_TFLOPS`.
     - ``train/skipped_steps``: optimizer steps skipped for a non-finite loss or gradient, under a
-      strategy with a ``guard`` (``UltraScaleStrategy``'s :class:`~lightning_ultrascale.guard.NonFiniteGuard`).
+      strategy with a ``guard`` (``UltraScaleStrategy``'s :class:`~lightning_ultrascale.core.guard.NonFiniteGuard`).
     - ``data/<source>/tokens`` and ``data/<source>/pass``: for a blend of token files, each
       source's training tokens read so far over all ranks and which pass over it the run is on
       (2 once a source has wrapped), from the datamodule's ``tokens_by_source()``

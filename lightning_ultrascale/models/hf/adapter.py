@@ -57,7 +57,7 @@ from lightning_ultrascale.models.blocks import as_blocks
 from lightning_ultrascale.models.common.layers import causal_attention
 from lightning_ultrascale.models.common.moe import Dispatcher, _scale_grad
 from lightning_ultrascale.models.contract import ContractError
-from lightning_ultrascale.models.hf import MODEL_TYPES
+from lightning_ultrascale.models.hf.convert import MODEL_TYPES
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, local_indices
 from lightning_ultrascale.models.spec import ModelSpec, piece
 from lightning_ultrascale.utils.tensors import local_tensor
@@ -165,7 +165,8 @@ def check_supported(cfg: Any) -> None:
     if kind not in FAMILIES:
         # Only families with a converter can become our Llama (GPT-2's or OLMo2's blocks cannot).
         convert = (
-            f"convert it to our model with lightning_ultrascale.models.hf.load_hf_pretrained (it reads {kind}), or "
+            f"convert it to our model with lightning_ultrascale.models.hf.convert.load_hf_pretrained "
+            f"(it reads {kind}), or "
             if kind in MODEL_TYPES.values()
             else ""
         )

@@ -1,11 +1,11 @@
 """The LightningModule that pretrains or fine-tunes a Hugging Face causal LM as it is (``model=hf``).
 
-:class:`HFCausalLMModule` is :class:`~lightning_ultrascale.module.LlamaModule` (loss, metrics,
+:class:`HFCausalLMModule` is :class:`~lightning_ultrascale.training.module.LlamaModule` (loss, metrics,
 optimizer, LR schedule) around a ``transformers`` model of a supported family built from an HF
 directory's ``config.json``: on the strategy's meta device, adapted in place
-(:mod:`~lightning_ultrascale.models.hf_adapter`), then initialised per parameter name or, with
+(:mod:`~lightning_ultrascale.models.hf.adapter`), then initialised per parameter name or, with
 ``pretrained``, loaded from the directory's safetensors by each rank's shards
-(:mod:`~lightning_ultrascale.models.hf_weights`). Any size, any supported architecture: the
+(:mod:`~lightning_ultrascale.models.hf.weights`). Any size, any supported architecture: the
 directory decides, not a preset.
 """
 
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.kernels import get_kernels, reference
 from lightning_ultrascale.models.spec import ModelSpec
-from lightning_ultrascale.module import LlamaModule, OptimConfig
+from lightning_ultrascale.training.module import LlamaModule, OptimConfig
 
 __all__ = ["HFCausalLMModule", "hf_directory"]
 
@@ -35,7 +35,7 @@ def hf_directory(path: str | Path, option: str = "model.path") -> Any:
         raise ConfigError(f"{option}={path}: {config_file} not found; valid: a directory HF's save_pretrained wrote")
     from transformers import AutoConfig
 
-    from lightning_ultrascale.models.hf_adapter import FAMILIES, check_supported
+    from lightning_ultrascale.models.hf.adapter import FAMILIES, check_supported
 
     try:
         config = AutoConfig.from_pretrained(str(path))
@@ -100,7 +100,7 @@ class HFCausalLMModule(LlamaModule):
     def _meta_model(self) -> Any:
         from transformers import AutoModelForCausalLM
 
-        from lightning_ultrascale.models.hf_adapter import adapt
+        from lightning_ultrascale.models.hf.adapter import adapt
 
         with torch.device("meta"):
             return adapt(AutoModelForCausalLM.from_config(self.hf_config))
@@ -115,8 +115,8 @@ class HFCausalLMModule(LlamaModule):
             return
         from transformers import AutoModelForCausalLM
 
-        from lightning_ultrascale.models.hf_adapter import adapt
-        from lightning_ultrascale.models.hf_weights import load_hf_directory
+        from lightning_ultrascale.models.hf.adapter import adapt
+        from lightning_ultrascale.models.hf.weights import load_hf_directory
 
         self.model = adapt(AutoModelForCausalLM.from_config(self.hf_config))
         if self.pretrained:  # read in init_weights, by each rank's shards, after the plugins

@@ -25,18 +25,18 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ultrascale.checkpoint import LayoutCheckpoints
-from lightning_ultrascale.composition import PluginComposition
+from lightning_ultrascale.core.checkpoint import LayoutCheckpoints
+from lightning_ultrascale.core.composition import PluginComposition
+from lightning_ultrascale.core.guard import GuardedSteps, NonFiniteGuard
+from lightning_ultrascale.core.statistics import LayoutStatistics
+from lightning_ultrascale.core.watchdog import WatchedRanks
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.guard import GuardedSteps, NonFiniteGuard
 from lightning_ultrascale.models.contract import check_module
-from lightning_ultrascale.models.hf_adapter import adapt_in
+from lightning_ultrascale.models.hf.adapter import adapt_in
 from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.dims import DataShape
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.statistics import LayoutStatistics
 from lightning_ultrascale.utils.grad import clip_grad_value_
-from lightning_ultrascale.watchdog import WatchedRanks
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -18,7 +18,7 @@ TP), a pipeline stage's own parameters, a sharded optimizer's flat range (``data
 DCP matches chunks by name and offset, so any layout loads any other's checkpoint, under any world
 size, without gathering to one rank. A tied weight is saved under both its names, so a pipeline
 whose last stage holds the head's copy finds it in a one-process checkpoint, and the reverse.
-Every file of a checkpoint is read as data (:mod:`~lightning_ultrascale.checkpoint_io`).
+Every file of a checkpoint is read as data (:mod:`~lightning_ultrascale.core.checkpoint_io`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ultrascale.checkpoint_io import (
+from lightning_ultrascale.core.checkpoint_io import (
     CheckpointDataError,
     check_weights_only,
     data_only,
@@ -622,7 +622,7 @@ class LayoutCheckpoints(ModelParallelStrategy):
         and on optimizer states in torch's nested format, which pipeline stages cannot share. The
         saved loop position is counted in this run's gradient accumulation (:func:`rebase_accumulation`);
         a checkpoint Lightning Fabric saved gets the loop position of its step (:func:`trainer_progress`).
-        The files are read as data only (:mod:`~lightning_ultrascale.checkpoint_io`), and ``weights_only`` set
+        The files are read as data only (:mod:`~lightning_ultrascale.core.checkpoint_io`), and ``weights_only`` set
         false is refused.
         """
         check_weights_only(weights_only, f"ckpt_path={checkpoint_path}")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_ultrascale.forensics import REPORT_FILE, diagnose, snapshot, summary, timed_out, write_report
+from lightning_ultrascale.core.forensics import REPORT_FILE, diagnose, snapshot, summary, timed_out, write_report
 
 log = logging.getLogger(__name__)
 

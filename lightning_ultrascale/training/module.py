@@ -72,7 +72,7 @@ def _hf_directory(init_from: str | None, config: LlamaConfig) -> str | None:
         return None
     if not init_from.startswith("hf:"):
         raise ConfigError(f"model.init_from={init_from!r}; valid: hf:<directory of an HF model>, or null")
-    from lightning_ultrascale.models.hf import hf_directory_config
+    from lightning_ultrascale.models.hf.convert import hf_directory_config
 
     wrong = hf_directory_config(init_from[3:]).architecture_differences(config)
     if wrong:
@@ -169,7 +169,7 @@ class LlamaModule(L.LightningModule):
             return
         pretrained = None
         if self.init_from is not None:  # an HF directory (checked in __init__): loaded in init_weights, by shards
-            from lightning_ultrascale.models.hf import load_hf_weights
+            from lightning_ultrascale.models.hf.convert import load_hf_weights
 
             pretrained = functools.partial(load_hf_weights, path=self.init_from)
         self.model = Llama(self.config, pretrained=pretrained, kernels=self.kernels)

@@ -1,4 +1,4 @@
-"""UltraScaleStrategy for Lightning Fabric: the same plugins in a loop you write.
+"""FabricStrategy: the ultrascale strategy for Lightning Fabric: the same plugins in a loop you write.
 
 ``lightning_ultrascale.UltraScaleStrategy`` is a strategy of Lightning's Trainer; Fabric takes
 strategies of its own kind. This one composes the same plugins the same way (``composition.py``:
@@ -51,7 +51,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_ultrascale.checkpoint import (
+from lightning_ultrascale.core.checkpoint import (
     ACCUMULATION_KEY,
     TRAIN_DATA_KEY,
     begin_save,
@@ -63,8 +63,8 @@ from lightning_ultrascale.checkpoint import (
     publish_save,
     with_masters,
 )
-from lightning_ultrascale.checkpoint_io import check_weights_only, load, to_data
-from lightning_ultrascale.composition import PluginComposition
+from lightning_ultrascale.core.checkpoint_io import check_weights_only, load, to_data
+from lightning_ultrascale.core.composition import PluginComposition
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
@@ -72,7 +72,7 @@ from lightning_ultrascale.parallel.step import StepRunner
 from lightning_ultrascale.utils.grad import clip_grad_value_
 
 
-class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
+class FabricStrategy(PluginComposition, ModelParallelStrategy):
     """Train with the Ultra-Scale Playbook's parallelism plugins under Lightning Fabric.
 
     Takes the plugins :class:`lightning_ultrascale.UltraScaleStrategy` takes, but
@@ -94,10 +94,10 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
     Example:
         >>> import lightning as L
         >>> from lightning_ultrascale import ZeRO
-        >>> from lightning_ultrascale.fabric import UltraScaleStrategy
+        >>> from lightning_ultrascale import FabricStrategy
         >>> from lightning_ultrascale.models import get_model_config
         >>> from lightning_ultrascale.models.llama import Llama
-        >>> fabric = L.Fabric(strategy=UltraScaleStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
+        >>> fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
         >>> fabric.launch()  # doctest: +SKIP
         >>> with fabric.init_module(empty_init=True):  # doctest: +SKIP
         ...     model = Llama(get_model_config("llama_tiny"))
@@ -258,7 +258,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
     ) -> torch.Tensor:
         if float(norm_type) != 2.0:
             raise ConfigError(
-                f"fabric.clip_gradients(norm_type={norm_type!r}): UltraScaleStrategy clips by the global L2 norm, "
+                f"fabric.clip_gradients(norm_type={norm_type!r}): FabricStrategy clips by the global L2 norm, "
                 "each gradient counted once in any layout; valid: 2.0"
             )
         self.precision.unscale_gradients(optimizer)
@@ -314,7 +314,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         """Restore ``state`` in place from a checkpoint of any layout, saved by Fabric or by the Trainer.
 
         Returns the checkpoint's entries ``state`` did not ask for (a Trainer's: ``global_step``,
-        its loops, hyperparameters). The files are read as data only (:mod:`~lightning_ultrascale.checkpoint_io`),
+        its loops, hyperparameters). The files are read as data only (:mod:`~lightning_ultrascale.core.checkpoint_io`),
         and ``weights_only`` set false is refused.
         """
         if not isinstance(state, dict):
@@ -328,7 +328,7 @@ class UltraScaleStrategy(PluginComposition, ModelParallelStrategy):
         where = checkpoint_location(path)
         if not _is_sharded_checkpoint(where):
             raise ConfigError(
-                f"fabric.load(path={path}) is a single-file checkpoint; UltraScaleStrategy loads the DCP directories "
+                f"fabric.load(path={path}) is a single-file checkpoint; FabricStrategy loads the DCP directories "
                 "every layout writes (the Trainer's with save_distributed_checkpoint=True, the default)"
             )
         parts = _sort_state(state, self)
@@ -407,7 +407,7 @@ class LayoutBatches:
     (``len``, ``sampler``, a resumable loader's ``state_dict``) is the loader's.
     """
 
-    def __init__(self, loader: Any, strategy: UltraScaleStrategy) -> None:
+    def __init__(self, loader: Any, strategy: FabricStrategy) -> None:
         self.loader = loader
         self._strategy = strategy
 
@@ -454,7 +454,7 @@ class _StateParts:
         _move_state_into(source=meta, destination=state, keys=set(self.other))
 
 
-def _sort_state(state: Mapping[str, Any], strategy: UltraScaleStrategy) -> _StateParts:
+def _sort_state(state: Mapping[str, Any], strategy: FabricStrategy) -> _StateParts:
     """``state``'s entries by what a checkpoint does with them; the one model must be set up by ``strategy``."""
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     if len(modules) != 1 or not strategy.parallelised(next(iter(modules.values()))):
@@ -479,3 +479,7 @@ def _sort_state(state: Mapping[str, Any], strategy: UltraScaleStrategy) -> _Stat
         elif key not in modules:
             parts.other[key] = value
     return parts
+
+
+#: The name this class had before it was exported as ``FabricStrategy`` (kept: code that imported it by that name).
+UltraScaleStrategy = FabricStrategy

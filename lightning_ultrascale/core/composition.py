@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.contract import check_init, check_model, init_reference
-from lightning_ultrascale.models.hf_adapter import adapt_in
+from lightning_ultrascale.models.hf.adapter import adapt_in
 from lightning_ultrascale.models.spec import ModelSpec, find_model
 from lightning_ultrascale.parallel.defaults import with_defaults
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims

@@ -1,0 +1,2 @@
+"""The training side: LightningModules (Llama/MoE, Hugging Face models), callbacks and run services
+(metrics, stragglers, preemption, profiling)."""
