@@ -62,9 +62,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def is_positive_int(value: object) -> bool:
+    """Whether ``value`` is an int >= 1; a bool is not (``True`` would pass as 1).
+
+    Example:
+        >>> is_positive_int(2), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
+        (True, False, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def require_positive_int(owner: object, name: str, value: object) -> None:
     """Raise ``ConfigError("TensorParallel(size=0) must be a positive integer")`` unless ``value`` is an int >= 1."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_positive_int(value):
         raise ConfigError(f"{option(owner, name, value)} must be a positive integer")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, is_positive_int
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def choose_layout(cfg: DictConfig, world_size: int, workload: Any) -> tuple[list
 def world_size_of(trainer: DictConfig) -> int:
     """``trainer.devices x trainer.num_nodes``, which ``parallel=auto`` plans for."""
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+    if not is_positive_int(devices):
         raise ConfigError(
             f"trainer.devices={devices!r}: parallel=auto plans for a known number of ranks; valid: a positive "
             "integer (e.g. trainer.devices=8)"

@@ -48,7 +48,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_ultrascale.cli.keys import error_keys, expand, plugin_nodes
-from lightning_ultrascale.errors import ConfigError, config_keys, reported
+from lightning_ultrascale.errors import ConfigError, config_keys, is_positive_int, reported
 
 if TYPE_CHECKING:
     from lightning_ultrascale.models import LlamaConfig
@@ -452,7 +452,7 @@ def workload(cfg: DictConfig) -> Any:
     shape = {}
     for key in ("seq_len", "global_batch_size"):
         value = cfg.data.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_positive_int(value):
             # A data node of one's own (data._target_=...) may not declare them: the planner needs both.
             raise ConfigError(
                 f"data.{key}={value!r}: the planner prices a step of data.seq_len tokens x data.global_batch_size "

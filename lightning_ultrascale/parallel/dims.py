@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
-from lightning_ultrascale.errors import ConfigError, divisors, option
+from lightning_ultrascale.errors import ConfigError, divisors, is_positive_int, option
 from lightning_ultrascale.models.spec import ModelSpec
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -48,7 +48,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for f in fields(self):
             size = getattr(self, f.name)
-            if f.name != "sources" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            if f.name != "sources" and not is_positive_int(size):
                 raise ConfigError(f"{self.option(f.name, size)} must be a positive integer")
 
     def option(self, dim: str, value: object = None) -> str:

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.errors import ConfigError, is_positive_int, option
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
@@ -137,7 +137,7 @@ class Recompute(ParallelPlugin):
     def __init__(self, mode: str = "full", every: int = 1) -> None:
         if mode not in MODES:
             raise ConfigError(f"{option(self, 'mode', mode)} is unknown; valid: {', '.join(MODES)}")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        if not is_positive_int(every):
             raise ConfigError(f"{option(self, 'every', every)} must be an integer >= 1")
         if every != 1 and mode != "selective":
             raise ConfigError(

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.models.llama import LlamaConfig
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
 from lightning_ultrascale.parallel.layout import ShardPlan
@@ -130,7 +130,7 @@ class Workload:
         if not self.expert_load >= 1.0:
             raise ConfigError(f"expert_load={self.expert_load!r} is a max over a mean: at least 1.0 (1.0: uniform)")
         for name in ("seq_len", "global_batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            if not is_positive_int(getattr(self, name)):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
 
     @property

@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.plan.candidate import Candidate
 from lightning_ultrascale.plan.cost import Cost, Workload, estimate
@@ -212,7 +212,7 @@ def _space(workload: Workload, world: int, gpu: Hardware, space: Mapping[str, An
 
 
 def _check_cluster(world: int, gpu: Hardware) -> None:
-    if not isinstance(world, int) or world < 1:
+    if not is_positive_int(world):
         raise ConfigError(f"world_size={world!r} must be a positive number of GPUs")
     gpn = gpu.gpus_per_node
     if world > gpn and world % gpn:

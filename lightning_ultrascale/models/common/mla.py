@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
-from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import RMSNorm, causal_attention
 
@@ -151,19 +151,19 @@ class MLAConfig:
         """
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ConfigError(f"{prefix}.{name}={value!r} must be a positive integer")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"{prefix}.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         q = self.q_lora_rank
-        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 1):
+        if q is not None and not is_positive_int(q):
             raise ConfigError(f"{prefix}.q_lora_rank={q!r} must be a positive integer, or None for a full-rank wq")
         y = self.yarn
         if y is None:
             return
         if not y.factor >= 1:
             raise ConfigError(f"{prefix}.yarn.factor={y.factor!r} must be >= 1 (the context extension ratio)")
-        if not isinstance(y.original_max_position_embeddings, int) or y.original_max_position_embeddings < 1:
+        if not is_positive_int(y.original_max_position_embeddings):
             raise ConfigError(
                 f"{prefix}.yarn.original_max_position_embeddings={y.original_max_position_embeddings!r} "
                 "must be a positive integer"

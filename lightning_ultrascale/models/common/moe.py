@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.errors import ConfigError, divisors, is_positive_int
 from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.common.layers import FeedForward
 from lightning_ultrascale.models.spec import SequenceSplit
@@ -113,7 +113,7 @@ class MoEConfig:
         """Raise :class:`ConfigError` naming the first setting that cannot build the layer."""
         for name in ("n_routed_experts", "top_k", "moe_ffn_dim", "n_group", "topk_group"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 raise ConfigError(f"model.moe.{name}={value!r} must be a positive integer")
         e = self.n_routed_experts
         if self.top_k > e:

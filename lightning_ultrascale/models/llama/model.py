@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_ultrascale.errors import ConfigError, divisors
+from lightning_ultrascale.errors import ConfigError, divisors, is_positive_int
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
 from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, causal_attention
@@ -151,7 +151,7 @@ class LlamaConfig:
         """
         for option in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
             value = getattr(self, option)
-            if not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ConfigError(f"model.{option}={value!r} must be a positive integer")
         for option in ("norm_eps", "rope_theta"):
             if not getattr(self, option) > 0:

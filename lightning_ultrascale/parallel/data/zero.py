@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.errors import ConfigError, is_positive_int, option, require_positive_int
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.data.engines import (
     REDUCE_DTYPES,
@@ -94,10 +94,9 @@ class ZeRO(ParallelPlugin):
     ) -> None:
         if stage not in STAGES:
             raise ConfigError(f"{option(self, 'stage', stage)} is not a ZeRO stage; valid: 0, 1, 2, 3")
-        if size is not None and (not isinstance(size, int) or size < 1):
+        if size is not None and not is_positive_int(size):
             raise ConfigError(f"{option(self, 'size', size)} must be a positive integer or None (inferred)")
-        if not isinstance(replicate, int) or replicate < 1:
-            raise ConfigError(f"{option(self, 'replicate', replicate)} must be a positive integer")
+        require_positive_int(self, "replicate", replicate)
         if replicate > 1 and stage != 3:
             raise ConfigError(
                 f"{option(self, 'replicate', replicate)} (HSDP) needs {option(self, 'stage', 3)}, got {stage}; "

@@ -68,7 +68,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.errors import ConfigError, require_positive_int
 from lightning_ultrascale.parallel.pipeline.schedules import (
     SCHEDULES,
     resolve_virtual_stages,
@@ -236,8 +236,7 @@ class Timeline:
 def _check(schedule: str, p: int, m: int, v: int | None) -> int:
     """The stages per rank, after the checks the runtime plugin makes (same messages)."""
     schedule_info(schedule)
-    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
-        raise ConfigError(f"{option('PipelineParallel', 'size', p)} must be a positive integer")
+    require_positive_int("PipelineParallel", "size", p)
     v = resolve_virtual_stages(schedule, v)
     validate_microbatches(schedule, p, v, m)
     return v
