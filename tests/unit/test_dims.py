@@ -1,8 +1,12 @@
 """ParallelDims: sizes, inference, coordinates and every up-front validation (no processes)."""
 
+from dataclasses import replace
+
 import pytest
 
+from lightning_ultrascale import ZeRO
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import get_model_config
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import MESH_DIMS, ParallelDims
 
@@ -58,3 +62,17 @@ def test_coordinates_are_row_major_with_tp_innermost():
     assert list(coords[0]) == list(MESH_DIMS)
     # tp and pp peers read the same data shard; dp replicas read different ones.
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ZeRO(stage=3, replicate=True), r"ZeRO\(replicate=True\) must be a positive integer"),
+        (lambda: ZeRO(size=True), r"ZeRO\(size=True\) must be a positive integer"),
+        (lambda: replace(get_model_config("llama_tiny"), dim=True).validate(), r"model.dim=True must be a positive"),
+    ],
+)
+def test_a_bool_is_not_a_size(build, message):
+    # Every positive-integer check is errors.is_positive_int: True passed as 1 in three of them before.
+    with pytest.raises(ConfigError, match=message):
+        build()
