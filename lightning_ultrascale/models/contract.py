@@ -54,7 +54,7 @@ from torch import nn
 
 from lightning_ultrascale.errors import ContractError
 from lightning_ultrascale.models.shard_init import clean_name
-from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.models.spec import ModelSpec, StagedModel
 
 #: What a batch may hold under context and pipeline parallelism (each handled by name).
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
@@ -121,7 +121,7 @@ HOOKS: tuple[Hook, ...] = (
          "a method running the named blocks (with the embedding first if embed, the norm and head last if "
          "head) on x: token ids on the first stage, the previous stage's hidden state elsewhere",
          "lightning_ultrascale.models.llama.Llama.forward_stage",
-         lambda m, module, spec: callable(getattr(m, "forward_stage", None))),
+         lambda m, module, spec: isinstance(m, StagedModel)),
     Hook("loss_fn(logits, labels) on the LightningModule", "PipelineParallel",
          "a method returning the mean loss of one microbatch (the last stage computes it; labels -100 ignored)",
          "lightning_ultrascale.training.module.LlamaModule.loss_fn",

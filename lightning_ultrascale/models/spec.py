@@ -6,11 +6,11 @@ Plugins never guess at a model's structure: a model that wants to be parallelise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ContractError
 
@@ -103,6 +103,28 @@ class SpecifiedModel(Protocol):
     def init_weights(self, seed: int) -> None: ...
 
     def flops_per_token(self, seq_len: int) -> float: ...
+
+
+@runtime_checkable
+class StagedModel(Protocol):
+    """What pipeline parallelism needs of a :class:`SpecifiedModel` beside it: running one stage's part.
+
+    ``forward_stage`` embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs
+    the named ``blocks`` in order; applies the final norm and head if ``head``. ``document_ids``
+    (packed documents) is passed where the batch has them. The contract's row:
+    :mod:`lightning_ultrascale.models.contract` (``forward_stage``).
+    """
+
+    def forward_stage(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None,
+        blocks: Sequence[str],
+        *,
+        embed: bool,
+        head: bool,
+        document_ids: Tensor | None = None,
+    ) -> Tensor: ...
 
 
 def piece(model: nn.Module, name: str) -> nn.Module | None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, require_spec
+from lightning_ultrascale.models.spec import ModelSpec, StagedModel, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.pipeline.schedules import (
@@ -138,7 +138,7 @@ class PipelineParallel(ParallelPlugin):
         if self.size == 1:
             return model
         spec = require_spec(model)
-        if not callable(getattr(model, "forward_stage", None)):
+        if not isinstance(model, StagedModel):
             raise TypeError(
                 f"{type(model).__name__} has no forward_stage(x, position_ids, blocks, embed=, head=); "
                 "pipeline parallelism runs the model stage by stage through it (see models/llama/model.py)"
