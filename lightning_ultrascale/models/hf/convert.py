@@ -39,6 +39,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.common.hf import hf_field
 from lightning_ultrascale.models.common.mla import MLA_HF_NAMES
 from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepseek_v3_to_hf
+from lightning_ultrascale.models.hf.parts import RankParts
 from lightning_ultrascale.models.llama import Llama, LlamaConfig
 from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
 
@@ -425,34 +426,6 @@ def _check_model_type(model_type: Any, where: str) -> None:
         )
 
 
-def _local_experts(weight: Tensor) -> tuple[list[Tensor], int]:
-    """Load targets of this rank's experts of a stacked ``[E, ...]`` weight, and the global index of its first.
-
-    Each target shares its expert's storage. Where ZeRO-3 splits inside each expert (fewer
-    experts per rank than expert-data ranks: FSDP shards dim 1), a target is a DTensor of the
-    expert's whole ``[...]`` shape holding this rank's rows, so DCP reads just those rows.
-    """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(weight, DTensor):
-        return list(weight.unbind(0)), 0
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    local = weight.to_local()
-    if tuple(shape[1:]) == tuple(weight.shape[1:]):
-        return list(local.unbind(0)), offset[0]
-    # The expert dim's split picks whole experts (no split of one expert); the others move down a dim.
-    placements = [
-        Replicate() if p.is_shard(0) else Shard(p.dim - 1) if isinstance(p, Shard) else p  # type: ignore[attr-defined]
-        for p in weight.placements
-    ]
-    one = weight.shape[1:]
-    stride = torch.empty(one, device="meta").stride()
-    experts = [DTensor.from_local(e, weight.device_mesh, placements, run_check=False, shape=one, stride=stride)
-               for e in local.unbind(0)]  # fmt: skip
-    return experts, offset[0]
-
-
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     """Copy an HF safetensors directory's weights into ``model`` through DCP, in any layout.
@@ -478,17 +451,6 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
         raise ConfigError(f"model.init_from=hf:{path} is another architecture: {', '.join(wrong)}")
     held = {n: p.detach() for n, p in model.named_parameters()}
     held |= {n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
-    targets: dict[str, Tensor] = {}
-    experts: dict[str, tuple[list[Tensor], int]] = {}
-    for hf, (key, expert) in hf_file_tensors(ours).items():
-        if key not in held:  # another pipeline stage's
-            continue
-        if expert is None:
-            targets[hf] = held[key]
-            continue
-        if key not in experts:
-            experts[key] = _local_experts(held[key])
-        local, first = experts[key]
-        if first <= expert < first + len(local):  # one of this rank's experts: a view of its weight
-            targets[hf] = local[expert - first]
+    part = RankParts(held)
+    targets = {hf: t for hf, (key, expert) in hf_file_tensors(ours).items() if (t := part(key, expert)) is not None}
     load(targets, storage_reader=HuggingFaceStorageReader(str(path)))

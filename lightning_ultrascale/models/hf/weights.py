@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.hf.adapter import tied_names
+from lightning_ultrascale.models.hf.parts import RankParts
 from lightning_ultrascale.models.shard_init import clean_name, local_indices
 from lightning_ultrascale.models.spec import piece
 
@@ -101,25 +102,20 @@ def load_hf_directory(model: nn.Module, path: str | Path) -> None:
     targets: dict[str, Tensor] = {}
     later: Later = []
     covered, unknown = set(), []
-    experts: dict[str, tuple[list[Tensor], int]] = {}
+    part = RankParts(held)
     for key in file_keys(path):
         name, expert, half = _model_name(key, kind)
         if name not in expected:
             unknown.append(key)
             continue
         covered.add(name)
-        if name not in held:
-            continue  # another pipeline stage's
+        target = part(name, expert)
+        if target is None:
+            continue  # another pipeline stage's, or another rank's expert
         if expert is None:
-            targets[key] = held[name]
-            continue
-        if name not in experts:
-            from lightning_ultrascale.models.hf.convert import _local_experts
-
-            experts[name] = _local_experts(held[name])
-        local, first = experts[name]
-        if first <= expert < first + len(local):  # one of this rank's experts
-            _expert_target(targets, later, key, local[expert - first], half)
+            targets[key] = target
+        else:
+            _expert_target(targets, later, key, target, half)
     missing = sorted(expected - covered)
     if unknown or missing:
         raise ConfigError(
