@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, forensics
+from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
+from lightning_ultrascale.core import forensics
 from lightning_ultrascale.core.watchdog import Watchdog
 from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.spawn import WorkerError, run_workers

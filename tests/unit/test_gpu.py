@@ -206,7 +206,7 @@ def test_batch_clock_counts_the_nccl_collectives_issued_inside_a_batch(nccl):
 def test_the_hang_report_reads_nccls_flight_recorder(nccl):
     # NCCL keeps its own flight recorder (gloo's is what the suite checks); the hang report reads both.
     # (Written without a GPU at hand.)
-    from lightning_ultrascale import forensics
+    from lightning_ultrascale.core import forensics
 
     since = time.time_ns()
     dist.all_reduce(torch.ones(1024, device="cuda"))
