@@ -15,6 +15,15 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# tqdm's monitor thread (started by the first progress bar a test shows in this process) would be
+# alive in the parent at every later fork: measured there, the one thread besides the main one.
+try:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:
+    pass
+
 # The tiers (unit/, multiprocess/, e2e/) share the helper modules beside this file (llama_runs.py, ...).
 sys.path.insert(0, str(Path(__file__).parent))
 
