@@ -13,13 +13,18 @@ plugins in the :class:`~lightning_ultrascale.parallel.layout.Layout`, and, for a
 runs forward and backward itself, its :attr:`~ParallelPlugin.step_runner`. For the planner, each
 plugin also predicts what it leaves on a rank (:meth:`~ParallelPlugin.plan_shards`), states its
 sizes and choices (:meth:`~ParallelPlugin.plan_facts`) and prices itself
-(:meth:`~ParallelPlugin.plan_cost`): the planner holds no copy of any technique's rules.
+(:meth:`~ParallelPlugin.plan_cost`): the planner holds no copy of any technique's rules. A plugin
+that declares a search axis (:meth:`~ParallelPlugin.plan_axes`, :meth:`~ParallelPlugin.plan_plugin`)
+is searched by the planner wherever it is defined (:func:`searched_techniques`).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import functools
+import importlib
+import pkgutil
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 from torch import nn
@@ -28,7 +33,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView
+from lightning_ultrascale.parallel.pricing import CostTerms, PlanAxis, RankView, SearchContext, SearchPoint
 from lightning_ultrascale.parallel.step import StepRunner
 
 #: The fixed order in which plugins are applied to the (meta-device) model.
@@ -55,6 +60,15 @@ class ParallelPlugin(abc.ABC):
     applies_at: ClassVar[str]
     #: Runs a step's forward and backward itself (a pipeline schedule); None: Lightning's own step.
     step_runner: StepRunner | None = None
+    #: Where the technique stands among the others in the planner's search and a layout's label.
+    plan_order: ClassVar[int] = 100
+    #: The names :meth:`plan_plugin` reads: its axes and further choices (``Candidate.layout`` takes them).
+    plan_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "plan_axes" in cls.__dict__:  # (a subclass that only inherits them is the same technique)
+            _SEARCHED[f"{cls.__module__}.{cls.__qualname__}"] = cls
 
     @abc.abstractmethod
     def mesh_sizes(self) -> dict[str, int | None]:
@@ -103,6 +117,38 @@ class ParallelPlugin(abc.ABC):
         """
         return None
 
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """The dimensions the planner's search tries for this technique on ``context``'s cluster (default: none).
+
+        A technique that declares axes is searched: the search tries every combination of every
+        technique's values and builds each technique with :meth:`plan_plugin`.
+        """
+        return ()
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> ParallelPlugin | None:
+        """This technique at one point of the search (``None``: not used there).
+
+        Raise :class:`~lightning_ultrascale.parallel.pricing.NotSearched` for a combination the
+        search should skip, :class:`~lightning_ultrascale.errors.ConfigError` (the plugin's own
+        checks) for one it cannot run: the search counts those refusals.
+        """
+        return None
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        """This plugin in a layout's one-line label (``tp8``), or ``""`` where it does nothing."""
+        return ""
+
+    def plan_splits(self, dims: ParallelDims) -> int:
+        """How many ways this plugin splits or repeats the work: of two layouts as fast, the planner
+        prefers the one with fewer (default: 1 where it has a label)."""
+        return int(bool(self.plan_label(dims)))
+
+    def plan_shards_key(self) -> Hashable:
+        """What :meth:`plan_shards` depends on (the planner reuses a prediction; ``None``: it shards nothing)."""
+        return None if type(self).plan_shards is ParallelPlugin.plan_shards else repr(self)
+
     def settings(self) -> dict[str, Any]:
         """Settings that tell this plugin apart in logs, shown before its mesh sizes."""
         return {}
@@ -110,6 +156,25 @@ class ParallelPlugin(abc.ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in {**self.settings(), **self.mesh_sizes()}.items())
         return f"{type(self).__name__}({fields})"
+
+
+_SEARCHED: dict[str, type[ParallelPlugin]] = {}
+
+
+def searched_techniques() -> tuple[type[ParallelPlugin], ...]:
+    """Every technique the planner searches: the plugins of ``lightning_ultrascale.parallel`` and any
+    other subclass defined so far that declares :meth:`~ParallelPlugin.plan_axes`, in ``plan_order``.
+    """
+    _import_techniques()
+    return tuple(sorted(_SEARCHED.values(), key=lambda cls: (cls.plan_order, cls.__name__)))
+
+
+@functools.cache
+def _import_techniques() -> None:
+    """Import every module of ``lightning_ultrascale.parallel`` once: its plugins register themselves."""
+    package = importlib.import_module(__name__.rpartition(".")[0])
+    for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+        importlib.import_module(module.name)
 
 
 def resolve_dims(plugins: Sequence[ParallelPlugin], world_size: int) -> ParallelDims:

@@ -19,6 +19,15 @@ optimizer step's memory traffic, plus each plugin's traffic not hidden behind it
 once per step). A new plugin is priced by implementing these two methods: nothing in ``plan/``
 changes.
 
+A plugin is also *searched* by stating its axis: :meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_axes`
+names the values the search may try (a :class:`PlanAxis`: ``tp`` in 1, 2, 4, 8; whether its
+values split the world, so that the data ranks are what is left; whether they trade time for
+memory, so that the search stops at the first that fits), and
+:meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_plugin` builds the plugin at one
+:class:`SearchPoint` (a value per axis), or says that the search does not try that combination
+(:class:`NotSearched`). The search composes the axes of every technique it knows without naming
+any.
+
 Example:
     >>> terms = CostTerms(in_step=False, hidden_by=2 / 3)
     >>> add_traffic(terms.traffic, "dp_shard", "all_gather", 1e6)
@@ -28,12 +37,25 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.layout import ShardPlan
 
-__all__ = ["CostTerms", "RankView", "Widths", "add_traffic", "dim_name"]
+__all__ = [
+    "CostTerms",
+    "NotSearched",
+    "PlanAxis",
+    "RankView",
+    "SearchContext",
+    "SearchPoint",
+    "Widths",
+    "add_traffic",
+    "dim_name",
+    "powers_of_two",
+]
 
 
 @dataclass(frozen=True)
@@ -129,3 +151,97 @@ def add_traffic(traffic: dict[str, int], dim: str, op: str, payload: float) -> N
 def dim_name(dims: list[str] | tuple[str, ...]) -> str:
     """A group over ``dims`` named as the tracer names a flattened mesh dim (``dp_shard_cp``)."""
     return "_".join(dims)
+
+
+@dataclass(frozen=True)
+class SearchContext:
+    """What the planner's search knows before it picks a layout: the cluster and the workload.
+
+    ``workload``: the planner's ``Workload`` (``seq_len``, ``global_batch_size``, the model's
+    config and precision); ``n_layers`` and ``n_experts`` (routed experts per MoE block, 0 for a
+    dense model) are the model's, as its spec states them.
+    """
+
+    world_size: int
+    gpus_per_node: int
+    workload: Any
+    n_layers: int
+    n_experts: int = 0
+
+
+@dataclass(frozen=True)
+class PlanAxis:
+    """One dimension of the planner's search, declared by the technique it belongs to.
+
+    ``values``: what the search tries by default (a user pins others with ``space={name: [...]}``);
+    the first is the technique switched off where it can be. ``splits_world``: each value is a
+    mesh size, the product of such axes divides the world size and the data-parallel ranks are
+    what is left. ``trades_time_for_memory``: a larger value (or a later one, for names) only
+    saves memory at a cost in time, so the search does not price it where a smaller one of the
+    same sizes already fits.
+
+    Example:
+        >>> PlanAxis("tp", (1, 2, 4, 8), splits_world=True).rank(4)
+        4
+        >>> PlanAxis("recompute", ("none", "selective_op", "full"), trades_time_for_memory=True).rank("full")
+        2
+    """
+
+    name: str
+    values: tuple[Any, ...]
+    splits_world: bool = False
+    trades_time_for_memory: bool = False
+
+    def rank(self, value: Any) -> float | None:
+        """Where ``value`` stands from fastest to leanest: a number itself, a name its place in :attr:`values`."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        return self.values.index(value) if value in self.values else None
+
+
+class NotSearched(ConfigError):
+    """A combination the search does not try, unlike a refusal: e.g. ZeRO-0 where ZeRO-1 moves the same bytes."""
+
+
+@dataclass(frozen=True)
+class SearchPoint:
+    """One point of the planner's search: a value per axis, and what they leave.
+
+    ``values``: axis names (and further choices a technique reads, e.g. ``microbatches``) to
+    values; a name missing takes the technique's own default. ``dp``: the data-parallel ranks
+    (the world over the sizes of the world-splitting axes). ``context`` and ``axes`` (every
+    axis's values in this search) are ``None`` and empty for a layout given by hand
+    (``Candidate.layout``).
+
+    Example:
+        >>> point = SearchPoint({"tp": 8}, dp=4)
+        >>> point.get("tp", 1), point.get("pp", 1), point.samples_per_rank
+        (8, 1, None)
+    """
+
+    values: Mapping[str, Any]
+    dp: int = 1
+    micro_batch_size: int = 1
+    context: SearchContext | None = None
+    axes: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+    @property
+    def samples_per_rank(self) -> int | None:
+        """Samples each data-parallel rank runs per optimizer step (``None`` for a layout given by hand)."""
+        return None if self.context is None else self.context.workload.global_batch_size // self.dp
+
+    def searches(self, name: str, value: Any) -> bool:
+        """Whether this search tries ``value`` on axis ``name`` too."""
+        return value in self.axes.get(name, ())
+
+
+def powers_of_two(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``limit`` (a search axis's usual sizes)."""
+    out, size = [1], 2
+    while size <= limit:
+        out.append(size)
+        size *= 2
+    return tuple(out)

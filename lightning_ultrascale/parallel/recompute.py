@@ -49,7 +49,7 @@ from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView
+from lightning_ultrascale.parallel.pricing import CostTerms, PlanAxis, RankView, SearchContext, SearchPoint
 
 MODES: tuple[str, ...] = ("none", "full", "selective", "selective_op")
 
@@ -133,6 +133,8 @@ class Recompute(ParallelPlugin):
     """
 
     applies_at = "recompute"
+    plan_order = 50
+    plan_names = ("recompute", "recompute_every")
 
     def __init__(self, mode: str = "full", every: int = 1) -> None:
         if mode not in MODES:
@@ -166,6 +168,22 @@ class Recompute(ParallelPlugin):
                 f"backward per region; valid: {option(self, 'mode', 'full')} or 'selective', or a schedule that "
                 "does not split backward (1f1b, interleaved_1f1b, afab, looped_bfs)"
             )
+
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """None, the memory-bound ops, or every block: each saves more memory and costs more time."""
+        return (PlanAxis("recompute", ("none", "selective_op", "full"), trades_time_for_memory=True),)
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> Recompute | None:
+        mode = point.get("recompute", "none")
+        return None if mode == "none" else cls(mode, every=point.get("recompute_every", 1))
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        if self.mode == "none":
+            return ""
+        every = f"/{self.every}" if self.mode == "selective" else ""
+        return f"ac:{self.mode}{every}"
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         whole = self.mode in ("full", "selective")  # (selective_op keeps the matmuls: priced apart)

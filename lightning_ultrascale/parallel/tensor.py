@@ -37,7 +37,15 @@ from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.pricing import (
+    CostTerms,
+    PlanAxis,
+    RankView,
+    SearchContext,
+    SearchPoint,
+    add_traffic,
+    powers_of_two,
+)
 from lightning_ultrascale.parallel.tied import retie
 
 #: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
@@ -60,6 +68,8 @@ class TensorParallel(ParallelPlugin):
     """
 
     applies_at = "tensor"
+    plan_order = 10
+    plan_names = ("tp", "sequence_parallel")
 
     def __init__(self, size: int, sequence_parallel: bool = True, loss_parallel: bool = True) -> None:
         require_positive_int(self, "size", size)
@@ -109,6 +119,22 @@ class TensorParallel(ParallelPlugin):
             # Around the loss AND its backward (torchtitan does the same): cross-entropy on vocab shards.
             layout.step_contexts.append(loss_parallel)
         return model
+
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """Powers of two up to two nodes: the playbook keeps tp inside a node, the planner prices one beyond."""
+        sizes = powers_of_two(min(2 * context.gpus_per_node, context.world_size))
+        return (PlanAxis("tp", sizes, splits_world=True),)
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> TensorParallel | None:
+        size = point.get("tp", 1)
+        return cls(size, sequence_parallel=point.get("sequence_parallel", True)) if size > 1 else None
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        if self.size == 1:
+            return ""
+        return f"tp{self.size}" + ("" if self.sequence_parallel else "(no sp)")
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         return {"tp": self.size, "sequence_parallel": self.sequence_parallel}

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from lightning_ultrascale.parallel.defaults import with_defaults
-from lightning_ultrascale.parallel.dims import DataShape
-from lightning_ultrascale.parallel.pipeline.schedules import resolve_virtual_stages
+from lightning_ultrascale.parallel.dims import MESH_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.pipeline.simulator import ScheduleFacts
-from lightning_ultrascale.parallel.plugin import ParallelPlugin, resolve_dims
+from lightning_ultrascale.parallel.plugin import ParallelPlugin, resolve_dims, searched_techniques
+from lightning_ultrascale.parallel.pricing import SearchPoint
 from lightning_ultrascale.parallel.recompute import never
 
-__all__ = ["Candidate"]
+__all__ = ["Candidate", "build_plugins"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class Candidate:
     recompute_every: int = 1
     #: whether a block (global index) is recomputed whole in backward (``full``, ``selective``)
     recomputes: Callable[[int], bool] = field(default=never, compare=False, repr=False)
+    #: the mesh the plugins make
+    dims: ParallelDims = field(default_factory=ParallelDims, compare=False, repr=False)
+    #: facts of techniques beyond the fields above (a plugin's own ``plan_facts`` keys)
+    facts: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_plugins(cls, plugins: Sequence[ParallelPlugin], world_size: int, micro_batch_size: int) -> Candidate:
@@ -74,64 +79,52 @@ class Candidate:
         # the run's data.micro_batch_size is what a pipeline splits into its microbatches
         if facts.get("pp", 1) > 1:
             micro_batch_size //= facts["microbatches"]
-        return cls(plugins=plugins, micro_batch_size=max(1, micro_batch_size), **facts)
+        known = {f.name for f in fields(cls)}
+        extra = {k: v for k, v in facts.items() if k not in known}
+        own = {k: v for k, v in facts.items() if k in known}
+        return cls(plugins=plugins, micro_batch_size=max(1, micro_batch_size), dims=dims, facts=extra, **own)
 
     @classmethod
     def layout(
-        cls,
-        dp: int = 1,
-        zero: int | None = None,
-        tp: int = 1,
-        pp: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-        micro_batch_size: int = 1,
-        extra: Sequence[ParallelPlugin] = (),
-        **choices: Any,
+        cls, dp: int = 1, micro_batch_size: int = 1, extra: Sequence[ParallelPlugin] = (), **choices: Any
     ) -> Candidate:
-        """The layout of these sizes, built from the plugins that run it (each with its own defaults).
+        """The layout of these sizes and choices, built by the techniques the planner searches.
 
-        ``choices``: ``replicate`` and ``reduce_dtype`` (ZeRO), ``sequence_parallel``, ``schedule``,
-        ``virtual_stages`` and ``microbatches`` (pipeline), ``cp_method``, ``recompute`` and
-        ``recompute_every``. ``micro_batch_size`` is one forward's samples (a pipeline's microbatch).
-        ``extra``: further plugins (any that implements ``plan_facts`` / ``plan_cost`` is priced).
+        ``choices``: any name a technique reads (its ``plan_names``): ``tp``, ``pp``, ``cp``,
+        ``ep``, ``zero`` (``None``: ZeRO's default stage), ``replicate``, ``reduce_dtype``,
+        ``sequence_parallel``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp_method``,
+        ``recompute``, ``recompute_every``; a name left out is the technique's own default (off
+        where it can be). ``micro_batch_size`` is one forward's samples (a pipeline's
+        microbatch). ``extra``: further plugins (any that implements ``plan_facts`` /
+        ``plan_cost`` is priced).
         """
-        plugins = [*_plugins(dp, zero, tp, pp, cp, ep, choices), *copy.deepcopy(list(extra))]
-        candidate = cls.from_plugins(plugins, dp * tp * pp * cp, 1)
+        plugins = [*build_plugins(SearchPoint(choices, dp=dp)), *copy.deepcopy(list(extra))]
+        world = math.prod(size or 1 for p in plugins for d, size in p.mesh_sizes().items() if d in MESH_DIMS)
+        candidate = cls.from_plugins(plugins, world, 1)
         return replace(candidate, micro_batch_size=micro_batch_size)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.dims.world_size
 
     @property
     def n_microbatches(self) -> int:
         return self.microbatches
 
-    def sizes_key(self) -> tuple[Any, ...]:
-        """The sizes and placement of this layout (what its parameter shards depend on)."""
-        return (self.dp, self.replicate, self.tp, self.sequence_parallel, self.pp, self.schedule,
-                self.virtual_stages, self.cp, self.cp_method, self.ep)  # fmt: skip
+    def shards_key(self) -> Hashable:
+        """What this layout's parameter shards depend on: the mesh and each plugin's part in them."""
+        keys = ((type(p).__name__, p.plan_shards_key()) for p in self.plugins)
+        return self.dims, tuple((name, key) for name, key in keys if key is not None)
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}", f"zero{self.zero}"]
-        if self.replicate > 1:
-            parts.append(f"hsdp{self.replicate}")
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("" if self.sequence_parallel else "(no sp)"))
-        if self.pp > 1:
-            own = self.virtual_stages != resolve_virtual_stages(self.schedule, None)
-            v = f",v{self.virtual_stages}" if own else ""
-            parts.append(f"pp{self.pp}({self.schedule}{v},m{self.n_microbatches})")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}({self.cp_method})")
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.recompute != "none":
-            every = f"/{self.recompute_every}" if self.recompute == "selective" else ""
-            parts.append(f"ac:{self.recompute}{every}")
-        parts.append(f"mb{self.micro_batch_size}")
-        return " ".join(parts)
+        """One line: every plugin's part (in the planner's order of techniques), then the micro batch."""
+        ordered = sorted(self.plugins, key=lambda p: type(p).plan_order)
+        parts = [label for p in ordered if (label := p.plan_label(self.dims))]
+        return " ".join([*parts, f"mb{self.micro_batch_size}"])
+
+    def splits(self) -> int:
+        """How many ways the layout splits or repeats the work (of two as fast, the planner takes the fewer)."""
+        return sum(p.plan_splits(self.dims) for p in self.plugins)
 
     def strategy(self) -> Any:
         """A strategy of fresh copies of this layout's plugins (a run's plugins hold its state)."""
@@ -149,35 +142,15 @@ class Candidate:
         return DataShape(workload.seq_len, self.batch_per_rank, workload.global_batch_size, owner="Workload")
 
 
-def _plugins(dp: int, zero: int | None, tp: int, pp: int, cp: int, ep: int, choices: dict[str, Any]) -> list[Any]:
-    """The plugins of a layout given by sizes (``Candidate.layout``'s arguments)."""
-    from lightning_ultrascale.parallel.context import ContextParallel
-    from lightning_ultrascale.parallel.data import ZeRO
-    from lightning_ultrascale.parallel.expert import ExpertParallel
-    from lightning_ultrascale.parallel.pipeline import PipelineParallel
-    from lightning_ultrascale.parallel.recompute import Recompute
-    from lightning_ultrascale.parallel.tensor import TensorParallel
+def build_plugins(point: SearchPoint) -> list[ParallelPlugin]:
+    """Every searched technique at ``point``: the plugins that run it (a technique off there adds none).
 
-    unknown = set(choices) - _CHOICES
+    Raises:
+        ConfigError: a name no technique reads (the valid ones listed), or a plugin's own refusal.
+    """
+    techniques = searched_techniques()
+    unknown = set(point.values) - {name for t in techniques for name in t.plan_names}
     if unknown:
-        raise TypeError(f"Candidate.layout() got unknown choices {sorted(unknown)}; valid: {sorted(_CHOICES)}")
-    get = choices.get
-    replicate = get("replicate", 1)
-    stage = {} if zero is None else {"stage": zero}  # (None: ZeRO's own default)
-    data = ZeRO(**stage, size=dp // replicate, replicate=replicate, reduce_dtype=get("reduce_dtype", "fp32"))
-    plugins: list[Any] = [data]
-    if tp > 1:
-        plugins.append(TensorParallel(tp, sequence_parallel=get("sequence_parallel", True)))
-    if pp > 1:
-        plugins.append(PipelineParallel(pp, get("schedule", "1f1b"), get("microbatches"), get("virtual_stages")))
-    if cp > 1:
-        plugins.append(ContextParallel(cp, method=get("cp_method", "zigzag_ring")))
-    if ep > 1:
-        plugins.append(ExpertParallel(ep))
-    if get("recompute", "none") != "none":
-        plugins.append(Recompute(get("recompute"), every=get("recompute_every", 1)))
-    return plugins
-
-
-_CHOICES = {"replicate", "reduce_dtype", "sequence_parallel", "schedule", "virtual_stages", "microbatches",
-            "cp_method", "recompute", "recompute_every"}  # fmt: skip
+        valid = sorted({name for t in techniques for name in t.plan_names})
+        raise TypeError(f"Candidate.layout() got unknown choices {sorted(unknown)}; valid: {valid}")
+    return [p for technique in techniques if (p := technique.plan_plugin(point)) is not None]

@@ -490,7 +490,7 @@ def estimate(
         ranks = sorted({p * (world // c.pp) for p in range(c.pp)})
     costs = []
     # (ZeRO 0-2 leave parameters whole: one plan for the three.)
-    shape_key = (c.sizes_key(), c.zero == 3)
+    shape_key = c.shards_key()
     for rank in ranks:
         if shard_cache is None:
             plan = predict_shards(strategy, model, world, rank)

@@ -12,13 +12,17 @@ rank exceeds the GPU's usable memory, and ranks the others by tokens per second.
 traffic, recomputation); a model that fits no layout raises :class:`NoLayoutFits` with the smallest
 memory it would need and the closest layouts.
 
-Search space (pass ``space`` to pin or widen a dimension): ``tp`` and ``cp`` powers of two up to two
-nodes and 8; ``pp`` powers of two up to the number of blocks and 32; ``dp`` what is left; ZeRO 1-3 (0 on
-one data rank), HSDP with a node-local shard group; ``ep`` powers of two dividing the experts;
-``1f1b``, ``interleaved_1f1b`` and ``zbv`` with as many microbatches as the batch allows (at most
-``max_microbatches``); micro batch 1, 2, 4; recomputation none, ``selective_op`` or ``full``.
-Layouts no faster than another that needs less memory are not priced (ZeRO-0 beside ZeRO-1 where
-both move the same bytes).
+The search space is the techniques' own (:func:`search_space`): each plugin declares its axis
+(:meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_axes`) and builds itself at a point
+(:meth:`~lightning_ultrascale.parallel.plugin.ParallelPlugin.plan_plugin`), and the search names none
+of them: the sizes of the world-splitting axes (``tp``, ``cp``, ``pp``) multiply into the world and
+the data-parallel ranks are what is left; the micro batch (1, 2, 4) is the search's own axis. By
+default: ``tp`` and ``cp`` powers of two up to two nodes and 8; ``pp`` powers of two up to the number
+of blocks and 32; ZeRO 1-3 (0 on one data rank), HSDP with a node-local shard group; ``ep`` powers
+of two dividing the experts; ``1f1b``, ``interleaved_1f1b`` and ``zbv`` with as many microbatches
+as the batch allows; recomputation none, ``selective_op`` or ``full``. Pass ``space`` to pin or
+widen an axis. A value that only trades time for memory (a larger micro batch, a higher ZeRO stage,
+more recomputation) is not priced where a smaller one of the same sizes already fits.
 
 Example:
     >>> from lightning_ultrascale.models import get_model_config
@@ -30,27 +34,28 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, is_positive_int
-from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.plan.candidate import Candidate
+from lightning_ultrascale.parallel.plugin import ParallelPlugin, searched_techniques
+from lightning_ultrascale.parallel.pricing import NotSearched, PlanAxis, SearchContext, SearchPoint
+from lightning_ultrascale.plan.candidate import Candidate, build_plugins
 from lightning_ultrascale.plan.cost import Cost, Workload, estimate
 from lightning_ultrascale.plan.hardware import Hardware, get_hardware
 
-__all__ = ["NoLayoutFits", "Priced", "SearchResult", "search"]
+__all__ = ["NoLayoutFits", "Priced", "SearchResult", "search", "search_space"]
 
 GiB = 2**30
-_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
-_RECOMPUTE = ("none", "selective_op", "full")
-_SPACE_KEYS = ("tp", "cp", "pp", "zero", "ep", "schedule", "micro_batch_size", "recompute", "hsdp")
+#: the search's own axis: samples per forward (a pipeline's microbatch)
+MICRO_BATCH = PlanAxis("micro_batch_size", (1, 2, 4), trades_time_for_memory=True)
 
 
 class NoLayoutFits(ConfigError):
@@ -180,35 +185,36 @@ class SearchResult:
         return f"{ratio:+.0%} step time: {why}"
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
-
-
-def _space(workload: Workload, world: int, gpu: Hardware, space: Mapping[str, Any] | None) -> dict[str, list[Any]]:
+def context_of(workload: Workload, world: int, gpu: Hardware) -> SearchContext:
+    """What the techniques see of the workload and the cluster when they declare their axes."""
     cfg = workload.model
-    layers = cfg.n_layers
-    out: dict[str, list[Any]] = {
-        "tp": [t for t in _powers_of_two(2 * gpu.gpus_per_node) if t <= world],
-        "cp": [c for c in _powers_of_two(8) if workload.seq_len // c >= 1024 or c == 1],
-        # powers of two, and any other size that splits the blocks evenly (pp9 for 126 blocks)
-        "pp": sorted(
-            {p for p in range(1, min(layers, 32) + 1) if p <= world and (layers % p == 0 or p & (p - 1) == 0)}
-        ),
-        "zero": [0, 1, 2, 3],
-        "ep": [1] if cfg.moe is None else _powers_of_two(min(cfg.moe.n_routed_experts, world)),
-        "schedule": list(_SCHEDULES),
-        "micro_batch_size": [1, 2, 4],
-        "recompute": list(_RECOMPUTE),
-        "hsdp": [False, True],
-    }
-    for key, values in (space or {}).items():
-        if key not in _SPACE_KEYS:
-            raise ConfigError(f"search space key {key!r} is unknown; valid: {', '.join(_SPACE_KEYS)}")
+    experts = 0 if cfg.moe is None else cfg.moe.n_routed_experts
+    return SearchContext(world, gpu.gpus_per_node, workload, n_layers=cfg.n_layers, n_experts=experts)
+
+
+def search_space(context: SearchContext, pins: Mapping[str, Any] | None = None) -> dict[str, PlanAxis]:
+    """Every searched technique's axes (and the micro batch) on ``context``, with ``pins`` replacing their values.
+
+    Example:
+        >>> from lightning_ultrascale.models import get_model_config
+        >>> from lightning_ultrascale.plan.hardware import get_hardware
+        >>> work = Workload(get_model_config("llama3_8b"), seq_len=4096, global_batch_size=256)
+        >>> axes = search_space(context_of(work, 16, get_hardware("h100")), {"tp": [8]})
+        >>> axes["tp"].values, axes["zero"].values, sorted(a.name for a in axes.values() if a.splits_world)
+        ((8,), (0, 1, 2, 3), ['cp', 'pp', 'tp'])
+    """
+    axes = {MICRO_BATCH.name: MICRO_BATCH}
+    for technique in searched_techniques():
+        axes.update((axis.name, axis) for axis in technique.plan_axes(context))
+    for key, values in (pins or {}).items():
+        if key not in axes:
+            names = sorted(axes, key=lambda name: not axes[name].splits_world)  # (the sizes first)
+            raise ConfigError(f"search space key {key!r} is unknown; valid: {', '.join(names)}")
         values = list(values) if isinstance(values, (list, tuple)) else [values]
         if not values:
             raise ConfigError(f"search space {key}=[] leaves nothing to search; give at least one value")
-        out[key] = values
-    return out
+        axes[key] = replace(axes[key], values=tuple(values))
+    return axes
 
 
 def _check_cluster(world: int, gpu: Hardware) -> None:
@@ -223,60 +229,59 @@ def _check_cluster(world: int, gpu: Hardware) -> None:
         )
 
 
+def _points(context: SearchContext, axes: dict[str, PlanAxis]) -> Iterator[tuple[SearchPoint, tuple[Any, ...]]]:
+    """Every point of the space whose world-splitting sizes divide the world and leave data ranks that
+    split the global batch, each with the values of its axes that do not trade time for memory.
+
+    The trading axes vary fastest, each from its fastest value (the search skips what a faster
+    point of the same sizes already fits).
+    """
+    world, batch = context.world_size, context.workload.global_batch_size
+    splitting = [a for a in axes.values() if a.splits_world]
+    trading = [_fastest_first(a) for a in axes.values() if a.trades_time_for_memory]
+    others = [a for a in axes.values() if not a.splits_world and not a.trades_time_for_memory]
+    values = {a.name: a.values for a in axes.values()}
+    for sizes in itertools.product(*(a.values for a in splitting)):
+        if world % math.prod(sizes) or batch % (world // math.prod(sizes)):
+            continue
+        dp = world // math.prod(sizes)
+        for rest in itertools.product(*(a.values for a in others)):
+            for trades in itertools.product(*(a.values for a in trading)):
+                chosen = dict(zip([a.name for a in splitting + others + trading], (*sizes, *rest, *trades)))
+                mbs = chosen.pop(MICRO_BATCH.name)
+                if (batch // dp) % mbs:
+                    continue
+                yield SearchPoint(chosen, dp, mbs, context, values), (dp, *sizes, *rest)
+
+
+def _fastest_first(axis: PlanAxis) -> PlanAxis:
+    """``axis`` with its values from the fastest (where every value has a place on it)."""
+    if any(axis.rank(v) is None for v in axis.values):
+        return axis
+    return replace(axis, values=tuple(sorted(axis.values, key=lambda v: axis.rank(v) or 0)))
+
+
 def _candidates(
-    workload: Workload, world: int, gpu: Hardware, space: dict[str, list[Any]]
-) -> Iterator[Candidate | str]:
-    """Every layout of the space whose sizes multiply to ``world`` and split the global batch.
+    context: SearchContext, axes: dict[str, PlanAxis], extra: Sequence[ParallelPlugin]
+) -> Iterator[tuple[Candidate | str, tuple[Any, ...], tuple[float | None, ...]]]:
+    """Every layout of the space, with its sizes and its place on the trading axes.
 
     A layout whose plugins refuse their own arguments (e.g. a schedule's microbatch count) comes
     as the first words of their reason.
     """
-    gpn, batch = gpu.gpus_per_node, workload.global_batch_size
-    for tp, cp, pp in itertools.product(space["tp"], space["cp"], space["pp"]):
-        if world % (tp * cp * pp):
+    trading = [a for a in axes.values() if a.trades_time_for_memory]
+    for point, sizes in _points(context, axes):
+        corner = tuple(a.rank(point.micro_batch_size if a is MICRO_BATCH else point.get(a.name)) for a in trading)
+        try:
+            plugins = [*build_plugins(point), *copy.deepcopy(list(extra))]
+            candidate = Candidate.from_plugins(plugins, context.world_size, 1)
+        except NotSearched:
             continue
-        dp = world // (tp * cp * pp)
-        if batch % dp:
+        except ConfigError as err:
+            yield _reason(err), sizes, corner
             continue
-        per_rank = batch // dp  # samples per data rank per optimizer step
-        zeros = [z for z in space["zero"] if z == 0 or dp * cp > 1]
-        if dp * cp > 1 and 1 in zeros and 0 in zeros:
-            zeros.remove(0)  # ZeRO-0 moves ZeRO-1's bytes and keeps more: never better
-        for mbs, zero, ep in itertools.product(space["micro_batch_size"], zeros, space["ep"]):
-            if per_rank % mbs or (ep > 1 and (dp * cp) % ep):
-                continue
-            replicas = [1]
-            shard = max(1, gpn // (tp * cp))
-            if zero == 3 and True in space["hsdp"] and dp > shard and dp % shard == 0:
-                replicas.append(dp // shard)
-            if False not in space["hsdp"] and zero == 3:
-                replicas = replicas[1:]
-            schedules: list[tuple[str, int | None]] = [("1f1b", None)]
-            if pp > 1:
-                schedules = [(s, None) for s in space["schedule"]]
-            for replicate, (schedule, micro) in itertools.product(replicas, schedules):
-                if pp > 1:
-                    micro = _microbatches(per_rank // mbs, pp)
-                    if micro is None:
-                        continue
-                for recompute in space["recompute"]:
-                    try:
-                        yield Candidate.layout(
-                            dp=dp, zero=zero, tp=tp, pp=pp, schedule=schedule, microbatches=micro, cp=cp, ep=ep,
-                            recompute=recompute, micro_batch_size=mbs, replicate=replicate,
-                            reduce_dtype=workload.reduce_dtype, extra=space["extra"][0] if "extra" in space else (),
-                        )  # fmt: skip
-                    except ConfigError as err:
-                        yield _reason(err)
-
-
-def _microbatches(samples: int, pp: int, cap: int = 64) -> int | None:
-    """Most microbatches (a multiple of pp, at most ``cap``) that split a rank's samples evenly."""
-    best = None
-    for m in range(pp, min(samples, max(cap, pp)) + 1, pp):
-        if samples % m == 0:
-            best = m
-    return best
+        # (same sizes: the same values off the trading axes, and the same mesh they made: HSDP only at stage 3)
+        yield replace(candidate, micro_batch_size=point.micro_batch_size), (*sizes, candidate.dims), corner
 
 
 def search(
@@ -303,11 +308,13 @@ def search(
 
     hardware = get_hardware(gpu)
     _check_cluster(world_size, hardware)
-    grid = _space(workload, world_size, hardware, space) | {"extra": [tuple(plugins)]}
+    context = context_of(workload, world_size, hardware)
+    axes = search_space(context, space)
     meta = model if model is not None else build_model(workload.model, device="meta")
-    fitting, too_big, refusals, dominated = _price_space(workload, world_size, hardware, grid, meta)
+    layouts = _candidates(context, axes, plugins)
+    fitting, too_big, refusals, dominated = _price_space(workload, hardware, layouts, meta)
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
-    fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), _dims_split(p.candidate), p.peak))
+    fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), p.candidate.splits(), p.peak))
     too_big.sort(key=lambda p: p.peak)
     refused = sum(refusals.values())
     result = SearchResult(workload, world_size, hardware, fitting, too_big, refused, refusals, dominated, space)
@@ -317,25 +324,24 @@ def search(
 
 
 def _price_space(
-    workload: Workload, world_size: int, hardware: Hardware, grid: dict[str, list[Any]], meta: nn.Module
+    workload: Workload, hardware: Hardware, layouts: Iterator[Any], meta: nn.Module
 ) -> tuple[list[Priced], list[Priced], dict[str, int], list[Candidate]]:
-    """Every candidate of ``grid``: those that fit, too big, refused (reason -> count), and not priced."""
+    """Every candidate of ``layouts``: those that fit, too big, refused (reason -> count), and not priced."""
     shard_cache: dict[Any, Any] = {}
     fitting: list[Priced] = []
     too_big: list[Priced] = []
     refusals: dict[str, int] = {}
-    # A larger micro batch (fewer pipeline microbatches), a higher ZeRO stage and a costlier
-    # recomputation each only add time in the model: a layout is not priced when another of the
-    # same sizes that is no larger in all three already fits (the candidates come smallest first).
-    fit_corners: dict[tuple[Any, ...], list[tuple[int, int, int]]] = {}
+    # A value on a trading axis (a larger micro batch, a higher ZeRO stage, more recomputation)
+    # only adds time in the model: a layout is not priced when another of the same sizes that is
+    # no larger on every trading axis already fits (the candidates come smallest first).
+    fit_corners: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
     dominated: list[Candidate] = []
-    for candidate in _candidates(workload, world_size, hardware, grid):
+    for candidate, key, corner in layouts:
         if isinstance(candidate, str):  # its plugins refused their arguments
             refusals[candidate] = refusals.get(candidate, 0) + 1
             continue
-        key = candidate.sizes_key()
-        corner = (candidate.micro_batch_size, candidate.zero, _RECOMPUTE.index(candidate.recompute))
-        if any(all(a <= b for a, b in zip(fit, corner)) for fit in fit_corners.get(key, [])):
+        comparable = None not in corner
+        if comparable and any(all(a <= b for a, b in zip(fit, corner)) for fit in fit_corners.get(key, [])):
             dominated.append(candidate)
             continue
         priced = _price(workload, candidate, meta, hardware, shard_cache)
@@ -344,7 +350,8 @@ def _price_space(
             continue
         if priced.fits:
             fitting.append(priced)
-            fit_corners.setdefault(key, []).append(corner)
+            if comparable:
+                fit_corners.setdefault(key, []).append(corner)
         else:
             too_big.append(priced)
     return fitting, too_big, refusals, dominated
@@ -374,17 +381,20 @@ def _reason(err: ConfigError) -> str:
 def _why_no_candidates(result: SearchResult) -> str:
     """Why the space has no layout at all: the sizes divide no world size, or no batch split."""
     w, world = result.workload, result.world_size
-    grid = _space(w, world, result.gpu, result.space)
-    sizes = [(t, c, p) for t, c, p in itertools.product(grid["tp"], grid["cp"], grid["pp"]) if world % (t * c * p) == 0]
-    if not sizes:
-        least = min(t * c * p for t, c, p in itertools.product(grid["tp"], grid["cp"], grid["pp"]))
+    axes = search_space(context_of(w, world, result.gpu), result.space)
+    splitting = [a for a in axes.values() if a.splits_world]
+    names = " x ".join(a.name for a in splitting)
+    products = [math.prod(sizes) for sizes in itertools.product(*(a.values for a in splitting))]
+    dividing = [n for n in products if world % n == 0]
+    if not dividing:
+        least = min(products)
         near = sorted({max(least, world // least * least), -(-world // least) * least})
+        ranges = ", ".join(f"{a.name} in {list(a.values)}" for a in splitting)
         return (
-            f"no tp x cp x pp of the search space divides world_size={world} (tp in {grid['tp']}, cp in "
-            f"{grid['cp']}, pp in {grid['pp']}); valid: a world size they divide (e.g. "
-            f"{' or '.join(map(str, near))}), or --space values that divide {world}"
+            f"no {names} of the search space divides world_size={world} ({ranges}); valid: a world size "
+            f"they divide (e.g. {' or '.join(map(str, near))}), or --space values that divide {world}"
         )
-    dps = sorted({world // (t * c * p) for t, c, p in sizes})
+    dps = sorted({world // n for n in dividing})
     if all(w.global_batch_size % dp for dp in dps):
         d, b = dps[0], w.global_batch_size
         near = sorted({max(d, b // d * d), -(-b // d) * d})
@@ -394,14 +404,10 @@ def _why_no_candidates(result: SearchResult) -> str:
             f"{' or '.join(map(str, near))}), or another world size"
         )
     return (
-        f"no micro_batch_size in {grid['micro_batch_size']} (and, with a pipeline, no microbatch count) splits "
-        f"data.global_batch_size={w.global_batch_size} over the data ranks ({', '.join(map(str, dps))}); valid: "
-        "another global batch size, or --space micro_batch_size=1"
+        f"no micro_batch_size in {list(axes[MICRO_BATCH.name].values)} (and, with a pipeline, no microbatch count) "
+        f"splits data.global_batch_size={w.global_batch_size} over the data ranks ({', '.join(map(str, dps))}); "
+        "valid: another global batch size, or --space micro_batch_size=1"
     )
-
-
-def _dims_split(c: Candidate) -> int:
-    return sum(n > 1 for n in (c.dp, c.tp, c.pp, c.cp, c.ep)) + (c.zero == 3) + (c.recompute != "none")
 
 
 def _no_fit(result: SearchResult) -> ConfigError:

@@ -77,9 +77,9 @@ def test_a_model_that_fits_no_layout_gets_the_memory_it_needs_and_the_closest_la
                            r"one node, or a multiple of 8 \(e.g. 8 or 16\)"),
         (0, "h100", None, r"world_size=0 must be a positive number of GPUs"),
         (8, "b300", None, r"gpu=b300 is not a built-in profile; valid: h100, h200, a100"),
-        (8, "h100", {"tpp": [2]}, r"search space key 'tpp' is unknown; valid: tp, cp, pp"),
+        (8, "h100", {"tpp": [2]}, r"search space key 'tpp' is unknown; valid: tp, pp, cp, micro_batch_size, zero, hsdp, schedule, ep, recompute"),
         (8, "h100", {"tp": []}, r"search space tp=\[\] leaves nothing to search"),
-        (8, "h100", {"tp": [3], "pp": [1], "cp": [1]}, r"no layout of llama3_8b .* no tp x cp x pp .* divides"),
+        (8, "h100", {"tp": [3], "pp": [1], "cp": [1]}, r"no layout of llama3_8b .* no tp x pp x cp .* divides"),
     ],
 )  # fmt: skip
 def test_bad_search_input_is_refused_with_the_valid_choices(world, gpu, space, message):
@@ -151,7 +151,7 @@ def test_every_recipe_fits_its_gpu_as_its_header_says(recipe, monkeypatch):
         # a batch no data-parallel size splits: which sizes, and the nearest batches that work
         (["--world-size", "6"], r"global_batch_size=64 is split by no number of data-parallel .*\(3, 6\).*63 or 66"),
         # sizes that divide nothing: the nearest world sizes they divide
-        (["--world-size", "8", "--space", "tp=3"], r"no tp x cp x pp .* divides world_size=8 .*e\.g\. 6 or 9"),
+        (["--world-size", "8", "--space", "tp=3"], r"no tp x pp x cp .* divides world_size=8 .*e\.g\. 6 or 9"),
     ],
 )  # fmt: skip
 def test_ultrascale_plan_says_why_there_is_no_layout_to_price(args, message):
@@ -180,10 +180,11 @@ def test_ultrascale_plan_takes_a_gpu_of_ones_own_and_gpu_as_an_override(capsys):
 def test_pipeline_sizes_that_split_the_blocks_are_searched():
     # Meta's and NVIDIA's 405B runs use pp9 (126 blocks): sizes that divide the blocks are searched
     # besides the powers of two.
-    from lightning_ultrascale.plan.search import _space
+    from lightning_ultrascale.plan.search import context_of, search_space
 
-    def sizes(model: str, world: int) -> list[int]:
-        return _space(Workload(get_model_config(model), 8192, 1152), world, get_hardware("h100"), None)["pp"]
+    def sizes(model: str, world: int) -> tuple[int, ...]:
+        context = context_of(Workload(get_model_config(model), 8192, 1152), world, get_hardware("h100"))
+        return search_space(context)["pp"].values
 
-    assert sizes("llama3_405b", 576) == [1, 2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32]
+    assert sizes("llama3_405b", 576) == (1, 2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32)
     assert {5, 10, 20} <= set(sizes("llama3_70b", 640))

@@ -36,7 +36,15 @@ from lightning_ultrascale.parallel.context.positions import PositionProbe
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.pricing import (
+    CostTerms,
+    PlanAxis,
+    RankView,
+    SearchContext,
+    SearchPoint,
+    add_traffic,
+    powers_of_two,
+)
 
 #: Batch entries cut along the sequence (dim 1). ``document_ids`` stay whole: ring and all-to-all
 #: attention read every rank's documents from them (see ``attention.py``: the ring's plan).
@@ -61,6 +69,10 @@ class ContextParallel(ParallelPlugin):
     """
 
     applies_at = "context"
+    plan_order = 30
+    plan_names = ("cp", "cp_method")
+    #: the shortest sequence chunk the planner gives a context-parallel rank
+    plan_min_chunk = 1024
 
     def __init__(self, size: int, method: str = "zigzag_ring", kernel: str = "flash") -> None:
         require_positive_int(self, "size", size)
@@ -110,6 +122,21 @@ class ContextParallel(ParallelPlugin):
                 f"with {option(self, 'method', self.method)} ({why}); valid nearby: "
                 f"{nearby_multiples(data.seq_len, multiple)}"
             )
+
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """Powers of two up to 8 that leave each rank at least :attr:`plan_min_chunk` tokens."""
+        seq_len = context.workload.seq_len
+        sizes = tuple(c for c in powers_of_two(8) if c == 1 or seq_len // c >= cls.plan_min_chunk)
+        return (PlanAxis("cp", sizes, splits_world=True),)
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> ContextParallel | None:
+        size = point.get("cp", 1)
+        return cls(size, method=point.get("cp_method", "zigzag_ring")) if size > 1 else None
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        return f"cp{self.size}({self.method})" if self.size > 1 else ""
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         return {"cp": self.size, "cp_method": self.method}

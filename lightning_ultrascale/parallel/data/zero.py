@@ -47,7 +47,14 @@ from lightning_ultrascale.parallel.data.pricing import data_parallel_cost
 from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView
+from lightning_ultrascale.parallel.pricing import (
+    CostTerms,
+    NotSearched,
+    PlanAxis,
+    RankView,
+    SearchContext,
+    SearchPoint,
+)
 
 STAGES = (0, 1, 2, 3)
 
@@ -82,6 +89,8 @@ class ZeRO(ParallelPlugin):
     """
 
     applies_at = "data"
+    plan_order = 0
+    plan_names = ("zero", "hsdp", "replicate", "reduce_dtype")
 
     def __init__(
         self,
@@ -125,6 +134,51 @@ class ZeRO(ParallelPlugin):
 
     def settings(self) -> dict[str, Any]:
         return {"stage": self.stage}
+
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """Stages 0-3 (each shards more and moves as much or more), and HSDP with a node-local shard group."""
+        return PlanAxis("zero", STAGES, trades_time_for_memory=True), PlanAxis("hsdp", (False, True))
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> ZeRO:
+        """Stage ``zero`` over the ``dp`` ranks; in a search, ZeRO-0 only where ZeRO-1 is not tried or
+        shards nothing (it moves ZeRO-1's bytes and keeps more), HSDP replicas only at stage 3."""
+        stage = point.get("zero")
+        sharding = point.dp * point.get("cp", 1)  # (context-parallel ranks share the shards)
+        if point.axes and stage != 0 and sharding == 1:
+            raise NotSearched(f"ZeRO stage {stage} on one data rank shards nothing")
+        if stage == 0 and sharding > 1 and point.searches("zero", 1):
+            raise NotSearched("ZeRO-0 moves ZeRO-1's bytes and keeps more")
+        replicate = point.get("replicate") or cls._hsdp_replicas(point, stage)
+        reduce_dtype = point.get("reduce_dtype") or (point.context.workload.reduce_dtype if point.context else "fp32")
+        chosen = {} if stage is None else {"stage": stage}  # (None: the plugin's own default)
+        return cls(**chosen, size=point.dp // replicate, replicate=replicate, reduce_dtype=reduce_dtype)
+
+    @staticmethod
+    def _hsdp_replicas(point: SearchPoint, stage: int | None) -> int:
+        """Replica groups of a searched HSDP layout: one shard group per node's data ranks."""
+        if not point.get("hsdp", False):
+            return 1
+        if stage != 3:
+            if point.searches("hsdp", False):
+                raise NotSearched("HSDP needs ZeRO stage 3")  # (the same layout as hsdp=False)
+            return 1
+        assert point.context is not None
+        per_node = max(1, point.context.gpus_per_node // (point.get("tp", 1) * point.get("cp", 1)))
+        if point.dp <= per_node or point.dp % per_node:
+            raise NotSearched(f"HSDP needs whole groups of {per_node} node-local data ranks")
+        return point.dp // per_node
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        hsdp = f" hsdp{self.replicate}" if self.stage == 3 and self.replicate > 1 else ""
+        return f"dp{dims.dp_replicate * dims.dp_shard} zero{self.stage}{hsdp}"
+
+    def plan_splits(self, dims: ParallelDims) -> int:
+        return int(dims.dp > 1) + int(self.stage == 3)
+
+    def plan_shards_key(self) -> tuple[Any, ...]:
+        return self.stage == 3, self.size, self.replicate
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         replicate = dims.dp_replicate if self.stage == 3 else 1

@@ -28,7 +28,16 @@ from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDim
 from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.pricing import (
+    CostTerms,
+    NotSearched,
+    PlanAxis,
+    RankView,
+    SearchContext,
+    SearchPoint,
+    add_traffic,
+    powers_of_two,
+)
 
 
 class ExpertParallel(ParallelPlugin):
@@ -44,6 +53,8 @@ class ExpertParallel(ParallelPlugin):
     """
 
     applies_at = "expert"
+    plan_order = 40
+    plan_names = ("ep",)
 
     def __init__(self, size: int) -> None:
         require_positive_int(self, "size", size)
@@ -58,6 +69,25 @@ class ExpertParallel(ParallelPlugin):
                 f"{option(self, 'size', self.size)} splits MoE experts, but model {spec.name} has none; "
                 "use an MoE model (e.g. model=moe_tiny) or size 1"
             )
+
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """Powers of two up to the routed experts of a block (1 alone for a dense model)."""
+        sizes = powers_of_two(min(context.n_experts, context.world_size)) if context.n_experts else (1,)
+        return (PlanAxis("ep", sizes),)
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> ExpertParallel | None:
+        size = point.get("ep", 1)
+        if size == 1:
+            return None
+        borrowed = point.dp * point.get("cp", 1)  # (expert ranks are borrowed from the data and context ones)
+        if point.context is not None and borrowed % size:
+            raise NotSearched(f"ep={size} does not divide the {borrowed} data x context ranks")
+        return cls(size)
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        return f"ep{self.size}" if self.size > 1 else ""
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         return {"ep": self.size}

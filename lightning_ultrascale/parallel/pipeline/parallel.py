@@ -46,7 +46,15 @@ from lightning_ultrascale.parallel.pipeline.split import plan_stages, stages_fro
 from lightning_ultrascale.parallel.pipeline.stage import StageModule, prune_to_stages
 from lightning_ultrascale.parallel.pipeline.step import PipelineStep
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic
+from lightning_ultrascale.parallel.pricing import (
+    CostTerms,
+    NotSearched,
+    PlanAxis,
+    RankView,
+    SearchContext,
+    SearchPoint,
+    add_traffic,
+)
 from lightning_ultrascale.parallel.tied import TiedCopy, find_tied
 
 
@@ -72,6 +80,10 @@ class PipelineParallel(ParallelPlugin):
     """
 
     applies_at = "pipeline"
+    plan_order = 20
+    plan_names = ("pp", "schedule", "microbatches", "virtual_stages")
+    #: the most microbatches the planner splits a rank's samples into
+    plan_max_microbatches = 64
 
     def __init__(
         self,
@@ -162,6 +174,40 @@ class PipelineParallel(ParallelPlugin):
         layout.grad_norm.across.append(self.group)
         return model
 
+    @classmethod
+    def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
+        """Stages: powers of two, and any other count that splits the blocks evenly (pp9 for 126 blocks),
+        up to 32; schedules: 1F1B, interleaved 1F1B and ZBV, with as many microbatches as the batch allows."""
+        layers = context.n_layers
+        sizes = [p for p in range(1, min(layers, 32, context.world_size) + 1) if layers % p == 0 or p & (p - 1) == 0]
+        schedules = ("1f1b", "interleaved_1f1b", "zbv")
+        return PlanAxis("pp", tuple(sizes), splits_world=True), PlanAxis("schedule", schedules)
+
+    @classmethod
+    def plan_plugin(cls, point: SearchPoint) -> PipelineParallel | None:
+        size, schedule = point.get("pp", 1), point.get("schedule", "1f1b")
+        if size == 1:
+            if point.axes and schedule != point.axes["schedule"][0]:
+                raise NotSearched("a schedule without a pipeline")  # (the same layout as the first)
+            return None
+        microbatches = point.get("microbatches")
+        samples = point.samples_per_rank
+        if samples is not None and microbatches is None:
+            microbatches = _most_microbatches(samples // point.micro_batch_size, size, cls.plan_max_microbatches)
+            if microbatches is None:
+                raise NotSearched(f"no multiple of pp={size} splits {samples} samples per data rank")
+        return cls(size, schedule, microbatches, point.get("virtual_stages"))
+
+    def plan_label(self, dims: ParallelDims) -> str:
+        if self.size == 1:
+            return ""
+        own = self.virtual_stages != resolve_virtual_stages(self.schedule, None)
+        v = f",v{self.virtual_stages}" if own else ""
+        return f"pp{self.size}({self.schedule}{v},m{self.microbatches})"
+
+    def plan_shards_key(self) -> tuple[Any, ...]:
+        return self.size, self.schedule, self.virtual_stages, tuple(self.split_points or ())
+
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
         on = self.size > 1
         timeline = schedule_facts(self.schedule, self.size, self.microbatches, self.virtual_stages) if on else None
@@ -236,3 +282,12 @@ class PipelineParallel(ParallelPlugin):
                     layout.tied_copies.append(copy)
                     if not copy.is_source:
                         layout.grad_norm.skip.add(mine)
+
+
+def _most_microbatches(samples: int, pp: int, cap: int) -> int | None:
+    """Most microbatches (a multiple of ``pp``, at most ``cap``) that split a rank's samples evenly."""
+    best = None
+    for m in range(pp, min(samples, max(cap, pp)) + 1, pp):
+        if samples % m == 0:
+            best = m
+    return best
