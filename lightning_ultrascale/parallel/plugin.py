@@ -105,7 +105,8 @@ class ParallelPlugin(abc.ABC):
         """The sizes and choices the planner reads of this plugin, its own defaults resolved (default: none).
 
         Keys are :class:`~lightning_ultrascale.plan.Candidate` fields (e.g. ``{"tp": 8,
-        "sequence_parallel": True}``); see :mod:`lightning_ultrascale.parallel.pricing`.
+        "sequence_parallel": True}``), or a technique's own names, kept in ``Candidate.facts``;
+        see :mod:`lightning_ultrascale.parallel.pricing`.
         """
         return {}
 
