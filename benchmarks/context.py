@@ -68,6 +68,7 @@ from lightning_ultrascale.parallel.context.attention import FlopCounter  # noqa:
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
 from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
+from lightning_ultrascale.parallel.plugin import apply_all  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "context.json"
@@ -170,7 +171,7 @@ def cp_worker(cp: int, method: str, seq_lens: tuple[int, ...]) -> list[dict[str,
     model = build_model(dataclasses.replace(MODEL, max_seq_len=max(seq_lens)), seed=0)
     plugin = ContextParallel(cp, "zigzag_ring" if method == "none" else method)
     dims = ParallelDims(cp=cp)
-    plugin.apply(model, Layout(dims, build_mesh(dims, "cpu")))
+    apply_all([plugin], model, Layout(dims, build_mesh(dims, "cpu")))
     saved = SavedForBackward(list(model.parameters()))
     for module in model.modules():
         if hasattr(module, "attention_fn"):

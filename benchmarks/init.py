@@ -47,6 +47,7 @@ from lightning_ultrascale import TensorParallel, UltraScaleStrategy, ZeRO  # noq
 from lightning_ultrascale.models import Llama, build_model, shard_init  # noqa: E402
 from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
+from lightning_ultrascale.parallel.plugin import apply_all  # noqa: E402
 from lightning_ultrascale.utils.memory import format_bytes, peak_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "init.json"
@@ -88,8 +89,7 @@ def _materialise(model_name: str, plugins: list[Any], world_size: int) -> Llama:
     model: nn.Module = build_model(model_name, device="meta")
     strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
     layout = Layout(strategy.parallel_dims, build_mesh(strategy.parallel_dims, "cpu"))
-    for plugin in strategy.applied_plugins():
-        model = plugin.apply(model, layout)
+    model = apply_all(strategy.applied_plugins(), model, layout)
     return model.to_empty(device="cpu")  # type: ignore[return-value]
 
 

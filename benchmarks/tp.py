@@ -57,6 +57,7 @@ from lightning_ultrascale.models.llama import Llama  # noqa: E402
 from lightning_ultrascale.parallel.dims import ParallelDims  # noqa: E402
 from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
+from lightning_ultrascale.parallel.plugin import apply_all  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
 from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
@@ -234,7 +235,7 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
         model = Llama(MODEL)
     dims = ParallelDims(tp=tp)
     layout = Layout(dims, build_mesh(dims, "cpu"))
-    plugin.apply(model, layout)
+    apply_all([plugin], model, layout)
     model.to_empty(device="cpu")
     model.init_weights(0)
     tokens = torch.randint(0, MODEL.vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))

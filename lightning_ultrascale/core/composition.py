@@ -175,7 +175,7 @@ class PluginComposition:
         reference = init_reference(model)  # (meta: a copy costs nothing) for check_init
         # Fresh facts for this model (the mesh stays); its ties as it was built, before any plugin.
         self._layout = Layout(self.parallel_dims, self.mesh, self.active_precision().precision, find_tied(model))
-        for plugin in self.applied_plugins():
+        for plugin in (p for p in self.applied_plugins() if p.active):
             new = plugin.apply(model, self.layout)
             if new is not model:
                 if not name:

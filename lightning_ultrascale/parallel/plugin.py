@@ -85,9 +85,18 @@ class ParallelPlugin(abc.ABC):
         tell it, the batch shape.
         """
 
+    @property
+    def active(self) -> bool:
+        """Whether this plugin changes anything (a technique of size 1 does not).
+
+        The strategy calls :meth:`apply` and the planner :meth:`plan_shards`, :meth:`plan_cost`
+        and :meth:`plan_label` of an active plugin only.
+        """
+        return True
+
     @abc.abstractmethod
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        """Rewrite ``model`` (still on the meta device) for this technique and return it."""
+        """Rewrite ``model`` (still on the meta device) for this technique and return it (when :attr:`active`)."""
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         """Predict, without processes, what :meth:`apply` leaves on ``plan``'s rank (default: everything, whole).
@@ -143,8 +152,8 @@ class ParallelPlugin(abc.ABC):
 
     def plan_splits(self, dims: ParallelDims) -> int:
         """How many ways this plugin splits or repeats the work: of two layouts as fast, the planner
-        prefers the one with fewer (default: 1 where it has a label)."""
-        return int(bool(self.plan_label(dims)))
+        prefers the one with fewer (default: 1)."""
+        return 1
 
     def plan_shards_key(self) -> Hashable:
         """What :meth:`plan_shards` depends on (the planner reuses a prediction; ``None``: it shards nothing)."""
@@ -157,6 +166,14 @@ class ParallelPlugin(abc.ABC):
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v}" for k, v in {**self.settings(), **self.mesh_sizes()}.items())
         return f"{type(self).__name__}({fields})"
+
+
+def apply_all(plugins: Sequence[ParallelPlugin], model: nn.Module, layout: Layout) -> nn.Module:
+    """``model`` rewritten by every active plugin of ``plugins``, in their order (as the strategy applies them)."""
+    for plugin in plugins:
+        if plugin.active:
+            model = plugin.apply(model, layout)
+    return model
 
 
 _SEARCHED: dict[str, type[ParallelPlugin]] = {}

@@ -179,9 +179,11 @@ class Recompute(ParallelPlugin):
         mode = point.get("recompute", "none")
         return None if mode == "none" else cls(mode, every=point.get("recompute_every", 1))
 
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
     def plan_label(self, dims: ParallelDims) -> str:
-        if self.mode == "none":
-            return ""
         every = f"/{self.every}" if self.mode == "selective" else ""
         return f"ac:{self.mode}{every}"
 
@@ -213,8 +215,6 @@ class Recompute(ParallelPlugin):
 
         Works on any device (meta included: nothing is allocated) and needs no mesh.
         """
-        if self.mode == "none":
-            return model
         recompute = _recompute_block_keeping_matmuls if self.mode == "selective_op" else _recompute_block
         layers = model.get_submodule(require_spec(model).layers)
         for name, block in layers.named_children():

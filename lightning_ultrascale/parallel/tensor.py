@@ -77,6 +77,10 @@ class TensorParallel(ParallelPlugin):
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
 
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"tp": self.size}
 
@@ -99,8 +103,6 @@ class TensorParallel(ParallelPlugin):
             )
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        if self.size == 1:
-            return model
         spec = require_spec(model)
         assert spec.tp_plan is not None
         tp_mesh = layout.mesh["tp"]
@@ -132,8 +134,6 @@ class TensorParallel(ParallelPlugin):
         return cls(size, sequence_parallel=point.get("sequence_parallel", True)) if size > 1 else None
 
     def plan_label(self, dims: ParallelDims) -> str:
-        if self.size == 1:
-            return ""
         return f"tp{self.size}" + ("" if self.sequence_parallel else "(no sp)")
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
@@ -147,9 +147,7 @@ class TensorParallel(ParallelPlugin):
         block's forward collectives (2 per block) in backward; op-level recomputation keeps the
         reduce-scatter outputs under SP, not the all-reduces (measured: one again per block).
         """
-        terms = CostTerms(host="tensor" if self.size > 1 else None)  # (every op of a block on DTensors)
-        if self.size == 1:
-            return terms
+        terms = CostTerms(host="tensor")  # (every op of a block on DTensors)
         terms.hidden_by_matmul = 1.0 if rank.workload.tp_comm_overlap else 0.0
         c, s = rank.layout, rank.widths
         activation = rank.tokens * s.h * rank.element_bytes * rank.forwards
@@ -165,8 +163,6 @@ class TensorParallel(ParallelPlugin):
         return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
-        if self.size == 1:
-            return
         spec = require_spec(model)
         assert spec.tp_plan is not None
         top, block_plans = spec.tp_plan(self.sequence_parallel)

@@ -119,12 +119,12 @@ class Candidate:
     def label(self) -> str:
         """One line: every plugin's part (in the planner's order of techniques), then the micro batch."""
         ordered = sorted(self.plugins, key=lambda p: type(p).plan_order)
-        parts = [label for p in ordered if (label := p.plan_label(self.dims))]
+        parts = [label for p in ordered if p.active and (label := p.plan_label(self.dims))]
         return " ".join([*parts, f"mb{self.micro_batch_size}"])
 
     def splits(self) -> int:
         """How many ways the layout splits or repeats the work (of two as fast, the planner takes the fewer)."""
-        return sum(p.plan_splits(self.dims) for p in self.plugins)
+        return sum(p.plan_splits(self.dims) for p in self.plugins if p.active)
 
     def strategy(self) -> Any:
         """A strategy of fresh copies of this layout's plugins (a run's plugins hold its state)."""

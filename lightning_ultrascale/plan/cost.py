@@ -430,7 +430,7 @@ def _rank_cost(
     first = f"{spec.embedding}.weight" in plan.shapes
     last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
     view = RankView(workload, c, plan, tuple(layers), first, last, accumulation, widths(workload.model, c))
-    terms = [t for t in (plugin.plan_cost(view) for plugin in c.plugins) if t is not None]
+    terms = [t for t in (p.plan_cost(view) for p in c.plugins if p.active) if t is not None]
     states = [t.state for t in terms if t.state is not None]
     if len(states) != 1:
         raise ConfigError(f"the plugins of {c.label()} state {len(states)} model states; exactly one data plugin must")

@@ -14,6 +14,7 @@ from lightning_ultrascale.core.strategy import UltraScaleStrategy
 from lightning_ultrascale.parallel.dims import MESH_DIMS
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import build_mesh
+from lightning_ultrascale.parallel.plugin import apply_all
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = ["dry_run", "predict_shards"]
@@ -35,7 +36,8 @@ def predict_shards(strategy: UltraScaleStrategy, model: nn.Module, world_size: i
         shapes={name: tuple(p.shape) for name, p in model.named_parameters()},
     )
     for plugin in strategy.applied_plugins():
-        plugin.plan_shards(model, plan)
+        if plugin.active:
+            plugin.plan_shards(model, plan)
     return plan
 
 
@@ -88,8 +90,7 @@ def _dry_run_child(
             strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
             dims = strategy.parallel_dims
             layout = Layout(dims, build_mesh(dims, "cpu"))
-            for plugin in strategy.applied_plugins():
-                model = plugin.apply(model, layout)
+            model = apply_all(strategy.applied_plugins(), model, layout)
             shapes = {_plain_name(name): tuple(local_tensor(p).shape) for name, p in model.named_parameters()}
         finally:
             dist.destroy_process_group()

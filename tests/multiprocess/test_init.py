@@ -24,7 +24,7 @@ from lightning_ultrascale.models.llama import param_seed
 from lightning_ultrascale.models.shard_init import normal_at, philox4x32
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.mesh import build_mesh
-from lightning_ultrascale.parallel.plugin import ParallelPlugin
+from lightning_ultrascale.parallel.plugin import ParallelPlugin, apply_all
 from lightning_ultrascale.testing import run_workers
 
 TINY = get_model_config("llama_tiny")
@@ -115,8 +115,7 @@ def _materialise(plugins: Callable[[], list[ParallelPlugin]], cfg: Any, world_si
     model: nn.Module = build_model(cfg, device="meta")
     strategy.validate(model.spec, world_size=world_size)  # type: ignore[arg-type]
     layout = Layout(strategy.parallel_dims, build_mesh(strategy.parallel_dims, "cpu"))
-    for plugin in strategy.applied_plugins():
-        model = plugin.apply(model, layout)
+    model = apply_all(strategy.applied_plugins(), model, layout)
     model.to_empty(device="cpu")
     model.init_weights(SEED)  # type: ignore[operator]
     return model

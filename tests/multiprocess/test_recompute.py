@@ -19,6 +19,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.parallel.data import ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
+from lightning_ultrascale.parallel.plugin import apply_all
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
@@ -34,7 +35,7 @@ SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # wha
 
 
 def _model(config: str, device: str = "cpu") -> torch.nn.Module:
-    return CONFIGS[config].apply(build_model("llama_tiny", device=device))
+    return apply_all([CONFIGS[config]], build_model("llama_tiny", device=device), None)  # type: ignore[arg-type]
 
 
 def _tokens() -> torch.Tensor:

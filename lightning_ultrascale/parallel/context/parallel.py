@@ -89,6 +89,10 @@ class ContextParallel(ParallelPlugin):
         self._probed = False
         self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
 
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"cp": self.size}
 
@@ -147,9 +151,7 @@ class ContextParallel(ParallelPlugin):
         In the step (each microbatch waits for its attention); ring attention overlaps its K/V
         exchange with the attention of the block it holds, about half the step's compute.
         """
-        terms = CostTerms(hidden_by=0.5, host="context" if self.size > 1 else None)
-        if self.size == 1:
-            return terms
+        terms = CostTerms(hidden_by=0.5, host="context")
         s, e, t = rank.widths, rank.element_bytes, rank.tokens
         layers, m = len(rank.layers), rank.forwards
         if self.method == "all_to_all":
@@ -165,8 +167,6 @@ class ContextParallel(ParallelPlugin):
         return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        if self.size == 1:
-            return model
         spec = require_spec(model)
         cp_mesh = layout.mesh["cp"]
         self._rank = cp_mesh.get_local_rank()

@@ -60,6 +60,10 @@ class ExpertParallel(ParallelPlugin):
         require_positive_int(self, "size", size)
         self.size = size
 
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"ep": self.size}
 
@@ -94,9 +98,9 @@ class ExpertParallel(ParallelPlugin):
 
     def plan_cost(self, rank: RankView) -> CostTerms:
         """Dispatch and combine forward, their reverses backward, of every routed row (uniform routing)."""
-        terms = CostTerms(host="expert" if self.size > 1 else None)
+        terms = CostTerms(host="expert")
         moe = rank.workload.model.moe
-        if self.size == 1 or moe is None:
+        if moe is None:
             return terms
         moe_layers = sum(1 for i in rank.layers if moe.is_moe_block(i))
         rows = rank.tokens * moe.top_k * rank.widths.h * rank.element_bytes
@@ -106,8 +110,6 @@ class ExpertParallel(ParallelPlugin):
         return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        if self.size == 1:
-            return model
         spec = require_spec(model)
         data = layout.mesh["dp_cp"]
         meshes = data._unflatten(0, (data.size() // self.size, self.size), ("edp", "ep"))
@@ -131,8 +133,6 @@ class ExpertParallel(ParallelPlugin):
         return model
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
-        if self.size == 1:
-            return
         # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
         n_data, data = plan.flat(DATA_DIMS)
         plan.sizes |= {"ep": self.size, "edp": n_data // self.size}

@@ -121,6 +121,10 @@ class PipelineParallel(ParallelPlugin):
         """Runs each backward as two ops (input gradients, then weight gradients): zero-bubble schedules."""
         return self.size > 1 and self.schedule in SPLIT_BACKWARD
 
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
     def mesh_sizes(self) -> dict[str, int | None]:
         return {"pp": self.size}
 
@@ -147,8 +151,6 @@ class PipelineParallel(ParallelPlugin):
 
     # ----------------------------------------------------------------------------- model
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
-        if self.size == 1:
-            return model
         spec = require_spec(model)
         if not isinstance(model, StagedModel):
             raise TypeError(
@@ -199,8 +201,6 @@ class PipelineParallel(ParallelPlugin):
         return cls(size, schedule, microbatches, point.get("virtual_stages"))
 
     def plan_label(self, dims: ParallelDims) -> str:
-        if self.size == 1:
-            return ""
         own = self.virtual_stages != resolve_virtual_stages(self.schedule, None)
         v = f",v{self.virtual_stages}" if own else ""
         return f"pp{self.size}({self.schedule}{v},m{self.microbatches})"
@@ -220,9 +220,7 @@ class PipelineParallel(ParallelPlugin):
         Every stage on the rank sends its output (not the last stage) and its input's gradient
         (not the first): ``t x h`` activations per microbatch, on the critical path.
         """
-        terms = CostTerms(host=f"pipeline_{self.schedule}" if self.size > 1 else None)  # (its runtime's)
-        if self.size == 1:
-            return terms
+        terms = CostTerms(host=f"pipeline_{self.schedule}")  # (its runtime's)
         timeline = schedule_facts(self.schedule, self.size, self.microbatches, self.virtual_stages)
         terms.bubble = timeline.bubble
         s = rank.widths
@@ -233,8 +231,6 @@ class PipelineParallel(ParallelPlugin):
         return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
-        if self.size == 1:
-            return
         spec = require_spec(model)
         ranges = plan_stages(model, spec, self.n_stages, self.split_points)
         rank = plan.coordinate["pp"]
