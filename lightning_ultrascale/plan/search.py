@@ -42,7 +42,7 @@ from torch import nn
 from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.plan.candidate import Candidate
-from lightning_ultrascale.plan.cost import Cost, Workload, estimate
+from lightning_ultrascale.plan.cost import Cost, Workload, estimate, priced_spec
 from lightning_ultrascale.plan.hardware import Hardware, get_hardware
 
 __all__ = ["NoLayoutFits", "Priced", "SearchResult", "search"]
@@ -185,8 +185,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def _space(workload: Workload, world: int, gpu: Hardware, space: Mapping[str, Any] | None) -> dict[str, list[Any]]:
-    cfg = workload.model
-    layers = cfg.n_layers
+    spec = workload.spec
+    layers = spec.n_layers
     out: dict[str, list[Any]] = {
         "tp": [t for t in _powers_of_two(2 * gpu.gpus_per_node) if t <= world],
         "cp": [c for c in _powers_of_two(8) if workload.seq_len // c >= 1024 or c == 1],
@@ -195,7 +195,7 @@ def _space(workload: Workload, world: int, gpu: Hardware, space: Mapping[str, An
             {p for p in range(1, min(layers, 32) + 1) if p <= world and (layers % p == 0 or p & (p - 1) == 0)}
         ),
         "zero": [0, 1, 2, 3],
-        "ep": [1] if cfg.moe is None else _powers_of_two(min(cfg.moe.n_routed_experts, world)),
+        "ep": _powers_of_two(min(spec.n_experts, world)) if spec.moe_blocks else [1],
         "schedule": list(_SCHEDULES),
         "micro_batch_size": [1, 2, 4],
         "recompute": list(_RECOMPUTE),
@@ -289,7 +289,7 @@ def search(
 ) -> SearchResult:
     """Price every valid layout of ``workload`` on ``world_size`` GPUs; raise if none fits.
 
-    ``model``: the model on the meta device (built from ``workload.model`` if not given).
+    ``model``: the model on the meta device (``workload.model`` where it is one, else built from it).
     ``space``: values to try per dimension instead of the defaults (module docstring), e.g.
     ``{"tp": [8], "recompute": ["full"]}`` pins tp and recomputation. ``plugins``: further plugins
     every layout runs with (each prices itself through ``plan_facts`` / ``plan_cost``).
@@ -303,9 +303,11 @@ def search(
 
     hardware = get_hardware(gpu)
     _check_cluster(world_size, hardware)
+    if model is None:
+        model = workload.model if isinstance(workload.model, nn.Module) else build_model(workload.model, device="meta")
+    priced_spec(model)
     grid = _space(workload, world_size, hardware, space) | {"extra": [tuple(plugins)]}
-    meta = model if model is not None else build_model(workload.model, device="meta")
-    fitting, too_big, refusals, dominated = _price_space(workload, world_size, hardware, grid, meta)
+    fitting, too_big, refusals, dominated = _price_space(workload, world_size, hardware, grid, model)
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
     fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), _dims_split(p.candidate), p.peak))
     too_big.sort(key=lambda p: p.peak)
@@ -407,8 +409,7 @@ def _dims_split(c: Candidate) -> int:
 def _no_fit(result: SearchResult) -> ConfigError:
     w, gpu = result.workload, result.gpu
     what = (
-        f"{w.model.name} (seq_len={w.seq_len}, global_batch_size={w.global_batch_size}) "
-        f"on {result.world_size} x {gpu.name}"
+        f"{w.name} (seq_len={w.seq_len}, global_batch_size={w.global_batch_size}) on {result.world_size} x {gpu.name}"
     )
     if not result.too_big and not result.refused:
         return ConfigError(f"no layout of {what} to price: {_why_no_candidates(result)}")

@@ -253,6 +253,38 @@ class LlamaConfig:
         return float(6 * matmul_params + attention)
 
 
+def llama_spec(config: LlamaConfig) -> ModelSpec:
+    """The :class:`ModelSpec` of the model ``config`` builds (no module needed: the planner reads it)."""
+    return ModelSpec(
+        name=config.name,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        # MLA expands its latent kv per head: tensor parallelism splits n_heads of both.
+        n_kv_heads=config.n_heads if config.mla is not None else config.n_kv_heads,
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        n_experts=config.n_experts,
+        moe_blocks=config.moe_blocks(),
+        tp_plan=functools.partial(llama_tp_plan, config),
+        **_priced_widths(config),
+    )
+
+
+def _priced_widths(cfg: LlamaConfig) -> dict[str, int]:
+    """The :class:`ModelSpec` widths the planner prices: MLA's queries and keys are
+    ``qk_nope + qk_rope`` wide per head, its values ``v_head_dim``."""
+    mla, moe = cfg.mla, cfg.moe
+    qk = cfg.head_dim if mla is None else mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    widths = {
+        "ffn_dim": cfg.ffn_hidden_dim,
+        "head_dim": qk,
+        "v_head_dim": cfg.head_dim if mla is None else mla.v_head_dim,
+    }
+    if moe is not None:
+        widths |= {"top_k": moe.top_k, "n_shared_experts": moe.n_shared_experts, "expert_ffn_dim": moe.moe_ffn_dim}
+    return widths
+
+
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` in fp32, with Llama 3.1 scaling if configured.
 
@@ -376,18 +408,7 @@ class Llama(nn.Module):
         #: ``functools.partial(lightning_ultrascale.models.hf.convert.load_hf_weights, path=DIR)``
         #: (each rank its shards).
         self.pretrained = pretrained
-        self.spec = ModelSpec(
-            name=config.name,
-            n_layers=config.n_layers,
-            n_heads=config.n_heads,
-            # MLA expands its latent kv per head: tensor parallelism splits n_heads of both.
-            n_kv_heads=config.n_heads if config.mla is not None else config.n_kv_heads,
-            dim=config.dim,
-            vocab_size=config.vocab_size,
-            n_experts=config.n_experts,
-            moe_blocks=config.moe_blocks(),
-            tp_plan=functools.partial(llama_tp_plan, config),
-        )
+        self.spec = llama_spec(config)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
