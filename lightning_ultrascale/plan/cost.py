@@ -71,8 +71,7 @@ import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, is_positive_int
-from lightning_ultrascale.models.llama import LlamaConfig
-from lightning_ultrascale.models.llama.model import llama_spec
+from lightning_ultrascale.models.common.decoder import LlamaConfig, llama_spec
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
 from lightning_ultrascale.parallel.layout import ShardPlan
@@ -470,7 +469,7 @@ def _rank_cost(
     workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int, polled: bool
 ) -> Cost:
     """Memory and traffic of one rank holding ``plan``: every plugin's terms composed (no time yet)."""
-    spec = model.spec  # type: ignore[attr-defined]
+    spec = priced_spec(model)
     prefix = f"{spec.layers}."
     layers = sorted({int(n[len(prefix) :].split(".")[0]) for n in plan.shapes if n.startswith(prefix)})
     first = f"{spec.embedding}.weight" in plan.shapes
@@ -527,7 +526,6 @@ def estimate(
 
     c, polled = candidate, gpu is None or gpu.sends_polled
     _check_agrees(workload, c)
-    priced_spec(model)
     strategy = c.strategy()
     world = c.world_size
     strategy.validate(model.spec, c.data_shape(workload), world_size=world)  # type: ignore[arg-type]

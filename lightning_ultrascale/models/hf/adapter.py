@@ -440,7 +440,7 @@ def _block_plans(residual: Any, qk_norm: bool) -> tuple[dict[str, Any], dict[str
         SequenceParallel,
     )
 
-    from lightning_ultrascale.models.llama.parallel import gathered_moe
+    from lightning_ultrascale.models.common.tp_plan import gathered_moe
 
     attention: dict[str, Any] = {
         # HF's blocks call their attention with hidden_states=: converted as a keyword.

@@ -1,4 +1,7 @@
-"""Llama 3 (and 3.1 / 3.2): the dense decoder every parallel technique is tested on.
+"""The decoder every family of ours shares: Llama 3's (3.1 / 3.2), with mixture-of-experts blocks
+(Mixtral, DeepSeek) and multi-head latent attention (DeepSeek-V2/V3) where its config asks. Each
+family's folder (``models/llama``, ``models/mixtral``, ``models/deepseek``) holds its presets and its
+Hugging Face translation; the tensor-parallel plan is :mod:`.tp_plan`, beside this module.
 
 The module tree follows torchtitan's names, which are the :class:`ModelSpec` defaults::
 
@@ -28,6 +31,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +42,7 @@ from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, causal_attention
 from lightning_ultrascale.models.common.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
 from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
-from lightning_ultrascale.models.llama.parallel import llama_tp_plan
+from lightning_ultrascale.models.common.tp_plan import llama_tp_plan
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
 
@@ -115,6 +119,13 @@ class LlamaConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     name: str = "llama"
+    #: The fields that are configs of their own (``model.moe.top_k=4`` on the command line changes
+    #: one of their settings), and what each is.
+    PARTS: ClassVar[dict[str, str]] = {
+        "moe": "mixture of experts",
+        "mla": "multi-head latent attention",
+        "rope_scaling": "rope scaling",
+    }
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
