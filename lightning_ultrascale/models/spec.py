@@ -82,7 +82,7 @@ class ModelSpec:
     def undeclared_widths(self) -> list[str]:
         """The planner's widths this spec leaves at 0 although the model has such blocks."""
         needed = ["ffn_dim"] if len(self.moe_blocks) < self.n_layers else []
-        needed += ["top_k", "expert_ffn_dim"] if self.moe_blocks else []
+        needed += ["n_experts", "top_k", "expert_ffn_dim"] if self.moe_blocks else []
         return [name for name in needed if not getattr(self, name)]
 
     def pipeline_split_points(self) -> list[str]:

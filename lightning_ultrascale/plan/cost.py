@@ -143,7 +143,7 @@ class Workload:
     @property
     def spec(self) -> ModelSpec:
         """The model's contract: its own spec, or the one our decoder builds from the config."""
-        return llama_spec(self.model) if isinstance(self.model, LlamaConfig) else self.model.spec
+        return llama_spec(self.model) if isinstance(self.model, LlamaConfig) else require_spec(self.model)
 
     @property
     def name(self) -> str:

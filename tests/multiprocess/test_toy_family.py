@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from own_model import CONFIG, Transformer
 from torch import Tensor, nn
 
 from lightning_ultrascale import UltraScaleDataModule, UltraScaleStrategy, ZeRO
@@ -157,6 +158,14 @@ def test_mfu_counts_the_specs_flops_for_a_model_without_its_own_count():
     model = meta_toy()
     [cost] = estimate(_workload(model), Candidate.layout(dp=2, zero=1, micro_batch_size=4), model, GPUS["h100"])
     assert math.isfinite(cost.mfu) and cost.mfu > 0
+
+
+def test_a_users_own_model_is_priced_from_its_spec():
+    # tests/own_model.py, the README's "Your own model": its spec declares its FFN width.
+    with torch.device("meta"):
+        model = Transformer(CONFIG)
+    [cost] = estimate(_workload(model), Candidate.layout(dp=2, zero=3, micro_batch_size=4), model, GPUS["h100"])
+    assert cost.view is not None and cost.view.widths.f == CONFIG["ffn_dim"] and cost.step_time > 0
 
 
 # ----------------------------------------------------------------------------- trains under a layout

@@ -55,6 +55,7 @@ __all__ = [
     "RopeScaling",
     "TransformerBlock",
     "apply_rope",
+    "llama_spec",
     "param_seed",
     "rope_inv_freq",
 ]
