@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -460,9 +461,28 @@ def workload(cfg: DictConfig) -> Any:
         shape[key] = value
     reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
     return Workload(
-        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
+        _priced_model(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
         fused_kernels=kernels.get("name", "reference") != "reference",
     )  # fmt: skip
+
+
+def _priced_model(model: DictConfig) -> Any:
+    """What the planner prices of the ``model`` node: the preset's config; for ``model=hf`` the directory's
+    config converted to our decoder where a converter reads it, else (a family trained as it is, e.g. Qwen3)
+    the HF model itself on the meta device, priced from the spec the adapter gives it."""
+    if model.name == "hf":
+        from lightning_ultrascale.models.hf.adapter import FAMILIES
+        from lightning_ultrascale.models.hf.convert import MODEL_TYPES
+        from lightning_ultrascale.training.hf_module import hf_directory, hf_meta_model
+
+        path = hf_path(model)
+        try:  # (a directory without a readable config.json: _model_config says so, by name)
+            kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind in FAMILIES and kind not in MODEL_TYPES.values():
+            return hf_meta_model(hf_directory(path))
+    return _model_config(model)
 
 
 def _model_config(model: DictConfig) -> LlamaConfig:
