@@ -11,6 +11,8 @@ Example:
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from lightning_ultrascale.errors import ConfigError
@@ -37,7 +39,20 @@ __all__ = [
 
 #: Every family's folder, in the order its presets are listed; each holds ``CONFIGS`` (name -> config).
 FAMILIES = (llama, mixtral, deepseek)
-MODEL_CONFIGS: dict[str, LlamaConfig] = {name: cfg for family in FAMILIES for name, cfg in family.CONFIGS.items()}
+
+
+def _gather(families: tuple[ModuleType, ...]) -> dict[str, LlamaConfig]:
+    """Every family's presets under their names; two families may not claim one name."""
+    configs: dict[str, LlamaConfig] = {}
+    for family in families:
+        for name, config in family.CONFIGS.items():
+            if name in configs:
+                raise ConfigError(f"model preset {name!r} is in two families; {family.__name__} must rename its own")
+            configs[name] = config
+    return configs
+
+
+MODEL_CONFIGS = _gather(FAMILIES)
 
 
 def get_model_config(name: str) -> LlamaConfig:
