@@ -109,7 +109,7 @@ class Transformer(nn.Module):
         if tied:  # nanoGPT's way: one Parameter held by both modules, nothing else
             self.output.weight = self.tok_embeddings.weight
         self.spec = ModelSpec("own", cfg["n_layers"], cfg["n_heads"], cfg["n_kv_heads"], cfg["dim"],  # contract
-                              cfg["vocab_size"], tp_plan=tp_plan)  # fmt: skip
+                              cfg["vocab_size"], tp_plan=tp_plan, ffn_dim=cfg["ffn_dim"])  # fmt: skip
 
     def init_weights(self, seed: int) -> None:  # contract: from (seed, name) alone
         init_by_name(self, seed, lambda name: None if "norm" in name else 0.02)

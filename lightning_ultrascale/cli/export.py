@@ -44,8 +44,8 @@ from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
 from lightning_ultrascale.errors import ConfigError, reported
 from lightning_ultrascale.models import LlamaConfig, get_model_config
+from lightning_ultrascale.models.common.decoder import Llama
 from lightning_ultrascale.models.hf.convert import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
-from lightning_ultrascale.models.llama import Llama
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)

@@ -164,7 +164,7 @@ def render(result: Any, top: int = 10) -> str:
     w, gpu = result.workload, result.gpu
     gib = 2**30
     lines = [
-        f"{w.model.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
+        f"{w.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
         f"{w.precision}, on {result.world_size} x {gpu.name} ({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
         f"{len(result.fitting)} layouts fit, {len(result.too_big)} do not, {result.refused} refused by the plugins, "
         f"{len(result.dominated)} not priced (a layout of the same sizes with less sharding/recomputation fits)",
@@ -219,7 +219,7 @@ def heatmap(result: Any, path: str) -> None:
     ax.set_xlabel("tensor parallel size (tp)")
     ax.set_ylabel("pipeline parallel size (pp)")
     w = result.workload
-    ax.set_title(f"{w.model.name}, seq {w.seq_len}, {result.world_size} x {result.gpu.name}: best MFU")
+    ax.set_title(f"{w.name}, seq {w.seq_len}, {result.world_size} x {result.gpu.name}: best MFU")
     fig.savefig(path, bbox_inches="tight", dpi=120)
     plt.close(fig)
 

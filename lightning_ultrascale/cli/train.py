@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
@@ -132,10 +133,9 @@ OmegaConf.register_new_resolver("ultrascale.slurm_nodes", slurm_nodes, replace=T
 OmegaConf.register_new_resolver("ultrascale.run_dir", run_dir, replace=True)
 
 
-#: Keys of the ``model`` node the CLI reads itself; every other key is a field of ``LlamaConfig``.
+#: Keys of the ``model`` node the CLI reads itself; every other key is a field of the preset's config
+#: (its ``PARTS``, configs of their own, change one setting each: ``model.moe.top_k=4``).
 MODEL_KEYS = ("name", "init_from")
-#: ``LlamaConfig`` fields that are configs of their own: ``model.moe.top_k=4`` changes one of their settings.
-MODEL_PARTS = {"moe": "mixture of experts", "mla": "multi-head latent attention", "rope_scaling": "rope scaling"}
 
 
 def config_dirs(overrides: list[str]) -> list[Path]:
@@ -461,9 +461,28 @@ def workload(cfg: DictConfig) -> Any:
         shape[key] = value
     reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
     return Workload(
-        _model_config(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
+        _priced_model(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
         fused_kernels=kernels.get("name", "reference") != "reference",
     )  # fmt: skip
+
+
+def _priced_model(model: DictConfig) -> Any:
+    """What the planner prices of the ``model`` node: the preset's config; for ``model=hf`` the directory's
+    config converted to our decoder where a converter reads it, else (a family trained as it is, e.g. Qwen3)
+    the HF model itself on the meta device, priced from the spec the adapter gives it."""
+    if model.name == "hf":
+        from lightning_ultrascale.models.hf.adapter import FAMILIES
+        from lightning_ultrascale.models.hf.convert import MODEL_TYPES
+        from lightning_ultrascale.training.hf_module import hf_directory, hf_meta_model
+
+        path = hf_path(model)
+        try:  # (a directory without a readable config.json: _model_config says so, by name)
+            kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        if kind in FAMILIES and kind not in MODEL_TYPES.values():
+            return hf_meta_model(hf_directory(path))
+    return _model_config(model)
 
 
 def _model_config(model: DictConfig) -> LlamaConfig:
@@ -472,7 +491,7 @@ def _model_config(model: DictConfig) -> LlamaConfig:
     A changed preset is named after what changed, ``llama_tiny(n_layers=2, vocab_size=512)``: the
     name goes into checkpoints and logs, where the preset's own would claim the preset's sizes.
     """
-    from lightning_ultrascale.models import LlamaConfig, get_model_config
+    from lightning_ultrascale.models import get_model_config
 
     if model.name == "hf":  # the planner prices our Llama's architecture: the directory's, converted
         from lightning_ultrascale.models.hf.convert import hf_directory_config
@@ -482,14 +501,14 @@ def _model_config(model: DictConfig) -> LlamaConfig:
     preset = get_model_config(model.name)
     settings = OmegaConf.to_container(model, resolve=True)
     assert isinstance(settings, dict)
-    fields = [f.name for f in dataclasses.fields(LlamaConfig) if f.name != "name"]
+    fields = [f.name for f in dataclasses.fields(preset) if f.name != "name"]
     changes: dict[str, Any] = {}
     for key, value in settings.items():
         if key in MODEL_KEYS:
             continue
         if key not in fields:
             raise ConfigError(f"model.{key}={value!r} is unknown; valid: {', '.join([*MODEL_KEYS, *fields])}")
-        changes[key] = _model_part(preset, key, value) if key in MODEL_PARTS else value
+        changes[key] = _model_part(preset, key, value) if key in preset.PARTS else value
     config = dataclasses.replace(preset, **changes)
     changed = _differences(config, preset)
     if changed:
@@ -508,9 +527,9 @@ def _model_part(preset: LlamaConfig, part: str, value: Any) -> Any:
     if not isinstance(value, dict):
         raise ConfigError(f"model.{part}={value!r} must be a node of its settings; valid: model.{part}.<setting>=...")
     if current is None:
-        having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part) is not None)
+        having = ", ".join(n for n, c in MODEL_CONFIGS.items() if getattr(c, part, None) is not None)
         raise ConfigError(
-            f"model.{part}.{next(iter(value), '')} is set, but model={preset.name} has no {MODEL_PARTS[part]}; "
+            f"model.{part}.{next(iter(value), '')} is set, but model={preset.name} has no {preset.PARTS[part]}; "
             f"valid: a model with one ({having})"
         )
     fields = [f.name for f in dataclasses.fields(current)]

@@ -363,7 +363,7 @@ def check_checkpoint_model(path: _PATH, hparams: Mapping[str, Any], option: str 
     saves one) with this run's, before any process group: otherwise DCP fails deep inside the
     load with ``Size mismatch`` on some optimizer state.
     """
-    from lightning_ultrascale.models.llama import LlamaConfig
+    from lightning_ultrascale.models.common.decoder import LlamaConfig
 
     where = checkpoint_location(path)
     meta = where / _METADATA_FILENAME if where.is_dir() else where

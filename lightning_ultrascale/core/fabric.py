@@ -96,7 +96,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
         >>> from lightning_ultrascale import ZeRO
         >>> from lightning_ultrascale import FabricStrategy
         >>> from lightning_ultrascale.models import get_model_config
-        >>> from lightning_ultrascale.models.llama import Llama
+        >>> from lightning_ultrascale.models.common.decoder import Llama
         >>> fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=3)), accelerator="cpu", devices=2)
         >>> fabric.launch()  # doctest: +SKIP
         >>> with fabric.init_module(empty_init=True):  # doctest: +SKIP

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
@@ -53,6 +54,36 @@ class ModelSpec:
     tp_plan: Callable[[bool], tuple[dict[str, Any], dict[str, dict[str, Any]]]] | None = field(
         default=None, compare=False, repr=False
     )
+    # The widths the planner prices (lightning_ultrascale.plan), 0 where not declared (the planner then
+    # refuses by name): the dense feed-forward's hidden width (SwiGLU: w1, w3 of ``dim x ffn_dim``);
+    # one head's query/key and value widths (``dim // n_heads`` unless set; MLA's differ); an MoE
+    # block's routed experts per token, shared experts and one expert's hidden width.
+    ffn_dim: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    expert_ffn_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.head_dim and self.n_heads > 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    @cached_property
+    def _moe_set(self) -> frozenset[int]:
+        return frozenset(self.moe_blocks)
+
+    def is_moe_block(self, layer: int) -> bool:
+        """Whether block ``layer`` (its global index) is a mixture of experts."""
+        return layer in self._moe_set
+
+    def undeclared_widths(self) -> list[str]:
+        """The planner's widths this spec leaves at 0 although the model has such blocks."""
+        needed = ["ffn_dim"] if len(self.moe_blocks) < self.n_layers else []
+        needed += ["n_experts", "top_k", "expert_ffn_dim"] if self.moe_blocks else []
+        return [name for name in needed if not getattr(self, name)]
 
     def pipeline_split_points(self) -> list[str]:
         """Module names before which a pipeline stage may begin: every block boundary."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.layout import ShardPlan
 
 __all__ = [
@@ -77,8 +78,9 @@ class Widths:
 class RankView:
     """One rank of a candidate layout, as the planner prices it (no process, no tensor).
 
-    ``workload`` and ``layout`` are the planner's ``Workload`` and ``Candidate`` (the model config,
-    batch and precision; every plugin's facts); ``plan`` the parameters this rank holds.
+    ``workload`` and ``layout`` are the planner's ``Workload`` and ``Candidate`` (the model, batch
+    and precision; every plugin's facts); ``plan`` the parameters this rank holds; ``spec`` the
+    model's contract, which every width and count is read from (a user's model is priced as ours).
     """
 
     workload: Any
@@ -89,6 +91,7 @@ class RankView:
     last: bool  # holds the head (computes the loss)
     accumulation: int  # micro-steps per optimizer step
     widths: Widths
+    spec: ModelSpec
 
     @property
     def tokens(self) -> float:

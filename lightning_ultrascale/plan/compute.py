@@ -51,7 +51,7 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     flop_rate = peak * gpu.matmul_efficiency
     byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
     e, t, s = rank.element_bytes, rank.tokens, rank.widths
-    cfg = rank.workload.model
+    spec = rank.spec
 
     def gemm(m: float, k: float, n: float, count: float = 1) -> float:
         rate = flop_rate * gpu.gemm_factor(min(k, n))
@@ -60,14 +60,14 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     matmul = attention = memory = 0.0
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
     for layer in rank.layers:
-        moe = cfg.moe is not None and cfg.moe.is_moe_block(layer)
+        moe = spec.is_moe_block(layer)
         matmul += _attention_gemms(gemm, rank) + (_moe_gemms(gemm, rank) if moe else _dense_gemms(gemm, rank))
         pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
         flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
         attention += 3.5 * flops / (peak * gpu.attention_efficiency)
         # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times
-        f = (cfg.moe.top_k + cfg.moe.n_shared_experts) * cfg.moe.moe_ffn_dim if moe else s.f / s.tp
-        routed = EAGER_ROUTED_ELEMENTS * cfg.moe.top_k * s.h * _expert_load(rank) if moe else 0.0
+        f = (spec.top_k + spec.n_shared_experts) * spec.expert_ffn_dim if moe else s.f / s.tp
+        routed = EAGER_ROUTED_ELEMENTS * spec.top_k * s.h * _expert_load(rank) if moe else 0.0
         if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
             per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
         else:  # eager, as counted on our block (EAGER_ELEMENTS)
@@ -78,7 +78,7 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
         matmul += gemm(t, s.h, s.vocab / s.tp, 3)
         memory += 4 * 4 * t * s.vocab / s.tp / byte_rate  # log-softmax: read, write; and back
     m = rank.forwards
-    moe_blocks = sum(1 for i in rank.layers if cfg.moe is not None and cfg.moe.is_moe_block(i))
+    moe_blocks = sum(1 for i in rank.layers if spec.is_moe_block(i))
     per_block = sum(gpu.host_overhead(h) * (moe_blocks if h == "expert" else len(rank.layers)) for h in hosts)
     host = (ops * gpu.op_overhead + per_block) * m + gpu.step_overhead * rank.accumulation
     return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m, "host": host}
@@ -107,12 +107,13 @@ def _expert_load(rank: RankView) -> float:
 
 def _moe_gemms(gemm: Callable[..., float], rank: RankView) -> float:
     """Router; each local expert's share of the routed rows (times the busiest rank's load); shared experts."""
-    moe, s, t = rank.workload.model.moe, rank.widths, rank.tokens
-    local = moe.n_routed_experts / rank.layout.ep
-    rows = t * moe.top_k / local * _expert_load(rank)  # rows per local expert: t x k rows arrive, spread over them
-    routed = gemm(rows, s.h, moe.moe_ffn_dim, 6 * local) + gemm(rows, moe.moe_ffn_dim, s.h, 3 * local)
-    shared = moe.n_shared_experts * moe.moe_ffn_dim
-    out = gemm(t, s.h, moe.n_routed_experts, 3)
+    spec, s, t = rank.spec, rank.widths, rank.tokens
+    fe = spec.expert_ffn_dim
+    local = spec.n_experts / rank.layout.ep
+    rows = t * spec.top_k / local * _expert_load(rank)  # rows per local expert: t x k rows arrive, spread over them
+    routed = gemm(rows, s.h, fe, 6 * local) + gemm(rows, fe, s.h, 3 * local)
+    shared = spec.n_shared_experts * fe
+    out = gemm(t, s.h, spec.n_experts, 3)
     if shared:
         out += gemm(t, s.h, shared, 6) + gemm(t, shared, s.h, 3)
     return routed + out

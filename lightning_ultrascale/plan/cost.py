@@ -71,7 +71,8 @@ import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, is_positive_int
-from lightning_ultrascale.models.llama import LlamaConfig
+from lightning_ultrascale.models.common.decoder import LlamaConfig, llama_spec
+from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
@@ -80,7 +81,7 @@ from lightning_ultrascale.plan.compute import model_compute
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
 
-__all__ = ["Candidate", "Cost", "Workload", "estimate", "expert_load"]
+__all__ = ["Candidate", "Cost", "Workload", "estimate", "expert_load", "priced_spec", "spec_flops_per_token"]
 
 _PRECISIONS = ("32-true", "bf16-mixed")
 _REDUCE_DTYPES = ("fp32", "bf16")
@@ -90,6 +91,10 @@ _REDUCE_DTYPES = ("fp32", "bf16")
 class Workload:
     """What is trained: the model, the batch and the precision.
 
+    ``model``: a configuration of our decoder (``get_model_config(...)``), or any model that declares
+    the model contract (``spec: ModelSpec`` with the widths the planner prices), built on the meta
+    device: a user's own is priced from its spec as ours is. MFU counts its ``flops_per_token`` where
+    it has one, else the spec's (:func:`spec_flops_per_token`).
     ``fused_kernels``: the norms, RoPE and SwiGLU run fused (``kernels=`` other than ``reference``).
     ``reduce_dtype``: the run's ``ZeRO(reduce_dtype=...)``, which the search gives every layout
     it builds (:func:`estimate` refuses a layout whose data plugin says otherwise).
@@ -110,7 +115,7 @@ class Workload:
         4194304
     """
 
-    model: LlamaConfig
+    model: LlamaConfig | nn.Module
     seq_len: int
     global_batch_size: int
     precision: str = "bf16-mixed"
@@ -132,6 +137,22 @@ class Workload:
         for name in ("seq_len", "global_batch_size"):
             if not is_positive_int(getattr(self, name)):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if not isinstance(self.model, LlamaConfig):
+            priced_spec(self.model)
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's contract: its own spec, or the one our decoder builds from the config."""
+        return llama_spec(self.model) if isinstance(self.model, LlamaConfig) else require_spec(self.model)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the model: its own count where it has one, else its spec's."""
+        count = getattr(self.model, "flops_per_token", None)
+        return count(seq_len) if callable(count) else spec_flops_per_token(self.spec, seq_len)
 
     @property
     def tokens_per_step(self) -> int:
@@ -141,6 +162,36 @@ class Workload:
     def activation_bytes(self) -> int:
         """Bytes of one activation element: bf16 under autocast, else fp32."""
         return 2 if self.precision == "bf16-mixed" else 4
+
+
+def priced_spec(model: nn.Module) -> ModelSpec:
+    """``model``'s spec, or a :class:`ConfigError` naming the widths it does not declare and the planner prices."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"Workload(model={type(model).__name__}) is not a model; valid: a LlamaConfig "
+            "(get_model_config(...)) or an nn.Module with a `spec: ModelSpec`, built on the meta device"
+        )
+    spec = require_spec(model)
+    missing = spec.undeclared_widths()
+    if missing:
+        raise ConfigError(
+            f"model {spec.name}'s spec leaves {', '.join(f'{m}=0' for m in missing)}; the planner prices those "
+            "widths: declare them in its ModelSpec (lightning_ultrascale.models.spec)"
+        )
+    return spec
+
+
+def spec_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token from a spec's widths: ``6 N + 6 L H (d_qk + d_v) T``, N the parameters
+    one token runs through but the embedding (q, k, v, o; SwiGLU, or the router, top-k routed and shared
+    experts; the norms; the head), as :meth:`~lightning_ultrascale.models.LlamaConfig.flops_per_token`
+    counts them (MLA's low-rank projections aside: the spec prices them as full-rank)."""
+    h, qk, v = spec.dim, spec.head_dim, spec.v_head_dim
+    attention = h * (spec.n_heads + spec.n_kv_heads) * (qk + v)
+    moe = 3 * h * spec.expert_ffn_dim * (spec.top_k + spec.n_shared_experts) + h * spec.n_experts
+    ffn = len(spec.moe_blocks) * moe + (spec.n_layers - len(spec.moe_blocks)) * 3 * h * spec.ffn_dim
+    matmul = spec.n_layers * (attention + 2 * h) + ffn + h + h * spec.vocab_size
+    return float(6 * matmul + 6 * spec.n_layers * spec.n_heads * (qk + v) * seq_len)
 
 
 @dataclass
@@ -191,15 +242,11 @@ def expert_load(loads: torch.Tensor, ep: int) -> float:
     return float(busiest.mean())
 
 
-def widths(cfg: LlamaConfig, c: Candidate) -> Widths:
-    if cfg.mla is not None:  # MLA: queries and keys of qk width, values of v width (approximation)
-        head_dim = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
-        v_dim = cfg.mla.v_head_dim
-    else:
-        head_dim = v_dim = cfg.head_dim
+def widths(spec: ModelSpec, c: Candidate) -> Widths:
+    """One rank's widths, read from the model's spec (MLA: queries and keys of qk width, values of v width)."""
     return Widths(
-        h=cfg.dim, f=cfg.ffn_hidden_dim, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=head_dim,
-        v_head_dim=v_dim, vocab=cfg.vocab_size, tp=c.tp, sp=c.tp if c.sequence_parallel else 1,
+        h=spec.dim, f=spec.ffn_dim, heads=spec.n_heads, kv_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim, vocab=spec.vocab_size, tp=c.tp, sp=c.tp if c.sequence_parallel else 1,
     )  # fmt: skip
 
 
@@ -220,49 +267,46 @@ def _attention(s: Widths, e: int, cp_method: str | None) -> float:
     return (q + k_v + o + extra) * e + 4 * heads
 
 
-def _moe_ffn(cfg: LlamaConfig, s: Widths, e: int) -> float:
-    moe = cfg.moe
-    assert moe is not None
-    k, fe = moe.top_k, moe.moe_ffn_dim
-    router = 4 * moe.n_routed_experts + 8 + 32 * k
+def _moe_ffn(spec: ModelSpec, s: Widths, e: int) -> float:
+    k, fe = spec.top_k, spec.expert_ffn_dim
+    router = 4 * spec.n_experts + 8 + 32 * k
     routed = k * ((2 * s.h + 4 * fe) * e + s.h * e)
-    shared = 4 * fe * moe.n_shared_experts * e
+    shared = 4 * fe * spec.n_shared_experts * e
     return router + routed + shared
 
 
-def _block_kept(cfg: LlamaConfig, s: Widths, e: int, layer: int, cp_method: str | None) -> float:
+def _block_kept(spec: ModelSpec, s: Widths, e: int, layer: int, cp_method: str | None) -> float:
     """Bytes per token a block keeps for backward without recomputation."""
-    moe = cfg.moe is not None and cfg.moe.is_moe_block(layer)
-    ffn = _moe_ffn(cfg, s, e) if moe else 4 * s.f / s.tp * e
+    ffn = _moe_ffn(spec, s, e) if spec.is_moe_block(layer) else 4 * s.f / s.tp * e
     return 2 * _norm(s, e) + _attention(s, e, cp_method) + ffn
 
 
-def _block_kept_selective_op(cfg: LlamaConfig, s: Widths, e: int, layer: int) -> float:
+def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
     """Bytes per token ``selective_op`` keeps: the block input, matmul and attention outputs."""
     heads, kv = s.heads / s.tp, s.kv_heads / s.tp
     attention = (heads * s.head_dim + kv * (s.head_dim + s.v_head_dim) + heads * s.v_head_dim) * e + 4 * heads
     wo = s.h / s.sp * e
-    if cfg.moe is not None and cfg.moe.is_moe_block(layer):
-        k, fe = cfg.moe.top_k, cfg.moe.moe_ffn_dim
-        ffn = 4 * cfg.moe.n_routed_experts + k * (2 * fe + s.h) * e + (2 * fe + s.h) * cfg.moe.n_shared_experts * e
+    if spec.is_moe_block(layer):
+        k, fe = spec.top_k, spec.expert_ffn_dim
+        ffn = 4 * spec.n_experts + k * (2 * fe + s.h) * e + (2 * fe + s.h) * spec.n_shared_experts * e
     else:
         ffn = (2 * s.f / s.tp + s.h / s.sp) * e
     return s.h / s.sp * e + attention + wo + ffn
 
 
-def _block_working(cfg: LlamaConfig, s: Widths, e: int, layer: int) -> float:
+def _block_working(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
     """Bytes per token of a block's backward working set (the FFN's input and output gradients)."""
-    if cfg.moe is not None and cfg.moe.is_moe_block(layer):
-        return (2 * cfg.moe.top_k * cfg.moe.moe_ffn_dim + 2 * s.h) * e
+    if spec.is_moe_block(layer):
+        return (2 * spec.top_k * spec.expert_ffn_dim + 2 * s.h) * e
     return (2 * s.f / s.tp + 2 * s.h) * e
 
 
-def _kept(cfg: LlamaConfig, s: Widths, e: int, layer: int, c: Candidate, cp_method: str | None) -> float:
+def _kept(spec: ModelSpec, s: Widths, e: int, layer: int, c: Candidate, cp_method: str | None) -> float:
     if c.recomputes(layer):
         return s.h / s.sp * e
     if c.recompute == "selective_op":
-        return _block_kept_selective_op(cfg, s, e, layer)
-    return _block_kept(cfg, s, e, layer, cp_method)
+        return _block_kept_selective_op(spec, s, e, layer)
+    return _block_kept(spec, s, e, layer, cp_method)
 
 
 def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
@@ -294,6 +338,7 @@ def _stage_outputs(
 
 def activation_memory(
     workload: Workload,
+    spec: ModelSpec,
     c: Candidate,
     layers: list[int],
     first: bool,
@@ -308,11 +353,11 @@ def activation_memory(
     single rank's, ZeRO-3's shards without accumulation): present at the block moment, not the loss moment.
     ``polled``: :attr:`Hardware.sends_polled` (a pipeline's sent gradients are freed once sent).
     """
-    cfg, e = workload.model, workload.activation_bytes
-    s = widths(cfg, c)
+    e = workload.activation_bytes
+    s = widths(spec, c)
     t = c.micro_batch_size * workload.seq_len / c.cp  # tokens per microbatch on this rank
     cp_method = c.cp_method if c.cp > 1 else None
-    blocks = sum(_kept(cfg, s, e, i, c, cp_method) for i in layers) * t
+    blocks = sum(_kept(spec, s, e, i, c, cp_method) for i in layers) * t
     rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
@@ -335,9 +380,9 @@ def activation_memory(
     block_moment = 0.0
     if layers:
         i = layers[-1]
-        block_moment = _block_working(cfg, s, e, i) * t
+        block_moment = _block_working(spec, s, e, i) * t
         if c.recomputes(i) or c.recompute == "selective_op":
-            block_moment += (_block_kept(cfg, s, e, i, cp_method) - _kept(cfg, s, e, i, c, cp_method)) * t
+            block_moment += (_block_kept(spec, s, e, i, cp_method) - _kept(spec, s, e, i, c, cp_method)) * t
         block_moment -= head  # the loss's tensors are gone by then
     working = max(head_working, block_moment + backward_grads)
     return {"activations": round(kept), "working": round(working)}
@@ -367,7 +412,7 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     traffic timed on its links, minus the compute it can hide behind (its ``hidden_by``); traffic
     inside the step stretches with the pipeline bubble, the rest is paid once per step.
     """
-    flops_token = workload.model.flops_per_token(workload.seq_len)
+    flops_token = workload.flops_per_token(workload.seq_len)
     peak = gpu.peak_for(workload.precision)  # fp32 runs at the TF32 peak, not the bf16 one
     assert cost.view is not None
     parts = model_compute(cost.view, gpu, workload.precision, [t.host for t in cost.terms if t.host])
@@ -424,12 +469,12 @@ def _rank_cost(
     workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int, polled: bool
 ) -> Cost:
     """Memory and traffic of one rank holding ``plan``: every plugin's terms composed (no time yet)."""
-    spec = model.spec  # type: ignore[attr-defined]
+    spec = priced_spec(model)
     prefix = f"{spec.layers}."
     layers = sorted({int(n[len(prefix) :].split(".")[0]) for n in plan.shapes if n.startswith(prefix)})
     first = f"{spec.embedding}.weight" in plan.shapes
     last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
-    view = RankView(workload, c, plan, tuple(layers), first, last, accumulation, widths(workload.model, c))
+    view = RankView(workload, c, plan, tuple(layers), first, last, accumulation, widths(spec, c), spec)
     terms = [t for t in (p.plan_cost(view) for p in c.plugins if p.active) if t is not None]
     states = [t.state for t in terms if t.state is not None]
     if len(states) != 1:
@@ -437,7 +482,7 @@ def _rank_cost(
     state, held = states[0], sum(t.held_grads for t in terms)
     # Gradients not held between steps still exist by the first block's backward.
     grads = 0 if held else state["grads"]
-    act = activation_memory(workload, c, layers, first, last, plan.coordinate["pp"], grads, polled)
+    act = activation_memory(workload, spec, c, layers, first, last, plan.coordinate["pp"], grads, polled)
     memory = {
         "params": state["params"],
         "optimizer": state["optimizer"],

@@ -48,7 +48,7 @@ from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.parallel.plugin import ParallelPlugin, searched_techniques
 from lightning_ultrascale.parallel.pricing import NotSearched, PlanAxis, SearchContext, SearchPoint
 from lightning_ultrascale.plan.candidate import Candidate, build_plugins
-from lightning_ultrascale.plan.cost import Cost, Workload, estimate
+from lightning_ultrascale.plan.cost import Cost, Workload, estimate, priced_spec
 from lightning_ultrascale.plan.hardware import Hardware, get_hardware
 
 __all__ = ["NoLayoutFits", "Priced", "SearchResult", "search", "search_space"]
@@ -187,9 +187,9 @@ class SearchResult:
 
 def context_of(workload: Workload, world: int, gpu: Hardware) -> SearchContext:
     """What the techniques see of the workload and the cluster when they declare their axes."""
-    cfg = workload.model
-    experts = 0 if cfg.moe is None else cfg.moe.n_routed_experts
-    return SearchContext(world, gpu.gpus_per_node, workload, n_layers=cfg.n_layers, n_experts=experts)
+    spec = workload.spec
+    experts = spec.n_experts if spec.moe_blocks else 0
+    return SearchContext(world, gpu.gpus_per_node, workload, n_layers=spec.n_layers, n_experts=experts)
 
 
 def search_space(context: SearchContext, pins: Mapping[str, Any] | None = None) -> dict[str, PlanAxis]:
@@ -294,7 +294,7 @@ def search(
 ) -> SearchResult:
     """Price every valid layout of ``workload`` on ``world_size`` GPUs; raise if none fits.
 
-    ``model``: the model on the meta device (built from ``workload.model`` if not given).
+    ``model``: the model on the meta device (``workload.model`` where it is one, else built from it).
     ``space``: values to try per dimension instead of the defaults (module docstring), e.g.
     ``{"tp": [8], "recompute": ["full"]}`` pins tp and recomputation. ``plugins``: further plugins
     every layout runs with (each prices itself through ``plan_facts`` / ``plan_cost``).
@@ -308,11 +308,13 @@ def search(
 
     hardware = get_hardware(gpu)
     _check_cluster(world_size, hardware)
+    if model is None:
+        model = workload.model if isinstance(workload.model, nn.Module) else build_model(workload.model, device="meta")
+    priced_spec(model)
     context = context_of(workload, world_size, hardware)
     axes = search_space(context, space)
-    meta = model if model is not None else build_model(workload.model, device="meta")
     layouts = _candidates(context, axes, plugins)
-    fitting, too_big, refusals, dominated = _price_space(workload, hardware, layouts, meta)
+    fitting, too_big, refusals, dominated = _price_space(workload, hardware, layouts, model)
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
     fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), p.candidate.splits(), p.peak))
     too_big.sort(key=lambda p: p.peak)
@@ -413,8 +415,7 @@ def _why_no_candidates(result: SearchResult) -> str:
 def _no_fit(result: SearchResult) -> ConfigError:
     w, gpu = result.workload, result.gpu
     what = (
-        f"{w.model.name} (seq_len={w.seq_len}, global_batch_size={w.global_batch_size}) "
-        f"on {result.world_size} x {gpu.name}"
+        f"{w.name} (seq_len={w.seq_len}, global_batch_size={w.global_batch_size}) on {result.world_size} x {gpu.name}"
     )
     if not result.too_big and not result.refused:
         return ConfigError(f"no layout of {what} to price: {_why_no_candidates(result)}")

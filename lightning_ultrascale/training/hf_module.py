@@ -25,7 +25,7 @@ from lightning_ultrascale.kernels import get_kernels, reference
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.training.module import LlamaModule, OptimConfig
 
-__all__ = ["HFCausalLMModule", "hf_directory"]
+__all__ = ["HFCausalLMModule", "hf_directory", "hf_meta_model"]
 
 
 def hf_directory(path: str | Path, option: str = "model.path") -> Any:
@@ -50,6 +50,16 @@ def hf_directory(path: str | Path, option: str = "model.path") -> Any:
         ) from None
     check_supported(config)
     return config
+
+
+def hf_meta_model(config: Any) -> Any:
+    """The HF causal LM of ``config`` on the meta device, adapted (its spec: what the strategy and the planner read)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ultrascale.models.hf.adapter import adapt
+
+    with torch.device("meta"):
+        return adapt(AutoModelForCausalLM.from_config(config))
 
 
 class HFCausalLMModule(LlamaModule):
@@ -98,12 +108,7 @@ class HFCausalLMModule(LlamaModule):
 
     @functools.cached_property
     def _meta_model(self) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        from lightning_ultrascale.models.hf.adapter import adapt
-
-        with torch.device("meta"):
-            return adapt(AutoModelForCausalLM.from_config(self.hf_config))
+        return hf_meta_model(self.hf_config)
 
     @property
     def model_spec(self) -> ModelSpec:

@@ -24,8 +24,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.kernels import check_kernels, get_kernels, reference
 from lightning_ultrascale.models import LlamaConfig, get_model_config
+from lightning_ultrascale.models.common.decoder import Llama
 from lightning_ultrascale.models.common.moe import ExpertStats
-from lightning_ultrascale.models.llama import Llama
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 

@@ -10,6 +10,7 @@ from hf_models import hf_config
 from hydra import compose, initialize_config_dir
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lightning_ultrascale.cli import plan as plan_cli
 from lightning_ultrascale.cli.train import CONFIG_DIR, build, hydra_argv
 from lightning_ultrascale.cli.train import main as train_main
 from lightning_ultrascale.data import UltraScaleDataModule
@@ -93,3 +94,14 @@ def test_hf_settings_are_checked_before_any_process_group(tmp_path, monkeypatch,
         _build("model=hf", f"model.path={gpt2}")
     with pytest.raises(ConfigError, match=r"splits MoE experts, but model qwen2 has none"):
         _build("model=hf", f"model.path={directories / 'qwen2'}", "parallel.ep=2", *DATA)
+
+
+def test_the_planner_prices_an_hf_directory_no_converter_reads(tmp_path, capsys):
+    # Qwen3 (head_dim apart from hidden / heads) trains as transformers defines it and converts to
+    # nothing of ours: the planner prices that model, from the spec the adapter gives it.
+    AutoModelForCausalLM.from_config(hf_config("qwen3")).save_pretrained(tmp_path / "qwen3")
+    overrides = ["model=hf", f"model.path={tmp_path / 'qwen3'}", *DATA]
+    result = plan_cli.plan(overrides, world_size=2, gpu="h100", top=1)
+    best = result.best.busiest
+    assert best.view is not None and best.view.spec.name == "qwen3" and best.view.widths.head_dim == 16
+    assert best.step_time > 0 and "qwen3" in capsys.readouterr().out

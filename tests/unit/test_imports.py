@@ -136,3 +136,25 @@ def test_the_llama_family_does_not_import_the_deepseek_family():
     llama = [name for name in modules if name.startswith("lightning_ultrascale.models.llama")]
     found = {f"{a} -> {b}" for a in llama for b in _imports(modules[a], modules, typing=True)}
     assert sorted(b for b in found if "lightning_ultrascale.models.deepseek" in b) == []
+
+
+def test_a_family_imports_no_other_family_and_the_shared_code_none():
+    # A family is one folder (models/<family>/) over models/common/: adding or removing one touches no other.
+    from lightning_ultrascale.models import FAMILIES
+
+    families = {family.__name__ for family in FAMILIES}
+    modules = _modules()
+
+    def family_of(name: str) -> str | None:
+        return next((f for f in families if name == f or name.startswith(f"{f}.")), None)
+
+    crossing = []
+    for name, path in modules.items():
+        mine = family_of(name)
+        if mine is None and not name.startswith("lightning_ultrascale.models.common"):
+            continue
+        for imported in _imports(path, modules, typing=True):
+            theirs = family_of(imported)
+            if theirs is not None and theirs != mine:
+                crossing.append(f"{name} -> {imported}")
+    assert len(families) >= 3 and sorted(crossing) == []

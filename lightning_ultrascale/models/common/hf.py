@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_ultrascale.models.llama import LlamaConfig
+    from lightning_ultrascale.models.common.decoder import LlamaConfig
 
 __all__ = ["common_to_hf", "hf_field"]
 

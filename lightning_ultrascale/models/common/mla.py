@@ -44,7 +44,7 @@ from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import RMSNorm, causal_attention
 
 if TYPE_CHECKING:
-    from lightning_ultrascale.models.llama import LlamaConfig
+    from lightning_ultrascale.models.common.decoder import LlamaConfig
 
 __all__ = [
     "MLA_HF_NAMES",

@@ -11,7 +11,7 @@ from lightning_ultrascale.models.common.mla import MLAConfig, YarnScaling
 from lightning_ultrascale.models.common.moe import MoEConfig
 
 if TYPE_CHECKING:
-    from lightning_ultrascale.models.llama import LlamaConfig
+    from lightning_ultrascale.models.common.decoder import LlamaConfig
 
 __all__ = ["deepseek_v3_from_hf", "deepseek_v3_to_hf"]
 

@@ -154,9 +154,21 @@ def adapt(model: nn.Module) -> nn.Module:
         attention="self_attn",
         moe="mlp",
         tp_plan=functools.partial(hf_tp_plan, model, tuple(moe_blocks)),
+        **_priced_widths(cfg, bool(moe_blocks)),
     )
     _swap_class(model, _AdaptedCausalLM)
     return model
+
+
+def _priced_widths(cfg: Any, moe: bool) -> dict[str, int]:
+    """The :class:`ModelSpec` widths the planner prices, from the HF config (Qwen3 sets ``head_dim``
+    apart from ``hidden_size``; Mixtral's experts are ``intermediate_size`` wide, Qwen3-MoE's
+    ``moe_intermediate_size``; neither has shared experts)."""
+    widths = {"ffn_dim": cfg.intermediate_size, "head_dim": getattr(cfg, "head_dim", None) or 0}
+    if moe:
+        expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        widths |= {"top_k": cfg.num_experts_per_tok, "expert_ffn_dim": expert}
+    return widths
 
 
 def check_supported(cfg: Any) -> None:
@@ -428,7 +440,7 @@ def _block_plans(residual: Any, qk_norm: bool) -> tuple[dict[str, Any], dict[str
         SequenceParallel,
     )
 
-    from lightning_ultrascale.models.llama.parallel import gathered_moe
+    from lightning_ultrascale.models.common.tp_plan import gathered_moe
 
     attention: dict[str, Any] = {
         # HF's blocks call their attention with hidden_states=: converted as a keyword.

@@ -2,8 +2,8 @@
 
 The architecture-independent part: dispatch by architecture, key renames, expert splitting and
 fusing, loading by shards. Each family's config translation is its own: ``models/llama/hf.py``
-(Llama, Mixtral), ``models/deepseek/hf.py`` (DeepSeek-V3), ``models/common/hf.py`` (the keys all
-spell alike).
+(Llama, Qwen2), ``models/mixtral/hf.py`` (Mixtral's experts), ``models/deepseek/hf.py`` (DeepSeek-V3),
+``models/common/hf.py`` (the keys all spell alike).
 
 Three architectures: ``LlamaForCausalLM`` (dense), ``MixtralForCausalLM`` (softmax-routed
 experts) and ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited router
@@ -36,12 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models.common.decoder import Llama, LlamaConfig
 from lightning_ultrascale.models.common.hf import hf_field
 from lightning_ultrascale.models.common.mla import MLA_HF_NAMES
 from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepseek_v3_to_hf
 from lightning_ultrascale.models.hf.parts import RankParts
-from lightning_ultrascale.models.llama import Llama, LlamaConfig
 from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
+from lightning_ultrascale.models.mixtral.hf import mixtral_from_hf, mixtral_to_hf
 
 __all__ = [
     "config_from_hf",
@@ -151,7 +152,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """
     if hf_architecture(cfg)[0] == "DeepseekV3Config":
         return deepseek_v3_to_hf(cfg)
-    return llama_to_hf(cfg)
+    return llama_to_hf(cfg) | mixtral_to_hf(cfg)
 
 
 def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
@@ -194,7 +195,7 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         rope = hf_field(hf_config, "rope_parameters", default={})
         rope_theta, scaling = rope.get("rope_theta", hf_field(hf_config, "rope_theta", default=10000.0)), None
     else:
-        rope_theta, scaling, moe = llama_from_hf(hf_config)
+        (rope_theta, scaling), moe = llama_from_hf(hf_config), mixtral_from_hf(hf_config)
     return LlamaConfig(
         moe=moe,
         mla=mla,

@@ -1,11 +1,10 @@
-"""The Llama family (Llama 3.x; with MoE blocks, Mixtral and DeepSeek-style MoE; with MLA, DeepSeek-V2/V3).
-
-``model``: the config and the module; ``parallel``: its tensor-parallel plan. Its Hugging Face
-state-dict adapter is :mod:`lightning_ultrascale.models.hf.convert`; the layers it shares with other
-families live in :mod:`lightning_ultrascale.models.common`, MLA in :mod:`lightning_ultrascale.models.common.mla`.
+"""The Llama family (Llama 3.x; Qwen2's q/k/v biases): its presets (``configs``) and Hugging Face
+translation (``hf``). Its model is the shared decoder of :mod:`lightning_ultrascale.models.common.decoder`
+with its tensor-parallel plan (:mod:`lightning_ultrascale.models.common.tp_plan`), re-exported here
+under the names it has always had here.
 """
 
-from lightning_ultrascale.models.llama.model import (
+from lightning_ultrascale.models.common.decoder import (
     Attention,
     FeedForward,
     Llama,
@@ -17,9 +16,11 @@ from lightning_ultrascale.models.llama.model import (
     param_seed,
     rope_inv_freq,
 )
-from lightning_ultrascale.models.llama.parallel import llama_tp_plan
+from lightning_ultrascale.models.common.tp_plan import llama_tp_plan
+from lightning_ultrascale.models.llama.configs import CONFIGS
 
 __all__ = [
+    "CONFIGS",
     "Attention",
     "FeedForward",
     "Llama",

@@ -178,7 +178,7 @@ class ContextParallel(ParallelPlugin):
             if not hasattr(attention, "attention_fn"):
                 raise TypeError(
                     f"{type(attention).__name__} has no attention_fn(q, k, v) to replace; context parallelism "
-                    "swaps it for ring / all-to-all attention (see models/llama/model.py Attention)"
+                    "swaps it for ring / all-to-all attention (see models/common/decoder.py Attention)"
                 )
             attention.attention_fn = fn
         # Modules with per-sequence statistics (MoE balancing counts and capacity) count them over

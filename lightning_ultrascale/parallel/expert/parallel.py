@@ -99,13 +99,13 @@ class ExpertParallel(ParallelPlugin):
     def plan_cost(self, rank: RankView) -> CostTerms:
         """Dispatch and combine forward, their reverses backward, of every routed row (uniform routing)."""
         terms = CostTerms(host="expert")
-        moe = rank.workload.model.moe
-        if moe is None:
+        spec = rank.spec
+        if not spec.moe_blocks:
             return terms
-        moe_layers = sum(1 for i in rank.layers if moe.is_moe_block(i))
-        rows = rank.tokens * moe.top_k * rank.widths.h * rank.element_bytes
+        moe_layers = sum(1 for i in rank.layers if spec.is_moe_block(i))
+        rows = rank.tokens * spec.top_k * rank.widths.h * rank.element_bytes
         # (+ the split sizes: one count per expert each way)
-        payload = (4 * rows + 8 * moe.n_routed_experts) * moe_layers * rank.forwards
+        payload = (4 * rows + 8 * spec.n_experts) * moe_layers * rank.forwards
         add_traffic(terms.traffic, "ep", "all_to_all", payload)
         return terms
 

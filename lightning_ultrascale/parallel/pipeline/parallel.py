@@ -155,7 +155,7 @@ class PipelineParallel(ParallelPlugin):
         if not isinstance(model, StagedModel):
             raise TypeError(
                 f"{type(model).__name__} has no forward_stage(x, position_ids, blocks, embed=, head=); "
-                "pipeline parallelism runs the model stage by stage through it (see models/llama/model.py)"
+                "pipeline parallelism runs the model stage by stage through it (see models/common/decoder.py)"
             )
         pp_mesh = layout.mesh["pp"]
         self.group = pp_mesh.get_group()

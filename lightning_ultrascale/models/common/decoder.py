@@ -1,4 +1,7 @@
-"""Llama 3 (and 3.1 / 3.2): the dense decoder every parallel technique is tested on.
+"""The decoder every family of ours shares: Llama 3's (3.1 / 3.2), with mixture-of-experts blocks
+(Mixtral, DeepSeek) and multi-head latent attention (DeepSeek-V2/V3) where its config asks. Each
+family's folder (``models/llama``, ``models/mixtral``, ``models/deepseek``) holds its presets and its
+Hugging Face translation; the tensor-parallel plan is :mod:`.tp_plan`, beside this module.
 
 The module tree follows torchtitan's names, which are the :class:`ModelSpec` defaults::
 
@@ -28,6 +31,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +42,7 @@ from lightning_ultrascale.kernels.reference import apply_rope
 from lightning_ultrascale.models.common.layers import FeedForward, RMSNorm, causal_attention
 from lightning_ultrascale.models.common.mla import MLAConfig, MLAttention, mla_inv_freq, mla_num_params
 from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
-from lightning_ultrascale.models.llama.parallel import llama_tp_plan
+from lightning_ultrascale.models.common.tp_plan import llama_tp_plan
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
 
@@ -51,6 +55,7 @@ __all__ = [
     "RopeScaling",
     "TransformerBlock",
     "apply_rope",
+    "llama_spec",
     "param_seed",
     "rope_inv_freq",
 ]
@@ -115,6 +120,13 @@ class LlamaConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     name: str = "llama"
+    #: The fields that are configs of their own (``model.moe.top_k=4`` on the command line changes
+    #: one of their settings), and what each is.
+    PARTS: ClassVar[dict[str, str]] = {
+        "moe": "mixture of experts",
+        "mla": "multi-head latent attention",
+        "rope_scaling": "rope scaling",
+    }
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):
@@ -253,6 +265,38 @@ class LlamaConfig:
         return float(6 * matmul_params + attention)
 
 
+def llama_spec(config: LlamaConfig) -> ModelSpec:
+    """The :class:`ModelSpec` of the model ``config`` builds (no module needed: the planner reads it)."""
+    return ModelSpec(
+        name=config.name,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        # MLA expands its latent kv per head: tensor parallelism splits n_heads of both.
+        n_kv_heads=config.n_heads if config.mla is not None else config.n_kv_heads,
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        n_experts=config.n_experts,
+        moe_blocks=config.moe_blocks(),
+        tp_plan=functools.partial(llama_tp_plan, config),
+        **_priced_widths(config),
+    )
+
+
+def _priced_widths(cfg: LlamaConfig) -> dict[str, int]:
+    """The :class:`ModelSpec` widths the planner prices: MLA's queries and keys are
+    ``qk_nope + qk_rope`` wide per head, its values ``v_head_dim``."""
+    mla, moe = cfg.mla, cfg.moe
+    qk = cfg.head_dim if mla is None else mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    widths = {
+        "ffn_dim": cfg.ffn_hidden_dim,
+        "head_dim": qk,
+        "v_head_dim": cfg.head_dim if mla is None else mla.v_head_dim,
+    }
+    if moe is not None:
+        widths |= {"top_k": moe.top_k, "n_shared_experts": moe.n_shared_experts, "expert_ffn_dim": moe.moe_ffn_dim}
+    return widths
+
+
 def rope_inv_freq(cfg: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
     """RoPE inverse frequencies ``[head_dim // 2]`` in fp32, with Llama 3.1 scaling if configured.
 
@@ -376,18 +420,7 @@ class Llama(nn.Module):
         #: ``functools.partial(lightning_ultrascale.models.hf.convert.load_hf_weights, path=DIR)``
         #: (each rank its shards).
         self.pretrained = pretrained
-        self.spec = ModelSpec(
-            name=config.name,
-            n_layers=config.n_layers,
-            n_heads=config.n_heads,
-            # MLA expands its latent kv per head: tensor parallelism splits n_heads of both.
-            n_kv_heads=config.n_heads if config.mla is not None else config.n_kv_heads,
-            dim=config.dim,
-            vocab_size=config.vocab_size,
-            n_experts=config.n_experts,
-            moe_blocks=config.moe_blocks(),
-            tp_plan=functools.partial(llama_tp_plan, config),
-        )
+        self.spec = llama_spec(config)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)

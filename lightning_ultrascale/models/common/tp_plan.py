@@ -1,6 +1,6 @@
-"""Llama's tensor-parallel plan: which of its modules split over ``tp``, and how (DTensor styles).
+"""The shared decoder's tensor-parallel plan: which of its modules split over ``tp``, and how (DTensor styles).
 
-The model (:mod:`.model`) declares it in its ``ModelSpec.tp_plan``; ``TensorParallel`` applies it.
+The decoder (:mod:`.decoder`) declares it in its ``ModelSpec.tp_plan``; ``TensorParallel`` applies it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_ultrascale.models.common.mla import mla_tp_plan
 
 if TYPE_CHECKING:
-    from lightning_ultrascale.models.llama.model import LlamaConfig
+    from lightning_ultrascale.models.common.decoder import LlamaConfig
 
 __all__ = ["gathered_moe", "llama_tp_plan"]
 
