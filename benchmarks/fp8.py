@@ -137,14 +137,14 @@ def plot(curves: dict[str, dict[str, Any]], path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps, shorter sequences (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="2 steps of 2 x 16 tokens (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    steps, seq_len, batch = (4, 32, 4) if args.quick else (200, 64, 4)
+    steps, seq_len, batch = (2, 16, 2) if args.quick else (200, 64, 4)
     torch.set_num_threads(1)  # fork safety (run_workers); each run gets the same one core
 
     curves = measure_curves(steps, seq_len, batch)
-    gathers = measure_gathers(32)
+    gathers = measure_gathers(seq_len)
     reference = final_loss(curves["bf16"]["losses"])
     rows = []
     print(f"\nTraining {MODEL}, {steps} steps of {batch} x {seq_len} tokens (final: mean of the last 10 steps)")
