@@ -47,14 +47,22 @@ def _quick_run(name: str, tmp_path: Path) -> tuple[dict, str]:
     return json.loads(out_file.read_text()), out.stdout
 
 
-def _schema(value: Any, data_keyed: frozenset[str], path: str = "") -> set[str]:
-    """The JSON's shape: the path of every leaf (``[]`` for a list's items, ``*`` for keys that are data)."""
+def _schema(value: Any, data_keyed: frozenset[str]) -> set[str]:
+    """The JSON's shape: the path of every leaf (``[]`` for a list's items, ``*`` for keys that are data).
+
+    A field that is None in some rows and a dict in others (no traffic measured there) counts as the dict.
+    """
+    paths = _paths(value, data_keyed, "")
+    return {p for p in paths if not any(q.startswith((f"{p}.", f"{p}[")) for q in paths)}
+
+
+def _paths(value: Any, data_keyed: frozenset[str], path: str) -> set[str]:
     if isinstance(value, dict):
         if path in data_keyed:
-            return set().union(*(_schema(v, data_keyed, f"{path}.*") for v in value.values()))
-        return set().union(*(_schema(v, data_keyed, f"{path}.{k}".lstrip(".")) for k, v in value.items()))
+            return set().union(*(_paths(v, data_keyed, f"{path}.*") for v in value.values()))
+        return set().union(*(_paths(v, data_keyed, f"{path}.{k}".lstrip(".")) for k, v in value.items()))
     if isinstance(value, list) and value:
-        return set().union(*(_schema(v, data_keyed, f"{path}[]") for v in value))
+        return set().union(*(_paths(v, data_keyed, f"{path}[]") for v in value))
     return {f"{path}[]" if isinstance(value, list) else path}  # numbers, strings, None alike: values, not shape
 
 
@@ -68,7 +76,11 @@ SMOKE = {
     "zero": ("Model state per rank", (), ()),
     "tp": ("Parameter bytes per rank", _TP_KEYED, ()),
     "context": ("Longest sequence", (), ()),
-    "pipeline": ("Pipeline bubble", (), ()),
+    "pipeline": (
+        "Pipeline bubble",
+        ("schedules[].op_ms", "schedules[].op_ms_per_stage", "schedules[].op_ms_per_stage.*"),
+        (),
+    ),  # F, B, W, BW
     "expert": ("Load imbalance", (), ()),
     "fp8": ("not measured", (), ()),
     # torch.compile's cold compiles take most of a minute on CPU.
