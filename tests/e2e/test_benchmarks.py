@@ -70,6 +70,7 @@ def _paths(value: Any, data_keyed: frozenset[str], path: str) -> set[str]:
 _TP_KEYED = ("speed.tokens_per_s", "speed.ratio_to_tp1", "speed.samples", "comm[].block_forward_backward",
              "comm[].block_formula", "comm[].block_by_phase", "comm[].block_by_phase.*",
              "comm[].outside_blocks_by_phase", "comm[].outside_blocks_by_phase.*")  # fmt: skip
+_PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predicted_comm_by_dim", "comm_errors")
 #: script -> (a line its tables print, the JSON paths whose dict keys are data, parts --quick does not measure)
 SMOKE = {
     "dp": ("Tokens/s", (), ()),
@@ -90,6 +91,10 @@ SMOKE = {
     # Its step time compares against another git revision's checkout (--before): full runs only.
     "mixed_precision": ("Model state per rank under bf16-mixed", (), ("step_time",)),
     "cpu_time_model": ("cpu profile", ("rows[].layout",), ()),  # a layout's keyword arguments
+    "auto_layout": ("the chosen layout is", (), ()),
+    # plan: the traffic's keys are the mesh dims and collectives the layout uses.
+    "plan": ("Planner vs measured", tuple(f"layouts[].ranks[].{key}" for key in _PLAN_COMM), ()),
+    "published_runs": ("Planner vs published runs", (), ()),
 }
 
 
