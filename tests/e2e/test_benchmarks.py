@@ -70,6 +70,8 @@ def _paths(value: Any, data_keyed: frozenset[str], path: str) -> set[str]:
 _TP_KEYED = ("speed.tokens_per_s", "speed.ratio_to_tp1", "speed.samples", "comm[].block_forward_backward",
              "comm[].block_formula", "comm[].block_by_phase", "comm[].block_by_phase.*",
              "comm[].outside_blocks_by_phase", "comm[].outside_blocks_by_phase.*")  # fmt: skip
+#: pipeline: the op kinds a schedule runs (F, B, W, BW) on the stages it has.
+_PIPELINE_OPS = ("schedules[].op_ms", "schedules[].op_ms_per_stage", "schedules[].op_ms_per_stage.*")
 _PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predicted_comm_by_dim", "comm_errors")
 #: script -> (a line its tables print, the JSON paths whose dict keys are data, parts --quick does not measure)
 SMOKE = {
@@ -77,11 +79,7 @@ SMOKE = {
     "zero": ("Model state per rank", (), ()),
     "tp": ("Parameter bytes per rank", _TP_KEYED, ()),
     "context": ("Longest sequence", (), ()),
-    "pipeline": (
-        "Pipeline bubble",
-        ("schedules[].op_ms", "schedules[].op_ms_per_stage", "schedules[].op_ms_per_stage.*"),
-        (),
-    ),  # F, B, W, BW
+    "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
     "expert": ("Load imbalance", (), ()),
     "fp8": ("not measured", (), ()),
     # torch.compile's cold compiles take most of a minute on CPU.
