@@ -76,7 +76,7 @@ _PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predic
 #: script -> (a line its tables print, the JSON paths whose dict keys are data, parts --quick does not measure)
 SMOKE = {
     "dp": ("Tokens/s", (), ()),
-    "zero": ("Model state per rank", (), ()),
+    "zero": ("Model state per rank", ("speed", "samples"), ()),  # the strategies timed
     "tp": ("Parameter bytes per rank", _TP_KEYED, ()),
     "context": ("Longest sequence", (), ()),
     "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
