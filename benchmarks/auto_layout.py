@@ -6,7 +6,8 @@ profile; this trains each of its three best in the real Lightning loop and measu
 step time (after two warm-up steps). The chosen layout must be within 10% of the fastest measured.
 Prints a table and writes ``benchmarks/results/auto_layout.json``.
 
-    python benchmarks/auto_layout.py        # ~1 min on 2 cores
+    python benchmarks/auto_layout.py            # ~1 min on 2 cores
+    python benchmarks/auto_layout.py --quick    # a smoke run for the test suite: the top layout, 4 steps
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ RESULTS = Path(__file__).parent / "results" / "auto_layout.json"
 STEPS, WARMUP = 10, 2
 
 
-def run_worker(candidate: Candidate, global_batch: int, seq_len: int) -> float:
+def run_worker(candidate: Candidate, global_batch: int, seq_len: int, steps: int = STEPS) -> float:
     clock = StepClock()
     accumulation = global_batch // (candidate.batch_per_rank * candidate.dp)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=steps,
                         accumulate_grad_batches=accumulation, callbacks=[clock], **QUIET_TRAINER)  # fmt: skip
     module = LlamaModule("llama_tiny", optim=OptimConfig(name="adamw", lr=1e-4, warmup_steps=0))
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=candidate.batch_per_rank))
@@ -49,17 +50,18 @@ def run_worker(candidate: Candidate, global_batch: int, seq_len: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the top layout only, 4 steps (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cfg = compose_run(["parallel=auto"])
     work = workload(cfg)
     result = search(work, 2, "cpu")
-    top = result.fitting[:3]
+    top, steps = (result.fitting[:1], WARMUP + 2) if args.quick else (result.fitting[:3], STEPS)
     rows: list[dict[str, Any]] = []
     print(f"{'rank':<5} {'layout':<50} {'predicted s':>11} {'measured s':>10}")
     for i, priced in enumerate(top):
         measured = max(
-            run_workers(run_worker, 2, priced.candidate, work.global_batch_size, work.seq_len, timeout_s=600)
+            run_workers(run_worker, 2, priced.candidate, work.global_batch_size, work.seq_len, steps, timeout_s=600)
         )
         rows.append({"rank": i + 1, "layout": priced.candidate.label(), "predicted_s": priced.step_time,
                      "measured_s": measured})  # fmt: skip

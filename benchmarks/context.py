@@ -33,7 +33,7 @@ Sections 1-4 are byte counts: 4 processes on 2 cores say little about speed. Sec
 tokens/s because the point of skipping is time; read its ratios, not its absolute numbers.
 
     python benchmarks/context.py            # ~15 s on 2 CPU cores
-    python benchmarks/context.py --quick    # shorter sequences, for the test suite
+    python benchmarks/context.py --quick    # a smoke run for the test suite: cp=1 and zigzag_ring cp=2, S=32, 64
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ LAYOUTS = [(1, "none"), *((cp, m) for cp in (2, 4) for m in context_attention.ME
 BUDGET_BYTES = 64 * 2**20
 DOC_MEAN = 64  # mean document length of section 5's corpus
 DOC_LAYOUTS = [(1, "none"), (2, "ring"), (2, "zigzag_ring"), (2, "all_to_all"), (4, "zigzag_ring")]
+QUICK_LAYOUTS = [(1, "none"), (2, "zigzag_ring")]  # --quick, sections 1-5
 STATE_BYTES_PER_PARAM = 16
 
 
@@ -253,9 +254,9 @@ def documents_worker(cp: int, method: str, seq_len: int, repeats: int) -> dict[s
     return {"seconds": {k: statistics.median(v) for k, v in seconds.items()}, "counts": counts}
 
 
-def documents(seq_len: int, repeats: int) -> list[dict[str, Any]]:
+def documents(layouts: list[tuple[int, str]], seq_len: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
-    for cp, method in DOC_LAYOUTS:
+    for cp, method in layouts:
         ranks = run_workers(documents_worker, cp, cp, method, seq_len, repeats, timeout_s=600)
         row: dict[str, Any] = {"cp": cp, "method": method, "seq_len": seq_len, "batch": BATCH}
         for name in ("plain", "mask"):
@@ -327,9 +328,16 @@ def _label(cp: int, method: str) -> str:
     return "cp=1" if cp == 1 else f"{method} cp={cp}"
 
 
-def measure(seq_lens: tuple[int, ...]) -> dict[tuple[int, str], list[list[dict[str, Any]]]]:
+def measure(
+    layouts: list[tuple[int, str]], seq_lens: tuple[int, ...]
+) -> dict[tuple[int, str], list[list[dict[str, Any]]]]:
     """``{(cp, method): [rank][seq] rows}``."""
-    return {(cp, m): run_workers(cp_worker, cp, cp, m, seq_lens, timeout_s=300) for cp, m in LAYOUTS}
+    return {(cp, m): run_workers(cp_worker, cp, cp, m, seq_lens, timeout_s=300) for cp, m in layouts}
+
+
+def _layouts(rows: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The (cp, method) pairs measured, in the order measured (cp=1 first)."""
+    return list(dict.fromkeys((r["cp"], r["method"]) for r in rows))
 
 
 def activations(runs: dict[tuple[int, str], Any], seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -393,7 +401,7 @@ def load_balance(runs: dict[tuple[int, str], Any], seq_len_index: int, seq_len: 
 def longest_sequences(acts: list[dict[str, Any]]) -> dict[str, Any]:
     state = STATE_BYTES_PER_PARAM * MODEL.num_params()
     rows = []
-    for cp, method in LAYOUTS:
+    for cp, method in _layouts(acts):
         if method == "ring":
             continue  # the same bytes as zigzag_ring
         points = [r for r in acts if (r["cp"], r["method"]) == (cp, method)]
@@ -412,7 +420,7 @@ def print_tables(acts: Any, sent: Any, balance: Any, longest: Any, seq_lens: tup
     top = seq_lens[-1]
     print(f"Activation bytes per rank saved for backward in one forward ({MODEL.name}, fp32, b={BATCH}, loss included)")
     print(f"{'layout':<19}" + "".join(f"{f'S={s}':>14} {'x cp=1':>6}" for s in seq_lens))
-    for cp, method in LAYOUTS:
+    for cp, method in _layouts(acts):
         cells = [r for r in acts if (r["cp"], r["method"]) == (cp, method)]
         print(f"{_label(cp, method):<19}" + "".join(f"{r['bytes']:>14,} {r['ratio_to_cp1']:>6.3f}" for r in cells))
     print(f"\nThe same at S={top} by part (bytes, x cp=1)")
@@ -431,7 +439,7 @@ def print_tables(acts: Any, sent: Any, balance: Any, longest: Any, seq_lens: tup
     print(f"\nBytes the busiest rank sends per attention layer, S={top} (measured; every rank checked)")
     print(f"{'layout':<19} {'calls f+b':>9} {'forward':>10} {'expected':>10} {'backward':>10} {'expected':>10} "
           f"{'ratio (all S)':>13}")  # fmt: skip
-    for cp, method in LAYOUTS[1:]:
+    for cp, method in _layouts(sent):
         cells = [r for r in sent if (r["cp"], r["method"]) == (cp, method)]
         ratios = [r[p]["ratio"] for r in cells for p in ("forward", "backward")]
         f, b = cells[-1]["forward"], cells[-1]["backward"]
@@ -471,18 +479,20 @@ def print_tables(acts: Any, sent: Any, balance: Any, longest: Any, seq_lens: tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="shorter sequences (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="cp=1 and zigzag_ring cp=2 only, short sequences (smoke test)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    seq_lens = (64, 128) if args.quick else (256, 512, 1024)
+    seq_lens = (32, 64) if args.quick else (256, 512, 1024)
 
-    runs = measure(seq_lens)
+    runs = measure(QUICK_LAYOUTS if args.quick else LAYOUTS, seq_lens)
     acts = activations(runs, seq_lens)
     sent = comm(runs, seq_lens)
     balance = load_balance(runs, len(seq_lens) - 1, seq_lens[-1])
     longest = longest_sequences(acts)
     print_tables(acts, sent, balance, longest, seq_lens)
-    docs = documents(256 if args.quick else 4096, 2 if args.quick else 5)
+    docs = documents(QUICK_LAYOUTS if args.quick else DOC_LAYOUTS, 128 if args.quick else 4096, 1 if args.quick else 5)
     print_documents(docs)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ Side by side in one run; prints a table and writes ``benchmarks/results/cpu_time
 which ``tests/unit/test_plan_time.py`` checks (and re-predicts with today's code).
 
     python benchmarks/cpu_time_model.py            # ~8 min on 2 cores (each run twice)
+    python benchmarks/cpu_time_model.py --quick    # a smoke run for the test suite: one layout, one probe
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def host_worker(model: str, layout: dict[str, Any], steps: int = 20) -> float:
     return statistics.median(b - a for a, b in zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :]))
 
 
-def host_times(gpu: Hardware, runs: int = RUNS, steps: int = 20) -> Hardware:
+def host_times(gpu: Hardware, runs: int = RUNS, steps: int = 20, probes: list[Any] = HOST_PROBES) -> Hardware:
     """``gpu`` with its ``step_overhead`` and ``host_overheads``: what the tiny runs take beyond what
     the planner already prices on ``gpu`` (their collectives' latency, their few ops)."""
 
@@ -202,7 +203,7 @@ def host_times(gpu: Hardware, runs: int = RUNS, steps: int = 20) -> Hardware:
     gpu = replace(gpu, step_overhead=max(0.0, excess("tiny", _(dp=2, zero=0), gpu)))
     bases: dict[str, float] = {}
     overheads = []
-    for technique, model, layout, base, units in HOST_PROBES:
+    for technique, model, layout, base, units in probes:
         if model not in bases:
             bases[model] = excess(model, base, gpu)
         overheads.append((technique, max(0.0, excess(model, layout, gpu) - bases[model]) / units))
@@ -226,7 +227,9 @@ class StepClock(L.Callback):
                 self.loads.append(module.expert_stats.loads.clone())
 
 
-def run_worker(model: str, layout: dict[str, Any], accumulation: int, steps: int = STEPS) -> tuple[float, float]:
+def run_worker(
+    model: str, layout: dict[str, Any], accumulation: int, steps: int = STEPS, seq_len: int = SEQ_LEN
+) -> tuple[float, float]:
     """The median step time after the warm-up, and the timed steps' mean :func:`expert_load` (1.0 dense)."""
     candidate = Candidate.layout(**layout)
     clock = StepClock()
@@ -234,7 +237,7 @@ def run_worker(model: str, layout: dict[str, Any], accumulation: int, steps: int
         accelerator="cpu", devices=2, strategy=candidate.strategy(), max_steps=steps,
         accumulate_grad_batches=accumulation, callbacks=[clock], **QUIET_TRAINER,
     )  # fmt: skip
-    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank)
+    data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=candidate.batch_per_rank)
     trainer.fit(LlamaModule(models()[model], optim=ADAMW), datamodule=data)
     steps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])][WARMUP:]
     # the routing of the timed steps (loads[i] is step i's, the step that ends at stamps[i])
@@ -243,8 +246,10 @@ def run_worker(model: str, layout: dict[str, Any], accumulation: int, steps: int
 
 
 # ----------------------------------------------------------------------------- 3. predictions
-def predict(model: str, layout: dict[str, Any], accumulation: int, gpu: Hardware, load: float = 1.0) -> float:
-    return _predict(models()[model], layout, accumulation, gpu, load=load)
+def predict(
+    model: str, layout: dict[str, Any], accumulation: int, gpu: Hardware, load: float = 1.0, seq_len: int = SEQ_LEN
+) -> float:
+    return _predict(models()[model], layout, accumulation, gpu, seq_len, load)
 
 
 def _predict(
@@ -263,7 +268,7 @@ def label(layout: dict[str, Any], accumulation: int) -> str:
 
 
 def measure(
-    layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS, steps: int = STEPS
+    layouts: list[tuple[str, dict[str, Any], int]], runs: int = RUNS, steps: int = STEPS, seq_len: int = SEQ_LEN
 ) -> list[tuple[float, float]]:
     """(step time, expert load) of each layout: the faster of :data:`RUNS` passes over all of them.
 
@@ -273,7 +278,7 @@ def measure(
     for n in range(runs):
         passes.append([])
         for model, layout, acc in layouts:
-            ranks = run_workers(run_worker, 2, model, layout, acc, steps, timeout_s=600)
+            ranks = run_workers(run_worker, 2, model, layout, acc, steps, seq_len, timeout_s=600)
             passes[-1].append((max(r[0] for r in ranks), ranks[0][1]))
             print(f"  pass {n + 1}: {model} {label(layout, acc)} {passes[-1][-1][0]:.3f} s", flush=True)
     return [min(runs) for runs in zip(*passes)]
@@ -281,14 +286,16 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three layouts, one pass (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one layout at seq 32, one host probe, 2 timed steps (smoke test)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    layouts = LAYOUTS[:1] + LAYOUTS[3:4] + LAYOUTS[4:5] if args.quick else LAYOUTS
-    # A smoke test: one short pass of each (two timed steps after the warm-up).
-    runs, host_steps, steps = (1, 6, WARMUP + 3) if args.quick else (RUNS, 20, STEPS)
+    # A smoke test: one layout and the fsdp probe (its base is the loop's own), one short pass.
+    layouts, probes = (LAYOUTS[:1], HOST_PROBES[1:2]) if args.quick else (LAYOUTS, HOST_PROBES)
+    runs, host_steps, steps, seq_len = (1, WARMUP + 2, WARMUP + 2, 32) if args.quick else (RUNS, 20, STEPS, SEQ_LEN)
     gpu = host_times(
-        cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(runs)]), runs, host_steps
+        cpu_profile([run_workers(profile_worker, 2, timeout_s=300) for _ in range(runs)]), runs, host_steps, probes
     )
     print(f"cpu profile: {gpu.peak_flops / 1e9:.1f} GFLOP/s, {gpu.memory_bandwidth / 1e9:.1f} GB/s, "
           f"{gpu.op_overhead * 1e6:.1f} us/op, loop {gpu.step_overhead * 1e3:.1f} ms/step, "
@@ -297,8 +304,8 @@ def main() -> None:
           f"gloo {gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.intra_node_latency * 1e6:.0f} us")  # fmt: skip
     print(f"{'layout':<58} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     rows = []
-    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs, steps)):
-        predicted = predict(model, layout, acc, gpu, load)
+    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs, steps, seq_len)):
+        predicted = predict(model, layout, acc, gpu, load, seq_len)
         rows.append({"model": model, "layout": layout, "accumulation": acc, "label": label(layout, acc),
                      "expert_load": load, "measured_s": measured, "predicted_s": predicted,
                      "error": predicted / measured - 1})  # fmt: skip

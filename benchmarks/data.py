@@ -97,11 +97,11 @@ def run(megabytes: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 1 MB corpus (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="a 0.1 MB corpus (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    result = {"quick": args.quick, **run(1.0 if args.quick else 32.0)}
-    print(f"Tokens/s on a {result['corpus_mb']:.0f} MB JSON-lines corpus ({result['cores']} cores)")
+    result = {"quick": args.quick, **run(0.1 if args.quick else 32.0)}
+    print(f"Tokens/s on a {result['corpus_mb']:g} MB JSON-lines corpus ({result['cores']} cores)")
     columns = ("vocab", "tokens", "loop", "workers=1", "workers=2", "2 vs loop")
     print(f"{'tokenizer':<12} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 11, 10, 10, 10, 9))))
     for r in result["rows"]:

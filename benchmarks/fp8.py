@@ -31,6 +31,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torchao.float8  # noqa: F401  (imported before forking: each worker would import it again, ~1 s)
 
 from lightning_ultrascale import FP8Precision, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
@@ -39,6 +40,7 @@ from lightning_ultrascale.testing.tracing import StepCommTracer
 
 RESULTS = Path(__file__).parent / "results" / "fp8.json"
 RUNS = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+QUICK_RUNS = RUNS[:2]
 MODEL = "llama_small"
 
 
@@ -94,8 +96,8 @@ def final_loss(losses: list[float], window: int = 10) -> float:
     return sum(tail) / len(tail)
 
 
-def measure_curves(steps: int, seq_len: int, batch: int) -> dict[str, dict[str, Any]]:
-    return {run: run_workers(train_worker, 1, run, steps, seq_len, batch, timeout_s=3600)[0] for run in RUNS}
+def measure_curves(runs: tuple[str, ...], steps: int, seq_len: int, batch: int) -> dict[str, dict[str, Any]]:
+    return {run: run_workers(train_worker, 1, run, steps, seq_len, batch, timeout_s=3600)[0] for run in runs}
 
 
 def measure_gathers(seq_len: int) -> dict[str, Any]:
@@ -137,14 +139,16 @@ def plot(curves: dict[str, dict[str, Any]], path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few steps, shorter sequences (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="bf16 and tensorwise, 2 steps of 2 x 16 tokens (smoke test)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    steps, seq_len, batch = (4, 32, 4) if args.quick else (200, 64, 4)
+    steps, seq_len, batch = (2, 16, 2) if args.quick else (200, 64, 4)
     torch.set_num_threads(1)  # fork safety (run_workers); each run gets the same one core
 
-    curves = measure_curves(steps, seq_len, batch)
-    gathers = measure_gathers(32)
+    curves = measure_curves(QUICK_RUNS if args.quick else RUNS, steps, seq_len, batch)
+    gathers = measure_gathers(seq_len)
     reference = final_loss(curves["bf16"]["losses"])
     rows = []
     print(f"\nTraining {MODEL}, {steps} steps of {batch} x {seq_len} tokens (final: mean of the last 10 steps)")

@@ -15,7 +15,7 @@ Prints tables and writes ``benchmarks/results/mixed_precision.json``:
    autocast), alternated in one run so that drift hits both alike.
 
     python benchmarks/mixed_precision.py --before 39142d8   # ~4 minutes on 2 CPU cores
-    python benchmarks/mixed_precision.py --quick            # a smoke run for the test suite (no timing)
+    python benchmarks/mixed_precision.py --quick            # a smoke run for the test suite: 1 layout, no timing
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ LAYOUTS = [
     ("zero1-dp2-tp2", 1, "fp32", 2, 1, 4),
     ("zero2-dp2-pp2-bf16", 2, "bf16", 1, 2, 4),
 ]
+QUICK_LAYOUTS = [LAYOUTS[5]]  # zero2-dp2-bf16
 
 
 def measure_worker(stage: int, reduce_dtype: str, tp: int, pp: int, world: int, seq_len: int) -> dict[str, Any]:
@@ -87,12 +88,12 @@ def measure_worker(stage: int, reduce_dtype: str, tp: int, pp: int, world: int, 
     return {"state": state, "psi": local, "traffic": traffic}
 
 
-def memory_rows(seq_len: int) -> list[dict[str, Any]]:
+def memory_rows(layouts: list[tuple[str, int, str, int, int, int]], seq_len: int) -> list[dict[str, Any]]:
     # (imported here: the step-time workers also run the code of --before, which predates it)
     from lightning_ultrascale.utils.memory import layout_model_state_bytes
 
     rows = []
-    for name, stage, reduce_dtype, tp, pp, world in LAYOUTS:
+    for name, stage, reduce_dtype, tp, pp, world in layouts:
         r = run_workers(measure_worker, world, stage, reduce_dtype, tp, pp, world, seq_len, timeout_s=300)[0]
         dp = world // (tp * pp)
         formula = layout_model_state_bytes(r["psi"], stage, dp, "bf16-mixed", reduce_dtype)
@@ -150,7 +151,7 @@ def step_times(before: str, steps: int, seq_len: int, repeats: int) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller runs, no step timing (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="zero2-dp2-bf16 only, seq 32, no step timing (smoke test)")
     parser.add_argument("--before", help="git revision whose bf16 step time to compare (the last fp32-weights one)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--time-worker", nargs=3, type=int, help=argparse.SUPPRESS)
@@ -160,7 +161,7 @@ def main() -> None:
         print(run_workers(time_worker, 2, stage, steps, seq_len, timeout_s=600)[0])
         return
     seq_len = 32 if args.quick else 128
-    rows = memory_rows(seq_len)
+    rows = memory_rows(QUICK_LAYOUTS if args.quick else LAYOUTS, seq_len)
     print("Model state per rank under bf16-mixed after an AdamW step, llama_tiny: measured / formula, part by part")
     header = f"{'layout':<22} {'Ψ':>8} {'params B':>10} {'grads B':>10} {'optim B':>10}"
     print(header + "   ratios p/g/o          moved B/Ψ: ar rs ag")

@@ -22,7 +22,7 @@ tp=4 divides them; the variant the TP parity tests use) on tp = 1, 2, 4 forked g
 4. Tokens/s of one process against tp=2 with and without SP, alternated in one run.
 
     python benchmarks/tp.py            # ~2 minutes on 2 CPU cores
-    python benchmarks/tp.py --quick    # a smoke run for the test suite
+    python benchmarks/tp.py --quick    # a smoke run for the test suite: tp=1 (tp=2+SP for the traffic), 4 steps
 """
 
 from __future__ import annotations
@@ -267,21 +267,23 @@ def speed_worker(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) 
 
 
 # ----------------------------------------------------------------------------- main
+#: tp=1 first (the other rows are compared with it); a tp=2 row is needed (its plan names what tp=1 shards).
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+QUICK_LAYOUTS = [(1, False), (2, True)]
 
 
 def _label(tp: int, sp: bool) -> str:
     return f"tp={tp}" + ("+SP" if sp else "") if tp > 1 else "tp=1"
 
 
-def measure_params_and_comm(tps: tuple[int, ...], seq_len: int, micro_batch: int) -> tuple[list[Any], list[Any]]:
+def measure_params_and_comm(
+    layouts: list[tuple[int, bool]], seq_len: int, micro_batch: int
+) -> tuple[list[Any], list[Any]]:
     n_layers, half = MODEL.n_layers, MODEL.n_layers // 2
     activation_b = micro_batch * seq_len * MODEL.dim * 4  # B: one fp32 [b, s, h] activation
     params: dict[int, dict[str, Any]] = {}
     comm = []
-    for tp, sp in LAYOUTS:
-        if tp not in tps:
-            continue
+    for tp, sp in layouts:
         full = run_workers(comm_worker, tp, tp, sp, n_layers, seq_len, micro_batch, timeout_s=300)[0]
         params.setdefault(tp, {"tp": tp, **full["params"]})
         if tp == 1:
@@ -365,9 +367,9 @@ def print_comm(comm: list[dict[str, Any]], seq_len: int, micro_batch: int) -> No
             print(f"{label:<9} {where:<20} {op:<15} {calls:>5} {payload:>10,}")
 
 
-def measure_activations(seq_len: int, micro_batch: int) -> list[dict[str, Any]]:
+def measure_activations(layouts: list[tuple[int, bool]], seq_len: int, micro_batch: int) -> list[dict[str, Any]]:
     activations = []
-    for tp, sp in LAYOUTS:
+    for tp, sp in layouts:
         parts = run_workers(activation_worker, tp, tp, sp, seq_len, micro_batch, timeout_s=300)[0]
         activations.append({"tp": tp, "sequence_parallel": sp, **parts, "total": sum(parts.values())})
     for a in activations:
@@ -386,8 +388,9 @@ def print_activations(activations: list[dict[str, Any]], seq_len: int, micro_bat
     print("(by the module whose forward created the storage; with SP the all-gathered inputs count in attn+MLP)")
 
 
-def measure_speed(steps: int, repeats: int, seq_len: int, micro_batch: int) -> dict[str, Any]:
-    layouts = [(1, False), (2, False), (2, True)]
+def measure_speed(
+    layouts: list[tuple[int, bool]], steps: int, repeats: int, seq_len: int, micro_batch: int
+) -> dict[str, Any]:
     samples: dict[str, list[float]] = {_label(*layout): [] for layout in layouts}
     for _ in range(repeats):  # alternate, so drift on a noisy machine hits every layout alike
         for tp, sp in layouts:
@@ -416,15 +419,19 @@ def print_speed(speed: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="traffic at tp=2 only, fewer steps (smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tp=1 (and tp=2 with SP for the traffic), 4 steps (smoke test)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seq_len, micro_batch = (32, 2) if args.quick else (64, 4)
-    steps, repeats, speed_seq_len, speed_batch = (5, 1, 64, 4) if args.quick else (20, 3, 256, 8)
+    steps, repeats, speed_seq_len, speed_batch = (4, 1, 32, 2) if args.quick else (20, 3, 256, 8)
+    layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
 
-    params, comm = measure_params_and_comm((1, 2) if args.quick else (1, 2, 4), seq_len, micro_batch)
-    activations = measure_activations(seq_len, micro_batch)
-    speed = measure_speed(steps, repeats, speed_seq_len, speed_batch)
+    params, comm = measure_params_and_comm(layouts, seq_len, micro_batch)
+    # --quick: the traffic needs tp=2; the other tables run their first row.
+    activations = measure_activations(layouts[:1] if args.quick else layouts, seq_len, micro_batch)
+    speed = measure_speed(layouts[:1] if args.quick else LAYOUTS[:3], steps, repeats, speed_seq_len, speed_batch)
     print_params(params)
     print_comm(comm, seq_len, micro_batch)
     print_activations(activations, seq_len, micro_batch)
