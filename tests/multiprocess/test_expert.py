@@ -1,6 +1,5 @@
 """Mixture of experts and expert parallelism: routers, balancing, dispatch, parity of every layout, bad input."""
 
-import itertools
 import math
 from dataclasses import replace
 
@@ -234,14 +233,15 @@ def _assert_bias_parity(run: RunRecord, ref: RunRecord) -> None:
         (lambda: [ExpertParallel(2), ZeRO(stage=2)], 4),
         (lambda: [ExpertParallel(2), ZeRO(stage=3)], 4),
         (lambda: [ExpertParallel(2), TensorParallel(2)], 4),
-        (lambda: [ExpertParallel(2), ContextParallel(2)], 2),
-        (lambda: [ExpertParallel(2), Recompute("full")], 2),
+        (lambda: [ExpertParallel(2), ContextParallel(2), Recompute("full")], 2),
     ],
-    ids=["ep4", "ep2-zero1", "ep2-zero2", "ep2-zero3", "ep2xtp2", "ep2xcp2", "ep2-recompute"],
+    ids=["ep4", "ep2-zero1", "ep2-zero2", "ep2-zero3", "ep2xtp2", "ep2xcp2-recompute"],
 )
 def test_expert_parallel_matches_one_process(plugins, world_size, moe_reference):
-    # Plain ep2 is ep2-recompute without the recomputation (which re-runs the same dispatch);
-    # ep2 x pp2 is test_every_pipeline_schedule_trains_moe_with_parity[1f1b].
+    # ep2 over the context ranks, with the full recomputation that re-runs the dispatch and must
+    # count the tokens once (the routing bias below). ep2 over the data ranks alone: the ep2 cells
+    # of test_every_pipeline_schedule_trains_moe_with_parity (with pp2: 1f1b, zbv, dualpipev) and
+    # test_ep2_with_adamw_and_gradient_accumulation_matches_one_process.
     run = run_tiny_llama(SGD, plugins, world_size=world_size, model=MOE_TINY, steps=3, dp=_dp(plugins, world_size))
     assert_parity(run, moe_reference, rtol=1e-5)
     _assert_bias_parity(run, moe_reference)
@@ -268,18 +268,24 @@ def test_the_schedule_table_is_covered():
     assert MICROBATCHES.keys() == SCHEDULES.keys()
 
 
+# Expert parallelism where a schedule could meet its all-to-alls: a split backward with two stages
+# per rank (zbv; dualpipev, which also overlaps one micro-batch's forward with another's backward),
+# and 1f1b; the others without it (each dispatch pairs the same stage of two pipelines that run one
+# schedule, so the order of the dispatches is the schedule's on both).
+EP_SCHEDULES = {"1f1b", "zbv", "dualpipev"}
+
+
 @pytest.mark.parametrize("schedule", list(MICROBATCHES))
 def test_every_pipeline_schedule_trains_moe_with_parity(schedule, deepseek_reference):
     # The split-backward schedules (zero_bubble, zbv, dualpipev) detach_() each stage's output;
     # the aux loss's attachment made it a view and every first backward failed.
-    # One cell per schedule, each the composed extreme: DeepSeek-V3-tiny (moe_tiny's MoE blocks
-    # with MLA attention) at ep2, so pp2 x dp2 with the experts' all-to-alls inside every stage's
-    # forward and (split) backward, in each schedule's order. Not crossed with moe_tiny (the same
-    # MoE blocks; its attention under every schedule: tests/multiprocess/test_pipeline.py) nor with
-    # ep1 (the attachment and the schedule do not see EP; MoE under pp2 without EP:
-    # test_capacity_drops_the_same_tokens_in_every_layout[pp2], test_balance_metrics_under_pipeline_...).
-    plugins = lambda: [PipelineParallel(2, schedule, MICROBATCHES[schedule]), ExpertParallel(2)]  # noqa: E731
-    run = run_tiny_llama(SGD, plugins, world_size=4, dp=2, model=DEEPSEEK_V3_TINY, steps=3)
+    # One cell per schedule, on DeepSeek-V3-tiny: moe_tiny's MoE blocks with MLA attention (not
+    # crossed with moe_tiny: the same MoE blocks, its attention under every schedule in
+    # tests/multiprocess/test_pipeline.py).
+    ep = 2 if schedule in EP_SCHEDULES else 1
+    pipeline = lambda: [PipelineParallel(2, schedule, MICROBATCHES[schedule])]  # noqa: E731
+    plugins = (lambda: [*pipeline(), ExpertParallel(2)]) if ep > 1 else pipeline
+    run = run_tiny_llama(SGD, plugins, world_size=2 * ep, dp=ep, model=DEEPSEEK_V3_TINY, steps=3)
     assert_parity(run, deepseek_reference, rtol=1e-5)
     _assert_bias_parity(run, deepseek_reference)
 
@@ -287,12 +293,6 @@ def test_every_pipeline_schedule_trains_moe_with_parity(schedule, deepseek_refer
 def _dp(plugins, world_size):
     dims = UltraScaleStrategy(*plugins()).resolve_dims(world_size)
     return dims.dp
-
-
-def test_mixtral_routing_with_ep2_and_zero3_matches_one_process():
-    ref = _moe_reference(MIXTRAL_TINY)
-    run = run_tiny_llama(SGD, lambda: [ExpertParallel(2), ZeRO(stage=3)], world_size=2, model=MIXTRAL_TINY, steps=3)
-    assert_parity(run, ref, rtol=1e-5)
 
 
 # Two experts over ep=2 on 4 ranks: one expert per rank, two ZeRO-3 ranks (edp) per expert. Dim 0
@@ -348,13 +348,11 @@ def test_hf_weights_load_into_zero3_shards_inside_each_expert(few_experts_from_h
     assert abs(fresh.losses[0] - one.losses[0]) > 1e-3  # the import's weights, not a fresh init
 
 
-def test_deepseek_v3_tiny_at_ep2_matches_one_process_sgd_parameters_and_adamw_losses_with_accumulation(
-    deepseek_reference,
-):
-    # Parameters: SGD, 1e-5 (AdamW's reached 1.83e-4 against a 2e-4 bound: no margin). AdamW with
-    # 2 micro-batches per step: the loss normaliser and the experts' gradients over accumulation.
-    sgd = run_tiny_llama(SGD, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3)
-    assert_parity(sgd, deepseek_reference, rtol=1e-5)
+def test_ep2_with_adamw_and_gradient_accumulation_matches_one_process():
+    # On DeepSeek-V3-tiny: its AdamW losses at ep2, with 2 micro-batches per step (the loss
+    # normaliser and the experts' gradients over accumulation). Its parameters, with SGD (AdamW's
+    # reached 1.83e-4 against a 2e-4 bound: no margin): the ep2 cells of
+    # test_every_pipeline_schedule_trains_moe_with_parity (pp2 x ep2, 1e-5).
     adamw = run_tiny_llama(
         ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3, accumulate=2
     )
@@ -398,13 +396,13 @@ EP_LAYOUTS["ep2-zero3"] = (2, lambda: [ExpertParallel(2), ZeRO(stage=3)], 2)
 EP_LAYOUTS["zero1-dp2"] = (2, lambda: [ZeRO(stage=1)], 2)
 
 
-def _fit_moe(layout: str, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
+def _fit_moe(layout: str, max_steps: int, ckpt_path: str | None, save_to: str | None) -> RunRecord:
     world_size, plugins, dp = EP_LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3, stop=True)] if save_to else [])
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=max_steps)] if save_to else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=6,
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=max_steps,
         callbacks=callbacks, **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0)
@@ -414,18 +412,22 @@ def _fit_moe(layout: str, ckpt_path: str | None = None, save_to: str | None = No
 
 def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     # The experts are one global Shard(0) dim: DCP reshards them like any other DTensor.
-    for layout, (world_size, _, _) in EP_LAYOUTS.items():
-        run_workers(_fit_moe, world_size, layout, None, str(tmp_path / layout), timeout_s=300)
-    full = run_tiny_llama(ADAMW, steps=6, model="moe_tiny")
-    reference = RunRecord(full.losses[3:], full.grads[3:], full.params)
-    # A cycle: each layout saves once and loads once, and every step changes how the experts lie
-    # (whole, Shard(0) over ep, also split inside each expert, whole with flat optimizer ranges).
-    cycle = ["one", "ep2", "ep2-zero3", "zero1-dp2", "one"]
-    for source, target in itertools.pairwise(cycle):
-        run = run_workers(_fit_moe, EP_LAYOUTS[target][0], target, str(tmp_path / source), timeout_s=300)[0]
+    # A chain: each layout resumes from the last one's checkpoint, trains 2 AdamW steps (the second
+    # one's loss reads the restored moments) and saves for the next. Each layout saves once and
+    # loads once, and every link changes how the experts lie (whole, Shard(0) over ep, also split
+    # inside each expert, whole with flat optimizer ranges).
+    chain = ["one", "ep2", "ep2-zero3", "zero1-dp2", "one"]
+    full = run_tiny_llama(ADAMW, steps=2 * len(chain), model="moe_tiny")
+    saved = None
+    for i, layout in enumerate(chain):
+        save_to = str(tmp_path / f"{i}-{layout}") if i < len(chain) - 1 else None
+        run = run_workers(_fit_moe, EP_LAYOUTS[layout][0], layout, 2 * i + 2, saved, save_to, timeout_s=300)[0]
+        assert len(run.losses) == 2
         # AdamW on a MoE model: losses only (assert_adamw_moe_parity says why); a wrong expert shard
         # or moment after the resume moves them by far more than 1e-5.
+        reference = RunRecord(full.losses[2 * i : 2 * i + 2], full.grads[2 * i : 2 * i + 2], full.params)
         assert_parity(run, reference, rtol=1e-5, grad_rtol=math.inf, check_params=False)
+        saved = save_to
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -513,6 +515,8 @@ CAPACITY_LAYOUTS = {
     "cp2-ring": (lambda: [ContextParallel(2, "ring")], 1),
     # cp2 zig-zag (the default method) with the experts' dispatch on top: no cell of its own.
     "ep2xcp2": (lambda: [ExpertParallel(2), ContextParallel(2)], 1),
+    # Mixtral's routing (softmax top-2, z-loss, sequence aux loss) with ep2 x ZeRO-3, as one process.
+    "ep2-zero3": (lambda: [ExpertParallel(2), ZeRO(stage=3)], 2),
 }
 
 
