@@ -394,15 +394,16 @@ EP_LAYOUTS = {"one": (1, list, 1), "ep2": (2, lambda: [ExpertParallel(2)], 2)}
 EP_LAYOUTS["ep2-zero3"] = (2, lambda: [ExpertParallel(2), ZeRO(stage=3)], 2)
 # A sharded optimizer's flat ranges of the 3-D expert weights are several 3-D boxes (saving failed).
 EP_LAYOUTS["zero1-dp2"] = (2, lambda: [ZeRO(stage=1)], 2)
+CHAIN_STEPS = 10
 
 
-def _fit_moe(layout: str, max_steps: int, ckpt_path: str | None, save_to: str | None) -> RunRecord:
+def _fit_moe(layout: str, stop_at: int, ckpt_path: str | None, save_to: str | None) -> RunRecord:
     world_size, plugins, dp = EP_LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=max_steps)] if save_to else [])
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=max_steps,
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=stop_at, stop=True)] if save_to else [])
+    trainer = L.Trainer(  # max_steps: the whole chain's, which the learning-rate schedule spans
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=CHAIN_STEPS,
         callbacks=callbacks, **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0)
@@ -417,7 +418,8 @@ def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     # loads once, and every link changes how the experts lie (whole, Shard(0) over ep, also split
     # inside each expert, whole with flat optimizer ranges).
     chain = ["one", "ep2", "ep2-zero3", "zero1-dp2", "one"]
-    full = run_tiny_llama(ADAMW, steps=2 * len(chain), model="moe_tiny")
+    assert 2 * len(chain) == CHAIN_STEPS
+    full = run_tiny_llama(ADAMW, steps=CHAIN_STEPS, model="moe_tiny")
     saved = None
     for i, layout in enumerate(chain):
         save_to = str(tmp_path / f"{i}-{layout}") if i < len(chain) - 1 else None
