@@ -137,7 +137,7 @@ TIED = {"tie_word_embeddings": True}
 
 
 # Each family once and each layout once, not their product: the tie is found by identity and
-# handled alike whatever the family; each family under each layout untied: test_hf_models.
+# handled alike whatever the family (families under layouts, untied: test_hf_models).
 @pytest.mark.parametrize(("family", "layout"), [("llama", "pp2-1f1b"), ("qwen3", "tp2"), ("mistral", "zero3")])
 def test_a_tied_hugging_face_model_trains_like_one_process(family, layout):
     # Initialised (HF's distributions drawn per name): the head's copy on the last stage equal to
