@@ -228,19 +228,20 @@ def _assert_bias_parity(run: RunRecord, ref: RunRecord) -> None:
 @pytest.mark.parametrize(
     ("plugins", "world_size"),
     [
-        (lambda: [ExpertParallel(2)], 2),
         (lambda: [ExpertParallel(4)], 4),
         (lambda: [ExpertParallel(2), ZeRO(stage=1)], 4),
         (lambda: [ExpertParallel(2), ZeRO(stage=2)], 4),
         (lambda: [ExpertParallel(2), ZeRO(stage=3)], 4),
         (lambda: [ExpertParallel(2), TensorParallel(2)], 4),
-        (lambda: [ExpertParallel(2), PipelineParallel(2, schedule="1f1b", microbatches=2)], 4),
-        (lambda: [ExpertParallel(2), ContextParallel(2)], 2),
-        (lambda: [ExpertParallel(2), Recompute("full")], 2),
+        (lambda: [ExpertParallel(2), ContextParallel(2), Recompute("full")], 2),
     ],
-    ids=["ep2", "ep4", "ep2-zero1", "ep2-zero2", "ep2-zero3", "ep2xtp2", "ep2xpp2", "ep2xcp2", "ep2-recompute"],
+    ids=["ep4", "ep2-zero1", "ep2-zero2", "ep2-zero3", "ep2xtp2", "ep2xcp2-recompute"],
 )
 def test_expert_parallel_matches_one_process(plugins, world_size, moe_reference):
+    # ep2 over the context ranks, with the full recomputation that re-runs the dispatch and must
+    # count the tokens once (the routing bias below). ep2 over the data ranks alone: the ep2 cells
+    # of test_every_pipeline_schedule_trains_moe_with_parity (with pp2: 1f1b, zbv, dualpipev) and
+    # test_ep2_with_adamw_and_gradient_accumulation_matches_one_process.
     run = run_tiny_llama(SGD, plugins, world_size=world_size, model=MOE_TINY, steps=3, dp=_dp(plugins, world_size))
     assert_parity(run, moe_reference, rtol=1e-5)
     _assert_bias_parity(run, moe_reference)
@@ -256,28 +257,37 @@ MICROBATCHES = {
     "zbv": 4,
     "dualpipev": 4,
 }
-MOE_MODELS = {"moe_tiny": MOE_TINY, "deepseek_v3_tiny": DEEPSEEK_V3_TINY}
 
 
 @pytest.fixture(scope="module")
-def moe_references() -> dict[str, RunRecord]:
-    return {name: _moe_reference(cfg) for name, cfg in MOE_MODELS.items()}
+def deepseek_reference() -> RunRecord:
+    return _moe_reference(DEEPSEEK_V3_TINY)
 
 
 def test_the_schedule_table_is_covered():
     assert MICROBATCHES.keys() == SCHEDULES.keys()
 
 
-@pytest.mark.parametrize("ep", [1, 2])
+# Expert parallelism where a schedule could meet its all-to-alls: a split backward with two stages
+# per rank (zbv; dualpipev, which also overlaps one micro-batch's forward with another's backward),
+# and 1f1b; the others without it (each dispatch pairs the same stage of two pipelines that run one
+# schedule, so the order of the dispatches is the schedule's on both).
+EP_SCHEDULES = {"1f1b", "zbv", "dualpipev"}
+
+
 @pytest.mark.parametrize("schedule", list(MICROBATCHES))
-@pytest.mark.parametrize("model", list(MOE_MODELS))
-def test_every_pipeline_schedule_trains_moe_with_parity(model, schedule, ep, moe_references):
+def test_every_pipeline_schedule_trains_moe_with_parity(schedule, deepseek_reference):
     # The split-backward schedules (zero_bubble, zbv, dualpipev) detach_() each stage's output;
     # the aux loss's attachment made it a view and every first backward failed.
-    plugins = lambda: [PipelineParallel(2, schedule, MICROBATCHES[schedule])] + ([ExpertParallel(ep)] if ep > 1 else [])  # noqa: E731
-    run = run_tiny_llama(SGD, plugins, world_size=2 * ep, dp=ep, model=MOE_MODELS[model], steps=3)
-    assert_parity(run, moe_references[model], rtol=1e-5)
-    _assert_bias_parity(run, moe_references[model])
+    # One cell per schedule, on DeepSeek-V3-tiny: moe_tiny's MoE blocks with MLA attention (not
+    # crossed with moe_tiny: the same MoE blocks, its attention under every schedule in
+    # tests/multiprocess/test_pipeline.py).
+    ep = 2 if schedule in EP_SCHEDULES else 1
+    pipeline = lambda: [PipelineParallel(2, schedule, MICROBATCHES[schedule])]  # noqa: E731
+    plugins = (lambda: [*pipeline(), ExpertParallel(2)]) if ep > 1 else pipeline
+    run = run_tiny_llama(SGD, plugins, world_size=2 * ep, dp=ep, model=DEEPSEEK_V3_TINY, steps=3)
+    assert_parity(run, deepseek_reference, rtol=1e-5)
+    _assert_bias_parity(run, deepseek_reference)
 
 
 def _dp(plugins, world_size):
@@ -285,67 +295,67 @@ def _dp(plugins, world_size):
     return dims.dp
 
 
-def test_mixtral_routing_with_ep2_and_zero3_matches_one_process():
-    ref = _moe_reference(MIXTRAL_TINY)
-    run = run_tiny_llama(SGD, lambda: [ExpertParallel(2), ZeRO(stage=3)], world_size=2, model=MIXTRAL_TINY, steps=3)
-    assert_parity(run, ref, rtol=1e-5)
-
-
 # Two experts over ep=2 on 4 ranks: one expert per rank, two ZeRO-3 ranks (edp) per expert. Dim 0
 # (the expert dim, size 1) cannot be split over them; ZeRO-3 splits dim 1 instead.
 FEW_EXPERTS = replace(MIXTRAL_TINY, name="mixtral_tiny_2e", moe=replace(MIXTRAL_TINY.moe, n_routed_experts=2))
+# Mixtral has no dense width of its own: HF's intermediate_size is the experts' (the expert weights are unchanged).
+FEW_EXPERTS_HF = replace(FEW_EXPERTS, ffn_hidden_dim=FEW_EXPERTS.moe.moe_ffn_dim)
 
 
-def test_zero3_splits_each_expert_over_its_ranks_when_they_outnumber_the_experts():
+@pytest.fixture(scope="module")
+def few_experts_from_hf(tmp_path_factory) -> tuple[RunRecord, RunRecord, RunRecord]:
+    """FEW_EXPERTS imported from a Hugging Face Mixtral: one process, ep2 x ZeRO-3 on 4 ranks, and a fresh init."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_ultrascale.models.hf.convert import config_to_hf, hf_architecture
+
+    directory = tmp_path_factory.mktemp("few_experts_hf")
+    torch.manual_seed(1)
+    config_class, model_class = (getattr(transformers, c) for c in hf_architecture(FEW_EXPERTS_HF))
+    model_class(config_class(**config_to_hf(FEW_EXPERTS_HF))).save_pretrained(directory)
+
+    def run(plugins, world_size):
+        module = lambda: LlamaModule(FEW_EXPERTS_HF, optim=SGD, init_from=f"hf:{directory}")  # noqa: E731
+        data = lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // world_size, seed=0)  # noqa: E731
+        strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins else None
+        return record_run(module, data, steps=2, strategy=strategy, world_size=world_size)
+
+    fresh = run_tiny_llama(SGD, model=FEW_EXPERTS_HF, steps=1)
+    return run(None, 1), run(lambda: [ExpertParallel(2), ZeRO(stage=3)], 4), fresh
+
+
+def test_zero3_splits_each_expert_over_its_ranks_when_they_outnumber_the_experts(few_experts_from_hf):
     from lightning_ultrascale.plan import dry_run, predict_shards
 
     plugins = lambda: [ExpertParallel(2), ZeRO(stage=3)]  # noqa: E731
-    model = build_model(FEW_EXPERTS, device="meta")
+    model = build_model(FEW_EXPERTS_HF, device="meta")
     w1 = "layers.0.feed_forward.experts.w1"
     full = tuple(model.get_parameter(w1).shape)  # (2, 64, dim)
     for rank in range(4):
         plan = predict_shards(UltraScaleStrategy(*plugins()), model, 4, rank)
         assert plan.shapes[w1] == (1, full[1] // 2, full[2]), plan.shapes[w1]  # half of one expert each
-        meta = lambda: build_model(FEW_EXPERTS, device="meta")  # noqa: E731
+        meta = lambda: build_model(FEW_EXPERTS_HF, device="meta")  # noqa: E731
         assert dry_run(lambda: UltraScaleStrategy(*plugins()), meta, 4, rank) == plan.shapes
-    run = run_tiny_llama(SGD, plugins, world_size=4, model=FEW_EXPERTS, steps=3)
-    assert_parity(run, _moe_reference(FEW_EXPERTS), rtol=1e-5)
+    # That layout trains like one process (from imported weights: the run the next test reads).
+    one, split, _ = few_experts_from_hf
+    assert_parity(split, one, rtol=1e-5)
 
 
-def test_hf_weights_load_into_zero3_shards_inside_each_expert(tmp_path):
+def test_hf_weights_load_into_zero3_shards_inside_each_expert(few_experts_from_hf):
     # The same layout imports a Hugging Face Mixtral: each rank reads its half of its expert's rows
     # (was NotImplementedError: "expert weights split inside an expert cannot load from HF").
-    transformers = pytest.importorskip("transformers")
-    from lightning_ultrascale.models.hf.convert import config_to_hf, hf_architecture
-
-    cfg = replace(FEW_EXPERTS, ffn_hidden_dim=FEW_EXPERTS.moe.moe_ffn_dim)  # Mixtral has no dense width of its own
-    torch.manual_seed(1)
-    config_class, model_class = (getattr(transformers, c) for c in hf_architecture(cfg))
-    model_class(config_class(**config_to_hf(cfg))).save_pretrained(tmp_path)
-
-    def run(plugins, world_size):
-        module = lambda: LlamaModule(cfg, optim=SGD, init_from=f"hf:{tmp_path}")  # noqa: E731
-        data = lambda: UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // world_size, seed=0)  # noqa: E731
-        strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins else None
-        return record_run(module, data, steps=2, strategy=strategy, world_size=world_size)
-
-    one = run(None, 1)
-    assert_parity(run(lambda: [ExpertParallel(2), ZeRO(stage=3)], 4), one, rtol=1e-5)
-    fresh = run_tiny_llama(SGD, model=cfg, steps=1)
+    one, split, fresh = few_experts_from_hf
+    assert_parity(split, one, rtol=1e-5)
     assert abs(fresh.losses[0] - one.losses[0]) > 1e-3  # the import's weights, not a fresh init
 
 
 def test_ep2_with_adamw_and_gradient_accumulation_matches_one_process():
-    ref = run_tiny_llama(ADAMW, model=MOE_TINY, steps=3)
-    run = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=MOE_TINY, steps=3, accumulate=2)
-    assert_adamw_moe_parity(run, ref)
-
-
-def test_deepseek_v3_tiny_at_ep2_matches_one_process_sgd_parameters_and_adamw_losses():
-    # Parameters: SGD, 1e-5 (AdamW's reached 1.83e-4 against a 2e-4 bound: no margin).
-    sgd = run_tiny_llama(SGD, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3)
-    assert_parity(sgd, _moe_reference(DEEPSEEK_V3_TINY), rtol=1e-5)
-    adamw = run_tiny_llama(ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3)
+    # On DeepSeek-V3-tiny: its AdamW losses at ep2, with 2 micro-batches per step (the loss
+    # normaliser and the experts' gradients over accumulation). Its parameters, with SGD (AdamW's
+    # reached 1.83e-4 against a 2e-4 bound: no margin): the ep2 cells of
+    # test_every_pipeline_schedule_trains_moe_with_parity (pp2 x ep2, 1e-5).
+    adamw = run_tiny_llama(
+        ADAMW, lambda: [ExpertParallel(2)], world_size=2, model=DEEPSEEK_V3_TINY, steps=3, accumulate=2
+    )
     assert_adamw_moe_parity(adamw, run_tiny_llama(ADAMW, model=DEEPSEEK_V3_TINY, steps=3))
 
 
@@ -384,15 +394,16 @@ EP_LAYOUTS = {"one": (1, list, 1), "ep2": (2, lambda: [ExpertParallel(2)], 2)}
 EP_LAYOUTS["ep2-zero3"] = (2, lambda: [ExpertParallel(2), ZeRO(stage=3)], 2)
 # A sharded optimizer's flat ranges of the 3-D expert weights are several 3-D boxes (saving failed).
 EP_LAYOUTS["zero1-dp2"] = (2, lambda: [ZeRO(stage=1)], 2)
+CHAIN_STEPS = 10
 
 
-def _fit_moe(layout: str, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
+def _fit_moe(layout: str, stop_at: int, ckpt_path: str | None, save_to: str | None) -> RunRecord:
     world_size, plugins, dp = EP_LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3, stop=True)] if save_to else [])
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=6,
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=stop_at, stop=True)] if save_to else [])
+    trainer = L.Trainer(  # max_steps: the whole chain's, which the learning-rate schedule spans
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=CHAIN_STEPS,
         callbacks=callbacks, **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // dp, seed=0)
@@ -402,16 +413,23 @@ def _fit_moe(layout: str, ckpt_path: str | None = None, save_to: str | None = No
 
 def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     # The experts are one global Shard(0) dim: DCP reshards them like any other DTensor.
-    for layout, (world_size, _, _) in EP_LAYOUTS.items():
-        run_workers(_fit_moe, world_size, layout, None, str(tmp_path / layout), timeout_s=300)
-    full = run_tiny_llama(ADAMW, steps=6, model="moe_tiny")
-    reference = RunRecord(full.losses[3:], full.grads[3:], full.params)
-    pairs = [("ep2", "one"), ("one", "ep2"), ("ep2", "ep2-zero3"), ("ep2-zero3", "one"), ("zero1-dp2", "ep2")]
-    for source, target in [*pairs, ("one", "zero1-dp2")]:
-        run = run_workers(_fit_moe, EP_LAYOUTS[target][0], target, str(tmp_path / source), timeout_s=300)[0]
+    # A chain: each layout resumes from the last one's checkpoint, trains 2 AdamW steps (the second
+    # one's loss reads the restored moments) and saves for the next. Each layout saves once and
+    # loads once, and every link changes how the experts lie (whole, Shard(0) over ep, also split
+    # inside each expert, whole with flat optimizer ranges).
+    chain = ["one", "ep2", "ep2-zero3", "zero1-dp2", "one"]
+    assert 2 * len(chain) == CHAIN_STEPS
+    full = run_tiny_llama(ADAMW, steps=CHAIN_STEPS, model="moe_tiny")
+    saved = None
+    for i, layout in enumerate(chain):
+        save_to = str(tmp_path / f"{i}-{layout}") if i < len(chain) - 1 else None
+        run = run_workers(_fit_moe, EP_LAYOUTS[layout][0], layout, 2 * i + 2, saved, save_to, timeout_s=300)[0]
+        assert len(run.losses) == 2
         # AdamW on a MoE model: losses only (assert_adamw_moe_parity says why); a wrong expert shard
         # or moment after the resume moves them by far more than 1e-5.
+        reference = RunRecord(full.losses[2 * i : 2 * i + 2], full.grads[2 * i : 2 * i + 2], full.params)
         assert_parity(run, reference, rtol=1e-5, grad_rtol=math.inf, check_params=False)
+        saved = save_to
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -497,8 +515,10 @@ CAPACITY_LAYOUTS = {
     "pp2": (lambda: [PipelineParallel(2, "1f1b", microbatches=2)], 1),
     "tp2": (lambda: [TensorParallel(2)], 1),
     "cp2-ring": (lambda: [ContextParallel(2, "ring")], 1),
-    "cp2-zigzag": (lambda: [ContextParallel(2, "zigzag_ring")], 1),
+    # cp2 zig-zag (the default method) with the experts' dispatch on top: no cell of its own.
     "ep2xcp2": (lambda: [ExpertParallel(2), ContextParallel(2)], 1),
+    # Mixtral's routing (softmax top-2, z-loss, sequence aux loss) with ep2 x ZeRO-3, as one process.
+    "ep2-zero3": (lambda: [ExpertParallel(2), ZeRO(stage=3)], 2),
 }
 
 

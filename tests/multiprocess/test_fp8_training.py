@@ -76,10 +76,11 @@ def references() -> dict[tuple[str, int], RunRecord]:
 @pytest.mark.parametrize(
     ("recipe", "plugins", "kwargs"),
     [
-        ("tensorwise", lambda: [ZeRO(stage=3)], {}),
+        # dp2 ZeRO-3 with the FP8 all-gather: test_full_recomputation_recomputes_the_same_fp8_forward,
+        # which adds recomputation (a second gather of every unit in backward) to that layout.
         ("tensorwise", lambda: [PipelineParallel(2, schedule="1f1b", microbatches=2)], {"dp": 1}),
     ],
-    ids=["dp2-zero3-fp8-all-gather", "pp2-1f1b"],
+    ids=["pp2-1f1b"],
 )
 def test_layouts_with_the_same_arithmetic_equal_one_process(references, recipe, plugins, kwargs):
     run = _run(recipe, "32-true", plugins, 2, **kwargs)
@@ -88,8 +89,9 @@ def test_layouts_with_the_same_arithmetic_equal_one_process(references, recipe, 
 
 
 def test_full_recomputation_recomputes_the_same_fp8_forward(references):
-    # The recomputed forward sees the same inputs, so it takes the same dynamic scales.
-    run = _run("tensorwise", "32-true", lambda: [Recompute("full")], 1, accumulate=2)
+    # The recomputed forward sees the same inputs, so it takes the same dynamic scales; under ZeRO-3
+    # it gathers the FP8 weights again, and each rank's 4 sequences are the reference's micro-steps.
+    run = _run("tensorwise", "32-true", lambda: [ZeRO(stage=3), Recompute("full")], 2)
     assert_parity(run, references[("tensorwise", 2)], rtol=1e-5, later_grad_rtol=1e-5, param_rtol=1e-5)
 
 
@@ -103,7 +105,7 @@ class _ParamsAtStart(L.Callback):
 
 
 def _zero3_fit(fp8: bool, max_steps: int, ckpt_path: str | None = None, save_to: str | None = None) -> Any:
-    """ZeRO-3 on 2 ranks, FP8 tensorwise (weights wrapped for the FP8 all-gather) or fp32."""
+    """ZeRO-3 on 2 ranks, FP8 tensorwise (weights wrapped for the FP8 all-gather) or fp32: (start, end) parameters."""
     L.seed_everything(0, verbose=False)
     start, end = _ParamsAtStart(), ParityRecorder()
     callbacks = [start, end] + ([SaveCheckpoint(save_to, step=max_steps, stop=True)] if save_to else [])
@@ -114,18 +116,21 @@ def _zero3_fit(fp8: bool, max_steps: int, ckpt_path: str | None = None, save_to:
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=32, micro_batch_size=2, seed=0)
     trainer.fit(LlamaModule(MODEL, optim=SGD), datamodule=data, ckpt_path=ckpt_path)
-    return start.params if ckpt_path else end.record.params
+    return start.params, end.record.params
 
 
-@pytest.mark.parametrize("fp8_saves", [True, False], ids=["fp8-into-fp32", "fp32-into-fp8"])
-def test_a_checkpoint_loads_across_fp8_and_high_precision_runs(tmp_path, fp8_saves):
-    path = str(tmp_path / "step2.ckpt")
-    saved = run_workers(_zero3_fit, 2, fp8_saves, 2, None, path)[0]
-    loaded = run_workers(_zero3_fit, 2, not fp8_saves, 3, path)[0]
+def test_a_checkpoint_loads_across_fp8_and_high_precision_runs(tmp_path):
+    # Both directions in one chain: FP8 saves at step 2, fp32 resumes from it and saves at step 3,
+    # FP8 resumes from that.
+    fp8_path, fp32_path = str(tmp_path / "fp8-step2.ckpt"), str(tmp_path / "fp32-step3.ckpt")
+    _, fp8_saved = run_workers(_zero3_fit, 2, True, 2, None, fp8_path)[0]
+    fp32_loaded, fp32_saved = run_workers(_zero3_fit, 2, False, 3, fp8_path, fp32_path)[0]
+    fp8_loaded, _ = run_workers(_zero3_fit, 2, True, 4, fp32_path)[0]
     # FP8 keeps fp32 master weights with their names and shapes: the checkpoint is the same kind.
-    assert saved.keys() == loaded.keys()
-    for name, value in saved.items():
-        assert torch.equal(loaded[name], value), name
+    for saved, loaded in ((fp8_saved, fp32_loaded), (fp32_saved, fp8_loaded)):
+        assert saved.keys() == loaded.keys()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
 
 
 @pytest.mark.parametrize(
@@ -144,11 +149,13 @@ def test_layouts_that_sum_in_another_order_match_one_process_within_fp8_noise(re
     assert worst[0] < 0.5, f"gradient of {worst[1]} differs by {worst[0]:.2e}"
 
 
-def _all_gather_bytes(fp8: bool, steps: int = 1) -> tuple[int, int]:
+def _zero3_traffic(fp8: bool) -> tuple[int, int, int]:
+    """ZeRO-3 on 2 ranks for 2 steps; of the second: all-gather bytes, all-reduces (beyond the gradients'
+    reduce-scatters), and the FP8 linears' parameter count."""
     trace = StepCommTracer()
     precision = {"plugins": [FP8Precision("tensorwise")]} if fp8 else {"precision": "bf16-mixed"}
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=steps,
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(ZeRO(stage=3)), max_steps=2,
         callbacks=[trace], **precision, **QUIET_TRAINER,
     )  # fmt: skip
     module = LlamaModule(MODEL)
@@ -159,14 +166,18 @@ def _all_gather_bytes(fp8: bool, steps: int = 1) -> tuple[int, int]:
         numel = sum(module.model.get_submodule(n).weight.numel() for n in converted)
         weight = module.model.get_submodule(converted[0]).weight
         assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
-    if steps > 1:  # the last step's all-reduces other than the gradients' (dp_shard reduce-scatters)
-        return sum(r.op == "all_reduce" for r in trace.tracer.records), numel
-    return trace.tracer.total("all_gather"), numel
+    reductions = sum(r.op == "all_reduce" for r in trace.tracer.records)
+    return trace.tracer.total("all_gather"), reductions, numel
 
 
-def test_zero3_all_gathers_fp8_weights_in_half_of_bf16s_bytes():
-    bf16, _ = run_workers(_all_gather_bytes, 2, False)[0]
-    fp8, numel = run_workers(_all_gather_bytes, 2, True)[0]
+@pytest.fixture(scope="module")
+def zero3_traffic() -> dict[bool, tuple[int, int, int]]:
+    """:func:`_zero3_traffic` of bf16 (False) and FP8 (True): one pair of runs for the two tests below."""
+    return {fp8: run_workers(_zero3_traffic, 2, fp8)[0] for fp8 in (False, True)}
+
+
+def test_zero3_all_gathers_fp8_weights_in_half_of_bf16s_bytes(zero3_traffic):
+    (bf16, _, _), (fp8, _, numel) = zero3_traffic[False], zero3_traffic[True]
     # Every unit is gathered twice per step (forward; backward after resharding). The 28 FP8
     # linears move 1 byte per parameter instead of 2; norms and the root unit stay bf16.
     assert numel == 4 * (4 * 256 * 256 + 3 * 256 * 768)
@@ -207,9 +218,8 @@ def test_a_model_without_suitable_linears_trains_high_precision_and_says_why(cap
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_fp8_all_gathers_use_scales_precomputed_after_the_step():
+def test_fp8_all_gathers_use_scales_precomputed_after_the_step(zero3_traffic):
     # torchao's precompute_float8_dynamic_scale_for_fsdp after each optimizer step: the next step's
     # FP8 all-gathers find every weight's scale, where each gather all-reduced its own amax.
-    reductions, numel = run_workers(_all_gather_bytes, 2, True, 2)[0]
-    bf16_reductions, _ = run_workers(_all_gather_bytes, 2, False, 2)[0]
+    (_, bf16_reductions, _), (_, reductions, numel) = zero3_traffic[False], zero3_traffic[True]
     assert numel > 0 and reductions == bf16_reductions, (reductions, bf16_reductions)
