@@ -66,7 +66,13 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        except Exception as err:
+            if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+                _send(conn, ("port_taken", str(err)))  # (fn has not run: the parent may try another port)
+                return
+            raise
         result = fn(*args, **kwargs)
         _send(conn, ("ok", result))
     except BaseException:  # report everything, KeyboardInterrupt included, then die
@@ -106,8 +112,27 @@ def run_workers(
         raise ValueError(f"world_size={world_size} must be >= 1")
     # Fork after the intra-op pool started deadlocks the children (the module docstring).
     torch.set_num_threads(1)
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, free_port(), timeout_s, args, kwargs)
+        except _PortTaken:
+            # Another process bound the free port between free_port() and rank 0's store: try another.
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise WorkerError(f"no free port for the workers' store after {_PORT_ATTEMPTS} tries") from None
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """Rank 0's store found its port taken before the workers ran anything."""
+
+
+def _run_once(
+    fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Any]:
     ctx = mp.get_context("fork")
-    port = free_port()
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
     for rank in range(world_size):
@@ -129,9 +154,10 @@ def run_workers(
 
 
 def _stop(procs: list[mp.process.BaseProcess]) -> None:
-    """Join every worker; kill those still running (blocked in a collective with a dead rank)."""
+    """Join every worker; kill those still running after 5 s in all (blocked in a collective with a dead rank)."""
+    deadline = time.monotonic() + 5
     for proc in procs:
-        proc.join(timeout=5)
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join()
@@ -160,5 +186,7 @@ def _collect(conns: dict[Connection, int], procs: list[mp.process.BaseProcess], 
                 raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
             if status == "error":
                 raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
+            if status == "port_taken":
+                raise _PortTaken(payload)
             results[rank] = payload
     return results
