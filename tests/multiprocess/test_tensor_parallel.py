@@ -41,20 +41,20 @@ def test_tp2_matches_one_process(reference_sgd, sequence_parallel):
     assert_parity(run, reference_sgd, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp4_matches_one_process(reference_sgd_mha, sequence_parallel):
-    plugins = lambda: [TensorParallel(4, sequence_parallel=sequence_parallel)]  # noqa: E731
-    run = run_tiny_llama(SGD, plugins, 4, dp=1, model=TINY_MHA)
+# tp4 with sequence parallelism: the same plan as tp2's, each rank holding one kv head; without
+# it the plan is tp2's without the sequence-parallel parts (test_tp2_matches_one_process[False]).
+def test_tp4_matches_one_process(reference_sgd_mha):
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(4)], 4, dp=1, model=TINY_MHA)
     assert_parity(run, reference_sgd_mha, rtol=1e-5)
 
 
 # Sequence parallelism changes what the engines receive: its norms' gradients are Partial over tp
 # (redistributed into the buckets of stages 0-2, which share that code, and handed to FSDP2 at
-# stage 3), so every stage runs with it. Without it the norms are plain tensors beside DTensors:
-# one cell per engine family (flat buckets with a sharded optimizer: stage 1; FSDP2: stage 3).
-@pytest.mark.parametrize(
-    ("stage", "sequence_parallel"), [(0, True), (1, True), (2, True), (3, True), (1, False), (3, False)]
-)
+# stage 3). Without it the norms are plain tensors beside DTensors. Each stage runs once and each
+# engine family (buckets: 0-2; FSDP2: 3) both ways; stages 1 and 3 with sequence parallelism and
+# accumulation are test_gradient_clipping_uses_the_global_norm_counted_once's dp2xtp2 cells (SGD,
+# 1e-5, gradients recorded before the clip).
+@pytest.mark.parametrize(("stage", "sequence_parallel"), [(0, True), (2, True), (1, False), (3, False)])
 def test_dp2_x_tp2_with_zero_matches_one_process(reference_sgd, stage, sequence_parallel):
     def plugins():
         return [TensorParallel(2, sequence_parallel=sequence_parallel), ZeRO(stage=stage, bucket_mb=0.1)]
@@ -86,18 +86,22 @@ def test_tensor_parallel_layouts_match_one_process_with_adamw(reference_adamw, l
 
 # Gradient clipping: a bound small enough to clip every step, so the global norm decides the update.
 @pytest.mark.parametrize(
-    ("layout", "plugins", "world_size", "dp"),
+    ("layout", "plugins", "world_size", "dp", "accumulate"),
     [
-        ("dp2", lambda: [ZeRO(stage=0)], 2, 2),
-        ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2),
-        ("zero3", lambda: [ZeRO(stage=3)], 2, 2),
-        ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1),
-        ("dp2xtp2-zero1", lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2),
-        ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2),
+        ("dp2", lambda: [ZeRO(stage=0)], 2, 2, 1),
+        ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2, 1),
+        ("zero3", lambda: [ZeRO(stage=3)], 2, 2, 1),
+        ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1, 1),
+        # With accumulation: these also stand for test_dp2_x_tp2_with_zero_matches_one_process's
+        # stages 1 and 3 with sequence parallelism.
+        ("dp2xtp2-zero1", lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2, 2),
+        ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2, 2),
     ],
 )
-def test_gradient_clipping_uses_the_global_norm_counted_once(reference_sgd_clipped, layout, plugins, world_size, dp):
-    run = run_tiny_llama(SGD, plugins, world_size, dp=dp, gradient_clip_val=0.05)
+def test_gradient_clipping_uses_the_global_norm_counted_once(
+    reference_sgd_clipped, layout, plugins, world_size, dp, accumulate
+):
+    run = run_tiny_llama(SGD, plugins, world_size, accumulate, dp=dp, gradient_clip_val=0.05)
     assert_parity(run, reference_sgd_clipped, rtol=1e-5)
 
 
