@@ -1,4 +1,4 @@
-"""Any layout loads any other's checkpoint: save after 3 AdamW steps, resume elsewhere, train 3 more.
+"""Any layout loads any other's checkpoint: save after 2 AdamW steps, resume elsewhere, train 2 more.
 
 Also under another gradient accumulation, micro batch or dp size: the resumed run trains on the
 global batches and steps of an uninterrupted run in its own layout.
@@ -34,6 +34,10 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 
+#: A run's steps (the LR schedule spans them all), and the step after which it saves. Two resumed
+#: steps: the second starts from what the restored optimizer stepped.
+STEPS, SAVED_AT = 4, 2
+
 #: name -> (world size, plugins, data-parallel size)
 LAYOUTS = {
     "one": (1, lambda: [], 1),
@@ -67,8 +71,8 @@ def _fit(layout: str, max_steps: int, ckpt_path: str | None = None, save_to: str
     world_size, plugins, dp = LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    # Saved at step 3 of a 6-step run, which then stops: the LR schedule spans max_steps.
-    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3, stop=True)] if save_to else [])
+    # Saved at step SAVED_AT of a STEPS-step run, which then stops: the LR schedule spans max_steps.
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=SAVED_AT, stop=True)] if save_to else [])
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=max_steps,
         callbacks=callbacks, **QUIET_TRAINER,
@@ -79,28 +83,28 @@ def _fit(layout: str, max_steps: int, ckpt_path: str | None = None, save_to: str
 
 
 def _resume_each(target: str, sources: list[str], root: str) -> dict[str, RunRecord]:
-    return {source: _fit(target, 6, ckpt_path=str(Path(root) / source)) for source in sources}
+    return {source: _fit(target, STEPS, ckpt_path=str(Path(root) / source)) for source in sources}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("layouts")
     for layout, (world_size, _, _) in LAYOUTS.items():
-        run_workers(_fit, world_size, layout, 6, None, str(root / layout), timeout_s=300)
+        run_workers(_fit, world_size, layout, STEPS, None, str(root / layout), timeout_s=300)
     return str(root)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> RunRecord:
-    return run_tiny_llama(ADAMW, steps=6)
+    return run_tiny_llama(ADAMW, steps=STEPS)
 
 
 @pytest.mark.parametrize("target", list(PAIRS))
 def test_a_checkpoint_of_any_layout_resumes_in_another(checkpoints, uninterrupted, target):
     world_size = LAYOUTS[target][0]
     runs = run_workers(_resume_each, world_size, target, PAIRS[target], checkpoints, timeout_s=600)[0]
-    # The reference's steps 4-6: the resumed runs record only what they trained.
-    reference = RunRecord(uninterrupted.losses[3:], uninterrupted.grads[3:], uninterrupted.params)
+    # The reference's steps after SAVED_AT: the resumed runs record only what they trained.
+    reference = RunRecord(uninterrupted.losses[SAVED_AT:], uninterrupted.grads[SAVED_AT:], uninterrupted.params)
     for source, run in runs.items():
         try:  # every gradient here is a later AdamW step's
             assert_parity(run, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
@@ -131,9 +135,9 @@ def _fit_accumulating(layout: str, ckpt_path: str | None = None, save_to: str | 
     world_size, plugins, micro_batch_size, accumulate = ACCUMULATION_LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
-    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=3)] if save_to else [])
+    callbacks = [recorder] + ([SaveCheckpoint(save_to, step=SAVED_AT, stop=True)] if save_to else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=6,
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins()), max_steps=STEPS,
         accumulate_grad_batches=accumulate, callbacks=callbacks, **QUIET_TRAINER,
     )  # fmt: skip
     data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=micro_batch_size, seed=0)
@@ -149,7 +153,7 @@ def test_a_resume_under_another_accumulation_trains_the_uninterrupted_steps(tmp_
     world_size = ACCUMULATION_LAYOUTS[target][0]
     uninterrupted = run_workers(_fit_accumulating, world_size, target)[0]
     resumed = run_workers(_fit_accumulating, world_size, target, str(tmp_path / "ckpt"))[0]
-    reference = RunRecord(uninterrupted.losses[3:], uninterrupted.grads[3:], uninterrupted.params)
+    reference = RunRecord(uninterrupted.losses[SAVED_AT:], uninterrupted.grads[SAVED_AT:], uninterrupted.params)
     assert_parity(resumed, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
 
 

@@ -28,7 +28,9 @@ def reference_adamw():
     return _run(ADAMW)
 
 
-@pytest.mark.parametrize(("world_size", "accumulate"), [(2, 1), (2, 2), (4, 1), (4, 2)])
+# The world size sets who reduces, accumulation when: they do not interact. dp4 with accumulation
+# runs with AdamW below (losses and first-step gradients at 1e-5).
+@pytest.mark.parametrize(("world_size", "accumulate"), [(2, 1), (2, 2), (4, 1)])
 def test_dp_matches_one_process_with_sgd(reference_sgd, world_size, accumulate):
     assert_parity(_run(SGD, world_size, accumulate), reference_sgd, rtol=1e-5)
 
@@ -121,11 +123,11 @@ def _fit_twice_with_one_trainer(tp: int, stage: int = 0) -> None:
 
     strategy = UltraScaleStrategy(ZeRO(stage=stage), *([TensorParallel(tp)] if tp > 1 else []))
     world = 2 * tp
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, **QUIET_TRAINER)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, **QUIET_TRAINER)
     module = LlamaModule("llama_tiny")
     data = UltraScaleDataModule(seq_len=32, micro_batch_size=2)
     trainer.fit(module, datamodule=data)
-    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit_loop.epoch_loop.max_steps = 2  # one step more: unsynchronised, the replicas would part
     trainer.fit(module, datamodule=data)  # setup runs again: the engine binds again
     # dp replicas stayed identical through the second fit: gradients were still averaged.
     for p in module.parameters():

@@ -25,21 +25,36 @@ def reference_sgd_mha():
     return run_tiny_llama(SGD, model=TINY_MHA)
 
 
+@pytest.fixture(scope="module")
+def reference_adamw():
+    return run_tiny_llama(ADAMW)
+
+
+@pytest.fixture(scope="module")
+def reference_sgd_clipped():
+    return run_tiny_llama(SGD, gradient_clip_val=0.05)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_matches_one_process(reference_sgd, sequence_parallel):
     run = run_tiny_llama(SGD, lambda: [TensorParallel(2, sequence_parallel=sequence_parallel)], 2, dp=1)
     assert_parity(run, reference_sgd, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_tp4_matches_one_process(reference_sgd_mha, sequence_parallel):
-    plugins = lambda: [TensorParallel(4, sequence_parallel=sequence_parallel)]  # noqa: E731
-    run = run_tiny_llama(SGD, plugins, 4, dp=1, model=TINY_MHA)
+# tp4 with sequence parallelism: the same plan as tp2's, each rank holding one kv head; without
+# it the plan is tp2's without the sequence-parallel parts (test_tp2_matches_one_process[False]).
+def test_tp4_matches_one_process(reference_sgd_mha):
+    run = run_tiny_llama(SGD, lambda: [TensorParallel(4)], 4, dp=1, model=TINY_MHA)
     assert_parity(run, reference_sgd_mha, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Sequence parallelism changes what the engines receive: its norms' gradients are Partial over tp
+# (redistributed into the buckets of stages 0-2, which share that code, and handed to FSDP2 at
+# stage 3). Without it the norms are plain tensors beside DTensors. Each stage runs once and each
+# engine family (buckets: 0-2; FSDP2: 3) both ways; stages 1 and 3 with sequence parallelism and
+# accumulation are test_gradient_clipping_uses_the_global_norm_counted_once's dp2xtp2 cells (SGD,
+# 1e-5, gradients recorded before the clip).
+@pytest.mark.parametrize(("stage", "sequence_parallel"), [(0, True), (2, True), (1, False), (3, False)])
 def test_dp2_x_tp2_with_zero_matches_one_process(reference_sgd, stage, sequence_parallel):
     def plugins():
         return [TensorParallel(2, sequence_parallel=sequence_parallel), ZeRO(stage=stage, bucket_mb=0.1)]
@@ -53,38 +68,41 @@ def test_tp2_with_recomputation_and_accumulation_matches_one_process(reference_s
     assert_parity(run, reference_sgd, rtol=1e-5)
 
 
+# Adam's states on tensor-parallel shards are the same code at tp2 and tp4 (tp4 itself is proven
+# with SGD in test_tp4_matches_one_process): tp2 alone and composed with each ZeRO engine family.
 ADAMW_LAYOUTS = {
-    "tp2-sp": (lambda: [TensorParallel(2)], 2, 1, "llama_tiny"),
-    "tp4": (lambda: [TensorParallel(4, sequence_parallel=False)], 4, 1, TINY_MHA),
-    "dp2xtp2-zero1": (lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2, "llama_tiny"),
-    "dp2xtp2-zero3": (lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2, "llama_tiny"),
+    "tp2-sp": (lambda: [TensorParallel(2)], 2, 1),
+    "dp2xtp2-zero1": (lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2),
+    "dp2xtp2-zero3": (lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2),
 }
 
 
 @pytest.mark.parametrize("layout", list(ADAMW_LAYOUTS))
-def test_tensor_parallel_layouts_match_one_process_with_adamw(layout):
-    plugins, world_size, dp, model = ADAMW_LAYOUTS[layout]
-    reference = run_tiny_llama(ADAMW, model=model)
-    run = run_tiny_llama(ADAMW, plugins, world_size, dp=dp, model=model)
-    assert_adamw_parity(run, reference)
+def test_tensor_parallel_layouts_match_one_process_with_adamw(reference_adamw, layout):
+    plugins, world_size, dp = ADAMW_LAYOUTS[layout]
+    run = run_tiny_llama(ADAMW, plugins, world_size, dp=dp)
+    assert_adamw_parity(run, reference_adamw)
 
 
 # Gradient clipping: a bound small enough to clip every step, so the global norm decides the update.
 @pytest.mark.parametrize(
-    ("layout", "plugins", "world_size", "dp"),
+    ("layout", "plugins", "world_size", "dp", "accumulate"),
     [
-        ("dp2", lambda: [ZeRO(stage=0)], 2, 2),
-        ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2),
-        ("zero3", lambda: [ZeRO(stage=3)], 2, 2),
-        ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1),
-        ("dp2xtp2-zero1", lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2),
-        ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2),
+        ("dp2", lambda: [ZeRO(stage=0)], 2, 2, 1),
+        ("zero1", lambda: [ZeRO(stage=1, bucket_mb=0.1)], 2, 2, 1),
+        ("zero3", lambda: [ZeRO(stage=3)], 2, 2, 1),
+        ("tp2-no-sp", lambda: [TensorParallel(2, sequence_parallel=False)], 2, 1, 1),
+        # With accumulation: these also stand for test_dp2_x_tp2_with_zero_matches_one_process's
+        # stages 1 and 3 with sequence parallelism.
+        ("dp2xtp2-zero1", lambda: [TensorParallel(2), ZeRO(stage=1, bucket_mb=0.1)], 4, 2, 2),
+        ("dp2xtp2-zero3", lambda: [TensorParallel(2), ZeRO(stage=3)], 4, 2, 2),
     ],
 )
-def test_gradient_clipping_uses_the_global_norm_counted_once(layout, plugins, world_size, dp):
-    reference = run_tiny_llama(SGD, gradient_clip_val=0.05)
-    run = run_tiny_llama(SGD, plugins, world_size, dp=dp, gradient_clip_val=0.05)
-    assert_parity(run, reference, rtol=1e-5)
+def test_gradient_clipping_uses_the_global_norm_counted_once(
+    reference_sgd_clipped, layout, plugins, world_size, dp, accumulate
+):
+    run = run_tiny_llama(SGD, plugins, world_size, accumulate, dp=dp, gradient_clip_val=0.05)
+    assert_parity(run, reference_sgd_clipped, rtol=1e-5)
 
 
 def test_gradient_clipping_by_value_clamps_the_reduced_gradients():
@@ -109,14 +127,18 @@ def test_bad_tensor_parallel_settings_fail_at_construction():
 ODD_VOCAB = dataclasses.replace(get_model_config("llama_tiny"), vocab_size=321, name="llama_tiny_vocab321")
 
 
+@pytest.fixture(scope="module")
+def reference_sgd_odd_vocab():
+    return run_tiny_llama(SGD, model=ODD_VOCAB)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_vocab_not_divisible_by_tp_trains_like_one_process(sequence_parallel):
+def test_a_vocab_not_divisible_by_tp_trains_like_one_process(reference_sgd_odd_vocab, sequence_parallel):
     # DTensor splits the 321 rows unevenly (161 + 160): no padded logits exist, so none can leak
     # into the softmax (the padding bug Megatron-LM #1754 describes).
-    reference = run_tiny_llama(SGD, model=ODD_VOCAB, steps=3)
     plugins = lambda: [TensorParallel(2, sequence_parallel=sequence_parallel)]  # noqa: E731
-    run = run_tiny_llama(SGD, plugins, 2, dp=1, model=ODD_VOCAB, steps=3)
-    assert_parity(run, reference, rtol=1e-5)
+    run = run_tiny_llama(SGD, plugins, 2, dp=1, model=ODD_VOCAB)
+    assert_parity(run, reference_sgd_odd_vocab, rtol=1e-5)
 
 
 def test_hsdp_x_tp_on_a_3d_mesh_matches_one_process(reference_sgd):

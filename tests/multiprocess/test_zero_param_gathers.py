@@ -97,11 +97,11 @@ class _WatchGathers(L.Callback):
 def _watched_fit(plugins: list[Any], world_size: int, dp: int, accumulate: int, module: dict[str, Any], path: str):
     L.seed_everything(0, verbose=False)
     watch = _WatchGathers()
-    # Steps 2 and 4 are followed by a validation, step 3 by a checkpoint, step 5 by the end of training
-    # (the parity recorder reads every parameter): each must wait for the gathers.
+    # Steps 2 and 4 are followed by a validation, step 3 by a checkpoint, step 4 also by the end of
+    # training (the parity recorder reads every parameter): each must wait for the gathers.
     settings = {**QUIET_TRAINER, "limit_val_batches": 1, "val_check_interval": 2 * accumulate}
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins), max_steps=5,
+        accelerator="cpu", devices=world_size, strategy=UltraScaleStrategy(*plugins), max_steps=4,
         accumulate_grad_batches=accumulate, callbacks=[ParityRecorder(), SaveCheckpoint(path, step=3), watch],
         **settings,
     )  # fmt: skip
@@ -151,11 +151,11 @@ def _fit_resumed(path: str, max_steps: int, ckpt_path: str | None) -> RunRecord:
 
 def test_zero2_with_accumulation_validation_and_a_resume_matches_one_process(tmp_path):
     path = str(tmp_path / "ckpt")
-    first = run_workers(_fit_resumed, 2, path, 5, None)[0]  # saves after step 2 and stops
-    resumed = run_workers(_fit_resumed, 2, path, 5, path)[0]
+    first = run_workers(_fit_resumed, 2, path, 4, None)[0]  # saves after step 2 and stops
+    resumed = run_workers(_fit_resumed, 2, path, 4, path)[0]
     run = RunRecord(losses=first.losses + resumed.losses, grads=first.grads + resumed.grads, params=resumed.params)
     assert len(first.losses) == 2
-    assert_parity(run, run_tiny_llama(SGD, steps=5), rtol=1e-5)
+    assert_parity(run, run_tiny_llama(SGD, steps=4), rtol=1e-5)
 
 
 def _gathered(precision: str) -> tuple[set[torch.dtype], int, int]:
