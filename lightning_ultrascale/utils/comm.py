@@ -120,49 +120,52 @@ class _Collective:
     times_group: bool = False
 
 
-_c10d_ops = torch.ops.c10d
-_funcol_ops = torch.ops._c10d_functional
-_funcol_autograd_ops = torch.ops._c10d_functional_autograd
-
+#: Every collective op we can see, by (namespace, name). Torch adds ops between releases (the functional
+#: ``isend``/``irecv`` are newer than torch 2.11), so only those this torch has are looked up.
+_COLLECTIVE_OPS: dict[tuple[str, str], _Collective] = {
+    ("c10d", "allreduce_"): _Collective("all_reduce", 0, 1),
+    ("c10d", "allreduce_coalesced_"): _Collective("all_reduce", 0, 1),
+    ("c10d", "allgather_"): _Collective("all_gather", 0, 2),
+    ("c10d", "_allgather_base_"): _Collective("all_gather", 0, 2),
+    ("c10d", "allgather_coalesced_"): _Collective("all_gather", 0, 2),
+    ("c10d", "allgather_into_tensor_coalesced_"): _Collective("all_gather", 0, 2),
+    ("c10d", "reduce_scatter_"): _Collective("reduce_scatter", 1, 2),
+    ("c10d", "_reduce_scatter_base_"): _Collective("reduce_scatter", 1, 2),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): _Collective("reduce_scatter", 1, 2),
+    ("c10d", "alltoall_"): _Collective("all_to_all", 1, 2),
+    ("c10d", "alltoall_base_"): _Collective("all_to_all", 1, 2),
+    ("c10d", "broadcast_"): _Collective("broadcast", 0, 1),
+    ("c10d", "reduce_"): _Collective("reduce", 0, 1),
+    ("c10d", "gather_"): _Collective("gather", 1, 2, times_group=True),
+    ("c10d", "scatter_"): _Collective("scatter", 0, 2, times_group=True),
+    ("c10d", "send"): _Collective("send", 0, 1),
+    ("c10d", "recv_"): _Collective("recv", 0, 1),
+    ("c10d", "recv_any_source_"): _Collective("recv", 0, 1),
+    ("c10d", "barrier"): _Collective("barrier", 0, 1),
+    ("c10d", "monitored_barrier_"): _Collective("barrier", 0, 1),
+    ("_c10d_functional", "all_reduce"): _Collective("all_reduce", 0, 2),
+    ("_c10d_functional", "all_reduce_"): _Collective("all_reduce", 0, 2),
+    ("_c10d_functional", "all_reduce_coalesced"): _Collective("all_reduce", 0, 2),
+    ("_c10d_functional", "all_reduce_coalesced_"): _Collective("all_reduce", 0, 2),
+    ("_c10d_functional", "all_gather_into_tensor"): _Collective("all_gather", 0, 2, times_group=True),
+    ("_c10d_functional", "all_gather_into_tensor_out"): _Collective("all_gather", 0, 2, times_group=True),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): _Collective("all_gather", 0, 2, times_group=True),
+    ("_c10d_functional", "reduce_scatter_tensor"): _Collective("reduce_scatter", 0, 3),
+    ("_c10d_functional", "reduce_scatter_tensor_out"): _Collective("reduce_scatter", 0, 3),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): _Collective("reduce_scatter", 0, 3),
+    ("_c10d_functional", "all_to_all_single"): _Collective("all_to_all", 0, 3),
+    ("_c10d_functional", "broadcast"): _Collective("broadcast", 0, 2),
+    ("_c10d_functional", "broadcast_"): _Collective("broadcast", 0, 2),
+    ("_c10d_functional", "isend"): _Collective("send", 0, 3),
+    ("_c10d_functional", "irecv"): _Collective("recv", 0, 3),
+    ("_c10d_functional_autograd", "all_to_all_single"): _Collective("all_to_all", 0, 3),
+    ("_c10d_functional_autograd", "reduce_scatter_tensor"): _Collective("reduce_scatter", 0, 3),
+    ("_c10d_functional_autograd", "all_gather_into_tensor"): _Collective("all_gather", 0, 2, times_group=True),
+}
 _COLLECTIVES: dict[Any, _Collective] = {
-    _c10d_ops.allreduce_: _Collective("all_reduce", 0, 1),
-    _c10d_ops.allreduce_coalesced_: _Collective("all_reduce", 0, 1),
-    _c10d_ops.allgather_: _Collective("all_gather", 0, 2),
-    _c10d_ops._allgather_base_: _Collective("all_gather", 0, 2),
-    _c10d_ops.allgather_coalesced_: _Collective("all_gather", 0, 2),
-    _c10d_ops.allgather_into_tensor_coalesced_: _Collective("all_gather", 0, 2),
-    _c10d_ops.reduce_scatter_: _Collective("reduce_scatter", 1, 2),
-    _c10d_ops._reduce_scatter_base_: _Collective("reduce_scatter", 1, 2),
-    _c10d_ops.reduce_scatter_tensor_coalesced_: _Collective("reduce_scatter", 1, 2),
-    _c10d_ops.alltoall_: _Collective("all_to_all", 1, 2),
-    _c10d_ops.alltoall_base_: _Collective("all_to_all", 1, 2),
-    _c10d_ops.broadcast_: _Collective("broadcast", 0, 1),
-    _c10d_ops.reduce_: _Collective("reduce", 0, 1),
-    _c10d_ops.gather_: _Collective("gather", 1, 2, times_group=True),
-    _c10d_ops.scatter_: _Collective("scatter", 0, 2, times_group=True),
-    _c10d_ops.send: _Collective("send", 0, 1),
-    _c10d_ops.recv_: _Collective("recv", 0, 1),
-    _c10d_ops.recv_any_source_: _Collective("recv", 0, 1),
-    _c10d_ops.barrier: _Collective("barrier", 0, 1),
-    _c10d_ops.monitored_barrier_: _Collective("barrier", 0, 1),
-    _funcol_ops.all_reduce: _Collective("all_reduce", 0, 2),
-    _funcol_ops.all_reduce_: _Collective("all_reduce", 0, 2),
-    _funcol_ops.all_reduce_coalesced: _Collective("all_reduce", 0, 2),
-    _funcol_ops.all_reduce_coalesced_: _Collective("all_reduce", 0, 2),
-    _funcol_ops.all_gather_into_tensor: _Collective("all_gather", 0, 2, times_group=True),
-    _funcol_ops.all_gather_into_tensor_out: _Collective("all_gather", 0, 2, times_group=True),
-    _funcol_ops.all_gather_into_tensor_coalesced: _Collective("all_gather", 0, 2, times_group=True),
-    _funcol_ops.reduce_scatter_tensor: _Collective("reduce_scatter", 0, 3),
-    _funcol_ops.reduce_scatter_tensor_out: _Collective("reduce_scatter", 0, 3),
-    _funcol_ops.reduce_scatter_tensor_coalesced: _Collective("reduce_scatter", 0, 3),
-    _funcol_ops.all_to_all_single: _Collective("all_to_all", 0, 3),
-    _funcol_ops.broadcast: _Collective("broadcast", 0, 2),
-    _funcol_ops.broadcast_: _Collective("broadcast", 0, 2),
-    _funcol_ops.isend: _Collective("send", 0, 3),
-    _funcol_ops.irecv: _Collective("recv", 0, 3),
-    _funcol_autograd_ops.all_to_all_single: _Collective("all_to_all", 0, 3),
-    _funcol_autograd_ops.reduce_scatter_tensor: _Collective("reduce_scatter", 0, 3),
-    _funcol_autograd_ops.all_gather_into_tensor: _Collective("all_gather", 0, 2, times_group=True),
+    getattr(getattr(torch.ops, namespace), name): collective
+    for (namespace, name), collective in _COLLECTIVE_OPS.items()
+    if hasattr(getattr(torch.ops, namespace), name)
 }
 
 
