@@ -12,19 +12,24 @@ measures both over chosen intervals (the training batches):
   seen, so counted as compute: waits issued from C++ without passing through Python (the backward
   of ``all_to_all_single_autograd``, i.e. expert parallelism's return all-to-all; compiled graphs).
 - **NCCL (GPU)**: the host does not block; the GPU stream waits. Batches are timed with CUDA events
-  and each NCCL group's completion hook (``_register_on_completion_hook``, collective timing on: one
-  more CUDA event per collective, no host synchronisation) reports the time every collective ran on
-  the GPU: waiting for its peers plus the transfer. A collective counts for the batch during which
-  the host issued it. Collectives overlapping compute (gradient buckets during backward, FSDP2
-  prefetches) are subtracted too, so compute is a lower bound where communication overlaps it;
-  groups created after :meth:`BatchClock.install` are not hooked. Reading a window synchronises
-  the device once.
+  and NCCL's flight recorder (on by default, ``TORCH_FR_BUFFER_SIZE`` entries; collective timing
+  switched on for every NCCL group at :meth:`BatchClock.install`: two CUDA events per collective, no
+  host synchronisation) gives the time every collective ran on the GPU: waiting for its peers plus
+  the transfer. A collective counts for the batch during which the host issued it. Collectives
+  overlapping compute (gradient buckets during backward, FSDP2 prefetches) are subtracted too, so
+  compute is a lower bound where communication overlaps it; groups created after install are not
+  timed. Reading a window synchronises the device once and waits (at most a second) for NCCL's
+  watchdog to retire the window's last collectives. A window with more collectives than the recorder
+  keeps is counted from the ones it kept, with a warning. (NCCL's completion hook, which this used
+  before, never fired on torch 2.11 and its ``_wait_for_pending_works`` then waited forever: seen on
+  an H100.)
 """
 
 from __future__ import annotations
 
 import bisect
 import functools
+import json
 import logging
 import threading
 import time
@@ -34,14 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._C import _distributed_c10d as c10d
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _installed: list[BatchClock] = []
 _originals: dict[str, Callable[..., Any]] = {}
-#: Names of the NCCL groups whose completion hook reports to the installed clocks (a hook is for life).
-_hooked: dict[str, dist.ProcessGroup] = {}
 
 
 def _timed(wait: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,30 +83,47 @@ def _restore_waits() -> None:
     funcol.wait_tensor = _originals.pop("wait_tensor")
 
 
-def _on_nccl_completion(info: Any) -> None:
-    # Runs on the group's hook thread: the enqueue time (host wall clock) and the GPU duration.
-    record = (info.time_started.timestamp(), info.active_duration.total_seconds())
-    with _lock:
-        for clock in _installed:
-            clock._nccl.append(record)
-
-
-def _hook_nccl_groups() -> bool:
-    """Hook every NCCL group of this process (registry of torch's: no public listing); False if none can be."""
-    live = dist.distributed_c10d._world.pg_map
-    for name in [n for n, g in _hooked.items() if g not in live]:  # destroyed (a sweep's earlier job): names recur
-        del _hooked[name]
-    for group in list(live):
-        if group.group_name in _hooked or "nccl" not in str(dist.get_backend(group)):
+def _time_nccl_groups() -> bool:
+    """Switch collective timing on for every NCCL group of this process; False if there is none."""
+    timed = False
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if "nccl" not in str(dist.get_backend(group)):
             continue
         try:
             group._enable_collectives_timing()
-            group._register_on_completion_hook(_on_nccl_completion)
+            timed = True
         except (RuntimeError, ValueError) as err:
             log.warning("collective time of group %s is not measured (%s): it counts as compute", group, err)
+    return timed
+
+
+def _nccl_entries() -> list[dict[str, Any]]:
+    """NCCL's flight-recorder entries of this process (empty without NCCL)."""
+    dump = getattr(c10d, "_dump_nccl_trace_json", None)  # exists in CUDA builds only
+    return json.loads(dump(True, False)).get("entries", []) if dump is not None else []
+
+
+def nccl_records(entries: list[dict[str, Any]], since_ns: int, until_ns: int) -> tuple[list[tuple[float, float]], int]:
+    """``(host issue time s, GPU seconds)`` of the timed entries issued between ``since_ns`` and ``until_ns``; and
+    how many of those NCCL's watchdog has not retired yet (their duration is not known yet). A retired entry
+    without a duration was not timed (its group was created after the clock was installed).
+
+    Example:
+        >>> done = {"time_created_ns": 2_000_000_000, "duration_ms": 1.5, "retired": True}
+        >>> untimed = {"time_created_ns": 2_500_000_000, "retired": True}
+        >>> running = {"time_created_ns": 3_000_000_000, "retired": False}
+        >>> nccl_records([done, untimed, running], since_ns=1_000_000_000, until_ns=4_000_000_000)
+        ([(2.0, 0.0015)], 1)
+    """
+    records, pending = [], 0
+    for e in entries:
+        if not since_ns <= e["time_created_ns"] <= until_ns:
             continue
-        _hooked[group.group_name] = group
-    return bool(_hooked)
+        if not e.get("retired"):
+            pending += 1
+        elif e.get("duration_ms") is not None:
+            records.append((e["time_created_ns"] / 1e9, e["duration_ms"] / 1e3))
+    return records, pending
 
 
 class BatchClock:
@@ -125,8 +146,8 @@ class BatchClock:
         self._started = 0.0
         #: CUDA: each batch's (start event, end event, host start, host end).
         self._events: list[tuple[Any, Any, float, float]] = []
-        #: NCCL: each completed collective's (host enqueue time, GPU seconds).
-        self._nccl: list[tuple[float, float]] = []
+        #: NCCL: the flight recorder's newest record id at the last take (a gap after it: records were dropped).
+        self._last_record_id = max((e.get("record_id", 0) for e in _nccl_entries()), default=-1)
 
     def install(self) -> BatchClock:
         """Start observing collectives (the waits patched for the first clock, NCCL groups hooked once)."""
@@ -135,8 +156,8 @@ class BatchClock:
                 _patch_waits()
             _installed.append(self)
         self._thread = threading.get_ident()
-        if self.device.type == "cuda" and dist.is_initialized() and not _hook_nccl_groups():
-            log.warning("no NCCL group could be hooked: compute time includes the time spent in collectives")
+        if self.device.type == "cuda" and dist.is_initialized() and not _time_nccl_groups():
+            log.warning("no NCCL group is timed: compute time includes the time spent in collectives")
         return self
 
     def uninstall(self) -> None:
@@ -182,12 +203,35 @@ class BatchClock:
         if not events:
             return 0.0, 0.0
         events[-1][1].synchronize()
-        for group in _hooked.values():
-            group._wait_for_pending_works()  # until every completed collective's hook has run
         batch_s = sum(start.elapsed_time(stop) for start, stop, _, _ in events) / 1e3
-        with _lock:
-            records, self._nccl = self._nccl, []
+        since_ns, until_ns = int(events[0][2] * 1e9), int(events[-1][3] * 1e9)
+        deadline = time.monotonic() + _RETIRE_WAIT_S
+        while True:  # NCCL's watchdog retires finished collectives (and times them) every 100 ms or so
+            entries = _nccl_entries()
+            records, pending = nccl_records(entries, since_ns, until_ns)
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if pending:
+            log.debug("%d collectives of this window are not timed yet: they count as compute", pending)
+        oldest = min((e["time_created_ns"] for e in entries), default=0)
+        first_id = min((e.get("record_id", 0) for e in entries), default=0)
+        if entries and oldest > since_ns and first_id > self._last_record_id + 1:
+            _warn_once(
+                "NCCL's flight recorder kept fewer collectives than this straggler window issued: the collective "
+                "time counts the last %d only (raise TORCH_FR_BUFFER_SIZE, or report over fewer steps)",
+                len(entries),
+            )
+        self._last_record_id = max((e.get("record_id", 0) for e in entries), default=self._last_record_id)
         return batch_s, in_intervals(records, [(a, b) for _, _, a, b in events])
+
+
+_RETIRE_WAIT_S = 1.0
+
+
+@functools.cache
+def _warn_once(message: str, *args: Any) -> None:
+    log.warning(message, *args)
 
 
 def in_intervals(records: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> float:
