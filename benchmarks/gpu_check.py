@@ -32,6 +32,7 @@ are CPU smoke checks of the script itself; every GPU figure is "not measured".
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import math
@@ -283,18 +284,29 @@ def _train_steps(name: str, seq: int, batch: int, steps: int) -> tuple[float, in
 
 
 def gpu_tier(cuda: bool) -> dict[str, Any]:
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE"],
-        cwd=ROOT, capture_output=True, text=True, timeout=170,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
+    if importlib.util.find_spec("pytest_timeout"):  # a hung test fails alone, with every thread's stack
+        command += ["--timeout=60", "--timeout-method=thread"]
+    try:
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=170)
+        stdout, returncode = run.stdout, run.returncode
+    except subprocess.TimeoutExpired as timeout:  # keep what it printed: the last test named is the one that hung
+        stdout, returncode = _text(timeout.stdout) + "\n[timed out after 170 s]", -9
     counts = {}
-    last = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     for part in last.strip("= ").split(", "):
         number, _, what = part.partition(" ")
         if number.isdigit():
             counts[what.split(" ")[0]] = int(number)
-    failures = [line for line in run.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return {"returncode": run.returncode, "counts": counts, "failures": failures[:20]}
+    failures = [line for line in stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    out: dict[str, Any] = {"returncode": returncode, "counts": counts, "failures": failures[:20]}
+    if returncode != 0:  # the tracebacks, for whoever fixes it without the GPU
+        out["tail"] = stdout[-12000:]
+    return out
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 SECTIONS = {
@@ -344,7 +356,7 @@ def _section(name: str, cuda: bool) -> dict[str, Any]:
         process = _PROCESSES.Process(target=_section_process, args=(name, str(result), str(output)))
         process.start()
         process.join(section.timeout_s)
-        tail = output.read_text(errors="replace")[-3000:] if output.exists() else ""
+        tail = output.read_text(errors="replace")[-8000:] if output.exists() else ""
         if process.is_alive():
             process.kill()
             process.join()
@@ -375,6 +387,8 @@ def main() -> None:
     if args.run_section:
         return _run_section(args.run_section, args.result)
     import torch
+
+    import lightning_ultrascale  # noqa: F401  (an import error here is the whole check's, not one section's)
 
     cuda = torch.cuda.is_available()
     if not cuda:  # Triton runs its kernels in its interpreter (read when a kernel is defined)
