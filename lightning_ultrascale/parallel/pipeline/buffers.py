@@ -198,7 +198,9 @@ class FreeingStage:
         self._outputs: dict[int, tuple[Any, ...]] = {}  # microbatch -> outputs awaiting a split backward's weight half
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        buffers = [i.buffer for i in self.args_recv_info[fwd_chunk_id] if not i.is_root_arg and i.buffer is not None]
+        # A model input is a `_RootArgPlaceholder` (torch 2.11, no buffer) or a `_RecvInfo` with is_root_arg (2.13).
+        received = [i for i in self.args_recv_info[fwd_chunk_id] if not getattr(i, "is_root_arg", False)]
+        buffers = [b for i in received if (b := getattr(i, "buffer", None)) is not None]
         for b in buffers:
             restore(b)
         self._received[fwd_chunk_id] = buffers
