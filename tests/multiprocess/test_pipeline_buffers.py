@@ -32,7 +32,7 @@ class _Inspect(L.Callback):
             for stage in stages
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
             for info in infos
-            if not info.is_root_arg and info.buffer is not None
+            if not getattr(info, "is_root_arg", False) and getattr(info, "buffer", None) is not None
         ]
         self.receive_buffers.append(sum(b.untyped_storage().nbytes() for b in buffers))
         gc.collect()

@@ -393,7 +393,7 @@ class FSDPEngine(GradientSync):
             # A group's own parameters (experts over edp): when expert parallelism leaves fewer
             # experts per rank than the group has ranks, dim 0 (the expert dim) cannot be split
             # evenly and torch.chunk would put whole experts on the first ranks: split dim 1.
-            ranks = self.mesh.size(-1)
+            ranks = self.mesh.size(self.mesh.ndim - 1)  # (torch 2.11 takes no negative dim)
 
             def placement(param: nn.Parameter) -> Shard | None:
                 return Shard(fsdp_shard_dim(_local_shape(param), ranks))

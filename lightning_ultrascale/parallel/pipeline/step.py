@@ -180,8 +180,8 @@ def _stage_class() -> type:
     """torch's ``PipelineStage``, whose metadata inference leaves our stage's statistics untouched.
 
     torch 2.13 infers shapes by running each stage once on uninitialised tensors (with grad), and
-    the loss once on the last stage's garbage output: MoE token counts, auxiliary losses and the
-    module's loss sums from that run would be garbage, so the stage runs
+    the loss once on the last stage's garbage output (torch 2.11 runs each stage on zeros): MoE
+    token counts, auxiliary losses and the module's loss sums from that run would be garbage, so the stage runs
     :meth:`StageModule.untracked` and the loss is a stand-in with the same graph.
 
     torch 2.13's V-shaped schedules (ZBV, DualPipeV) hand input gradients between a rank's two
@@ -196,6 +196,10 @@ def _stage_class() -> type:
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             with self.submod.untracked():
                 return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:  # torch 2.11's name: a forward on zeros
+            with self.submod.untracked():
+                return super()._shape_inference(*args, **kwargs)
 
         def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("loss_fn") is not None:
