@@ -203,8 +203,9 @@ class Recompute(ParallelPlugin):
         """Whether the block of global index ``layer`` is recomputed in backward.
 
         Example:
-            >>> [Recompute("selective", every=2).recomputes(i) for i in range(4)]
-            [False, True, False, True]
+            >>> every_2nd = Recompute("selective", every=2)
+            >>> every_2nd.recomputes(0), every_2nd.recomputes(1), every_2nd.recomputes(3)
+            (False, True, True)
         """
         if self.mode == "none":
             return False
