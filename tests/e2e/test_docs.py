@@ -77,3 +77,16 @@ def test_the_site_builds_strictly(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "plugins" / "index.html").exists()
+
+
+def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra, which .[dev] includes")
+    cheap = "pipeline,zero_memory,cp_assignment"  # the planner's heatmap searches 70B on 512 GPUs: a minute
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "pictures.py"), "--only", cheap, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    drawn = {str(Path(line).relative_to(tmp_path)) for line in run.stdout.split()}
+    committed = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.png")}
+    assert drawn | {"pictures/planner_heatmap.png"} == committed  # nothing drawn by hand, nothing stale
+    shown = " ".join(p.read_text() for p in PAGES)
+    assert all(f"{name})" in shown for name in committed), committed

@@ -1,0 +1,128 @@
+"""Draw the documentation's pictures from the library's own functions: ``python docs/pictures.py``.
+
+Nothing is drawn by hand: every picture is computed here from the code it describes, so it changes when
+the code does (``tests/e2e/test_docs.py`` redraws them and checks that each is shown on its page).
+
+=================================  ===================================================================
+picture                            drawn from
+=================================  ===================================================================
+``pipeline/<schedule>.png``        the schedule simulator (torch's own action order, p=4, m=8)
+``pictures/zero_memory.png``       the playbook's ZeRO formulas (``utils.memory``), Llama 3 8B on 8 ranks
+``pictures/cp_assignment.png``     the ring's and zig-zag's token assignment (``local_positions``)
+``pictures/planner_heatmap.png``   the planner's search (Llama 3 70B on 512 H100s), ``ultrascale-plan --plot``
+=================================  ===================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS.parent))
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pipeline(out: Path) -> list[Path]:
+    from lightning_ultrascale.parallel.pipeline import SCHEDULES
+    from lightning_ultrascale.parallel.pipeline.simulator import simulate
+
+    paths = []
+    for name in SCHEDULES:
+        path = out / "pipeline" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        simulate(name, p=4, m=8).render_png(path)
+        paths.append(path)
+    return paths
+
+
+def zero_memory(out: Path) -> list[Path]:
+    from lightning_ultrascale.models import get_model_config
+    from lightning_ultrascale.utils.memory import playbook_model_state_bytes
+
+    plt = _pyplot()
+    n = get_model_config("llama3_8b").num_params()
+    stages = [playbook_model_state_bytes(n, stage=s, dp=8) for s in range(4)]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    bottom = [0.0] * 4
+    for part, colour in (("params", "#5b8def"), ("grads", "#f0a04b"), ("optimizer_states", "#6cc07a")):
+        values = [getattr(s, part) / 2**30 for s in stages]
+        ax.bar([f"ZeRO-{s}" for s in range(4)], values, bottom=bottom, label=part.replace("_", " "), color=colour)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.1f} GiB", ha="center", va="bottom")
+    ax.set_ylabel("model state per rank (GiB)")
+    ax.set_title(f"Llama 3 8B ({n / 1e9:.2f}B parameters), bf16 + fp32 Adam, 8 data-parallel ranks")
+    ax.legend()
+    path = out / "pictures" / "zero_memory.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def cp_assignment(out: Path) -> list[Path]:
+    from lightning_ultrascale.parallel.context.attention import local_positions
+
+    plt = _pyplot()
+    seq, cp = 16, 4
+    fig, axes = plt.subplots(2, 1, figsize=(7, 2.8), gridspec_kw={"hspace": 0.6})
+    for ax, method in zip(axes, ("ring", "zigzag_ring")):
+        owner = [0] * seq
+        for rank in range(cp):
+            for pos in local_positions(method, seq, cp, rank).tolist():
+                owner[pos] = rank
+        ax.imshow([owner], cmap="tab10", vmin=0, vmax=9, aspect="auto")
+        for pos, rank in enumerate(owner):
+            ax.text(pos, 0, str(rank), ha="center", va="center", color="white")
+        ax.set_yticks([])
+        ax.set_xticks(range(seq))
+        ax.set_ylabel(method, rotation=0, ha="right", va="center")
+    axes[0].set_title(f"which cp rank holds each token (sequence of {seq}, cp={cp}): zig-zag balances causal work")
+    axes[1].set_xlabel("token position")
+    path = out / "pictures" / "cp_assignment.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def planner_heatmap(out: Path) -> list[Path]:
+    from lightning_ultrascale.cli.plan import heatmap
+    from lightning_ultrascale.models import get_model_config
+    from lightning_ultrascale.plan import Workload
+    from lightning_ultrascale.plan.search import search
+
+    workload = Workload(get_model_config("llama3_70b"), seq_len=4096, global_batch_size=1024, precision="bf16-mixed")
+    result = search(workload, world_size=512, gpu="h100")
+    path = out / "pictures" / "planner_heatmap.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    heatmap(result, str(path))
+    return [path]
+
+
+PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment,
+            "planner_heatmap": planner_heatmap}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DOCS, help="where to write (default: docs/)")
+    parser.add_argument("--only", default=",".join(PICTURES), help="comma-separated; default: all")
+    args = parser.parse_args()
+    for name in args.only.split(","):
+        for path in PICTURES[name](args.out):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()
