@@ -90,3 +90,8 @@ def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
     assert drawn | {"pictures/planner_heatmap.png"} == committed  # nothing drawn by hand, nothing stale
     shown = " ".join(p.read_text() for p in PAGES)
     assert all(f"{name})" in shown for name in committed), committed
+
+
+def test_the_benchmarks_page_is_generated_from_the_committed_results():
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "benchmarks_page.py"), "--check"], timeout=120)
+    assert run.returncode == 0, "docs/benchmarks.md is stale: run python docs/benchmarks_page.py"
