@@ -95,3 +95,8 @@ def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
 def test_the_benchmarks_page_is_generated_from_the_committed_results():
     run = subprocess.run([sys.executable, str(ROOT / "docs" / "benchmarks_page.py"), "--check"], timeout=120)
     assert run.returncode == 0, "docs/benchmarks.md is stale: run python docs/benchmarks_page.py"
+
+
+def test_the_module_map_is_generated_from_the_docstrings():
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "modules_page.py"), "--check"], timeout=120)
+    assert run.returncode == 0, "docs/architecture.md's module map is stale: run python docs/modules_page.py"
