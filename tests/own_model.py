@@ -1,7 +1,7 @@
 """A user's own model, in the shape of Lightning's ``examples/pytorch/tensor_parallel`` Llama (written
 here): a plain ``nn.Module`` with its own blocks, head counts kept as attributes, its own RoPE.
 
-The lines marked ``# contract`` are all it needs of lightning_ultrascale (README "Your own model"
+The lines marked ``# contract`` are all it needs of lightning_ultrascale (docs/models.md, "Your own model"
 counts them): a ``spec``, a name-seeded ``init_weights``, ``forward_stage`` for pipelines, the
 ``attention_fn`` attribute for context parallelism, ``position_ids`` taken and used, the TP plan
 (the example's own ``parallelize`` plan, moved into the spec) and ``loss_fn`` on the module.

@@ -53,10 +53,11 @@ __all__ = [
     "to_data",
 ]
 
-#: What to do with a checkpoint refused for holding something else, as the README says it.
+#: What to do with a checkpoint refused for holding something else, as docs/checkpoints.md says it.
 CONVERT = (
     "if you trust the file, convert it once in Python: torch.load it with weights_only off, replace that object by "
-    "plain data (numbers, strings, lists, dicts, tensors) and torch.save the result (README: Checkpoints are data)"
+    "plain data (numbers, strings, lists, dicts, tensors) and torch.save the result "
+    "(docs/checkpoints.md: Checkpoints are data)"
 )
 
 #: The classes of DCP's index: its modules' dataclasses and enums (data; their constructors only store fields).

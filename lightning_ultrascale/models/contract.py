@@ -159,7 +159,7 @@ def check_model(model: nn.Module, module: Any, plugins: Sequence[Any]) -> None:
         >>> check_model(build_model("llama_tiny", device="meta"), object(), [PipelineParallel(2)])
         Traceback (most recent call last):
         ...
-        lightning_ultrascale.models.contract.ContractError: Llama lacks what the layout needs:...
+        lightning_ultrascale.errors.ContractError: Llama lacks what the layout needs:...
     """
     spec = getattr(model, "spec", None)
     if not isinstance(spec, ModelSpec):
@@ -175,7 +175,7 @@ def check_model(model: nn.Module, module: Any, plugins: Sequence[Any]) -> None:
         lines = [f"- {h.name} (needed by {h.needed_by}): {h.how}. Example: {h.example}" for h in missing]
         raise ContractError(
             f"{type(model).__name__} lacks what the layout needs:\n" + "\n".join(lines) + "\n(the model "
-            "contract: lightning_ultrascale.models.contract; README 'Your own model')"
+            "contract: lightning_ultrascale.models.contract; docs/models.md, 'Your own model')"
         )
 
 
@@ -257,7 +257,7 @@ def check_init(model: nn.Module, reference: nn.Module | None, seed: int, device:
             f"({found[0] if found else 'on another rank'}) initialised on this layout's shards differs from the same "
             "parameter initialised whole. Every layout would start from other weights. Give each parameter values "
             "that depend only on (seed, its name): lightning_ultrascale.models.shard_init.init_by_name(self, seed, "
-            "std_of) does (example: tests/own_model.py, README 'Your own model')"
+            "std_of) does (example: tests/own_model.py, docs/models.md, 'Your own model')"
         )
 
 

@@ -195,7 +195,7 @@ def find_model(root: nn.Module) -> tuple[nn.Module, str]:
     raise ContractError(
         f"{type(root).__name__} holds no model with a `spec: ModelSpec`, which UltraScaleStrategy needs to "
         "parallelise it; valid: our Llama (lightning_ultrascale.models), a Hugging Face causal LM of a tested family "
-        "(adapted as it is), or your own model with a spec and init_weights(seed) (README 'Your own model'), "
+        "(adapted as it is), or your own model with a spec and init_weights(seed) (docs/models.md, 'Your own model'), "
         "built on the meta device: in LightningModule.configure_model (Trainer) or under "
         "fabric.init_module(empty_init=True) (Fabric)"
     )

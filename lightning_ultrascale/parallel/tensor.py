@@ -260,7 +260,7 @@ class _AttentionErrors:
                 f"1/{tp} of their width. Reshape by the projections' outputs (view(b, s, -1, head_dim)) or keep "
                 "the counts as n_heads / n_kv_heads attributes (set to each rank's own), never by the model's "
                 "width or head count; and split a fused q/k/v projection into three Linears (a column shard of "
-                "one fused matrix holds parts of q and of k). README 'Your own model'"
+                "one fused matrix holds parts of q and of k). docs/models.md, 'Your own model'"
             ) from err
         for handle in self.handles:
             handle.remove()

@@ -232,8 +232,8 @@ def expert_load(loads: torch.Tensor, ep: int) -> float:
     (``LlamaModule.expert_stats.loads`` after a step holds the global loads of that step).
 
     Example:
-        >>> expert_load(torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ep=2)
-        1.25
+        >>> round(expert_load(torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ep=2), 4)  # (4/3 + 1) / 2
+        1.1667
     """
     if loads.ndim != 2 or loads.shape[1] % ep:
         raise ConfigError(f"expert_load needs loads [MoE blocks, experts] with experts divisible by ep={ep}")

@@ -161,7 +161,7 @@ def test_mfu_counts_the_specs_flops_for_a_model_without_its_own_count():
 
 
 def test_a_users_own_model_is_priced_from_its_spec():
-    # tests/own_model.py, the README's "Your own model": its spec declares its FFN width.
+    # tests/own_model.py, docs/models.md's "Your own model": its spec declares its FFN width.
     with torch.device("meta"):
         model = Transformer(CONFIG)
     [cost] = estimate(_workload(model), Candidate.layout(dp=2, zero=3, micro_batch_size=4), model, GPUS["h100"])

@@ -185,7 +185,7 @@ def check_supported(cfg: Any) -> None:
         raise ContractError(
             f"model_type={kind!r} is not among the Hugging Face families lightning_ultrascale trains as they are "
             f"(tested in every layout); valid: {', '.join(FAMILIES)}. To train it: {convert}give your model the "
-            "contract yourself (README 'Your own model')"
+            "contract yourself (docs/models.md, 'Your own model')"
         )
     refused = {
         "attention_dropout": (getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0,

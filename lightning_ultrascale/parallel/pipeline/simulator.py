@@ -40,7 +40,7 @@ zbv               (p-1)F                                  ZB-V (Qi et al., secti
                                                           avoids. torch's fixed order does worse when
                                                           the costs differ (its docstring says so)
 dualpipev         (p-1)(F&B + (B+W) - 3W), F&B = F+B+W    DeepSeek-V3 report Table 2 and the DualPipe
-                                                          README (DualPipeV on PP/2 = p ranks), with
+                                                          docs (DualPipeV on PP/2 = p ranks), with
                                                           the overlapped pair as one block. torch runs
                                                           the pair's halves in turn, each waiting only
                                                           for its own input: at F = B = W it gets
