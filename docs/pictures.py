@@ -10,6 +10,8 @@ picture                            drawn from
 ``pictures/zero_memory.png``       the playbook's ZeRO formulas (``utils.memory``), Llama 3 8B on 8 ranks
 ``pictures/cp_assignment.png``     the ring's and zig-zag's token assignment (``local_positions``)
 ``pictures/planner_heatmap.png``   the planner's search (Llama 3 70B on 512 H100s), ``ultrascale-plan --plot``
+``pictures/tp_block.png``          the tensor-parallel plan of one Llama block (``llama_tp_plan``, with SP)
+``pictures/fp8_loss.png``          the FP8 benchmark's measured loss curves (``benchmarks/results/fp8.json``)
 =================================  ===================================================================
 """
 
@@ -110,8 +112,72 @@ def planner_heatmap(out: Path) -> list[Path]:
     return [path]
 
 
+def _layout(placements: object) -> str:
+    """A DTensor placement tuple in words: sequence-sharded, feature-sharded or replicated."""
+    first = placements[0] if isinstance(placements, tuple) and placements else placements
+    text = repr(first)
+    return {"Shard(dim=1)": "seq-sharded", "Shard(dim=-1)": "feature-sharded", "Replicate()": "replicated"}.get(
+        text, text
+    )
+
+
+def tp_block(out: Path) -> list[Path]:
+    from lightning_ultrascale.models import get_model_config
+    from lightning_ultrascale.models.common.tp_plan import llama_tp_plan
+
+    plt = _pyplot()
+    _, blocks = llama_tp_plan(get_model_config("llama_tiny"), sequence_parallel=True)
+    plan = blocks["0"]
+    order = ["attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+             "ffn_norm", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]  # fmt: skip
+    colours = {"SequenceParallel": "#9ecae1", "ColwiseParallel": "#fdae6b", "RowwiseParallel": "#a1d99b"}
+    fig, ax = plt.subplots(figsize=(13, 3.0))
+    for i, name in enumerate(order):
+        style = plan[name]
+        kind = type(style).__name__
+        ax.add_patch(plt.Rectangle((i * 1.4, 0), 1.2, 1.0, color=colours[kind]))
+        x, label = i * 1.4 + 0.6, name.split(".")[-1].replace("attention_", "attn_")
+        ax.text(x, 0.62, label, ha="center", fontsize=10, weight="bold")
+        ax.text(x, 0.35, kind.removesuffix("Parallel").lower(), ha="center", fontsize=9)
+        output = getattr(style, "output_layouts", None)
+        ax.text(x, -0.35, "out:\n" + (_layout(output) if output else "seq-sharded"), ha="center", fontsize=8)
+        parent = name.rsplit(".", 1)[0]
+        if "." in name and name.endswith(("wq", "w1")):
+            ax.text(i * 1.4, 1.15, f"{parent} input: {_layout(plan[parent].desired_input_layouts)} (all-gather)",
+                    fontsize=8)  # fmt: skip
+    ax.set_xlim(-0.2, len(order) * 1.4)
+    ax.set_ylim(-0.6, 1.5)
+    ax.axis("off")
+    ax.set_title("One Llama block under tensor + sequence parallelism (llama_tp_plan): colwise splits heads and "
+                 "hidden units, rowwise reduce-scatters back to sequence shards", fontsize=9)  # fmt: skip
+    path = out / "pictures" / "tp_block.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def fp8_loss(out: Path) -> list[Path]:
+    import json
+
+    plt = _pyplot()
+    result = json.loads((DOCS.parent / "benchmarks" / "results" / "fp8.json").read_text())
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for curve in result["curves"]:
+        ax.plot(range(1, len(curve["losses"]) + 1), curve["losses"], label=curve["run"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{result['model']}: bf16 against the FP8 recipes (benchmarks/fp8.py, CPU)")
+    ax.legend()
+    path = out / "pictures" / "fp8_loss.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment,
-            "planner_heatmap": planner_heatmap}  # fmt: skip
+            "planner_heatmap": planner_heatmap, "tp_block": tp_block, "fp8_loss": fp8_loss}  # fmt: skip
 
 
 def main() -> None:
