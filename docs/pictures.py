@@ -12,6 +12,7 @@ picture                            drawn from
 ``pictures/planner_heatmap.png``   the planner's search (Llama 3 70B on 512 H100s), ``ultrascale-plan --plot``
 ``pictures/tp_block.png``          the tensor-parallel plan of one Llama block (``llama_tp_plan``, with SP)
 ``pictures/fp8_loss.png``          the FP8 benchmark's measured loss curves (``benchmarks/results/fp8.json``)
+``pictures/stragglers.png``        the straggler report of a real 4-process run with one rank slowed (gloo)
 =================================  ===================================================================
 """
 
@@ -176,8 +177,53 @@ def fp8_loss(out: Path) -> list[Path]:
     return [path]
 
 
+def _slowed_run(slow_rank: int) -> tuple[list[float], str]:
+    """One rank of a 4-process ZeRO-0 run of llama_tiny whose rank ``slow_rank`` sleeps 0.3 s in every forward."""
+    import time
+
+    import lightning as L
+
+    from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+    from lightning_ultrascale.testing.parity import QUIET_TRAINER
+    from lightning_ultrascale.training.stragglers import StragglerMonitor
+
+    class SlowForward(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            if trainer.global_rank == slow_rank:
+                pl_module.model.register_forward_hook(lambda *args: time.sleep(0.3))
+
+    monitor = StragglerMonitor(slow_ratio=1.25, min_gap_s=0.1)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=UltraScaleStrategy(ZeRO(stage=0)), max_steps=6,
+                        log_every_n_steps=3, callbacks=[monitor, SlowForward()], **QUIET_TRAINER)  # fmt: skip
+    trainer.fit(LlamaModule("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=2))
+    figures = monitor.figures
+    assert figures is not None
+    return list(figures.compute_s), figures.describe(slow_rank)
+
+
+def stragglers(out: Path) -> list[Path]:
+    from lightning_ultrascale.testing import run_workers
+
+    slow = 2
+    compute_s, line = run_workers(_slowed_run, 4, slow)[0]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.bar(range(4), compute_s, color=["#d62728" if r == slow else "#1f77b4" for r in range(4)])
+    ax.axhline(sorted(compute_s)[1], color="k", linestyle="--", linewidth=1, label="median of the ranks")
+    ax.set_xticks(range(4), [f"rank {r}" for r in range(4)])
+    ax.set_ylabel("compute s per step (waits excluded)")
+    ax.set_title("straggler report, 4 CPU processes, rank 2 slowed:\n" + line, fontsize=8)
+    ax.legend()
+    path = out / "pictures" / "stragglers.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment,
-            "planner_heatmap": planner_heatmap, "tp_block": tp_block, "fp8_loss": fp8_loss}  # fmt: skip
+            "planner_heatmap": planner_heatmap, "tp_block": tp_block, "fp8_loss": fp8_loss,
+            "stragglers": stragglers}  # fmt: skip
 
 
 def main() -> None:
