@@ -35,6 +35,16 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(fig: object, out: Path, name: str) -> Path:
+    """Write ``fig`` as ``<out>/pictures/<name>.png`` and close it."""
+    plt = _pyplot()
+    path = out / "pictures" / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight", dpi=110)  # type: ignore[attr-defined]
+    plt.close(fig)
+    return path
+
+
 def pipeline(out: Path) -> list[Path]:
     from lightning_ultrascale.parallel.pipeline import SCHEDULES
     from lightning_ultrascale.parallel.pipeline.simulator import simulate
@@ -66,11 +76,7 @@ def zero_memory(out: Path) -> list[Path]:
     ax.set_ylabel("model state per rank (GiB)")
     ax.set_title(f"Llama 3 8B ({n / 1e9:.2f}B parameters), bf16 + fp32 Adam, 8 data-parallel ranks")
     ax.legend()
-    path = out / "pictures" / "zero_memory.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out, "zero_memory")]
 
 
 def cp_assignment(out: Path) -> list[Path]:
@@ -92,11 +98,7 @@ def cp_assignment(out: Path) -> list[Path]:
         ax.set_ylabel(method, rotation=0, ha="right", va="center")
     axes[0].set_title(f"which cp rank holds each token (sequence of {seq}, cp={cp}): zig-zag balances causal work")
     axes[1].set_xlabel("token position")
-    path = out / "pictures" / "cp_assignment.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out, "cp_assignment")]
 
 
 def planner_heatmap(out: Path) -> list[Path]:
@@ -151,11 +153,7 @@ def tp_block(out: Path) -> list[Path]:
     ax.axis("off")
     ax.set_title("One Llama block under tensor + sequence parallelism (llama_tp_plan): colwise splits heads and "
                  "hidden units, rowwise reduce-scatters back to sequence shards", fontsize=9)  # fmt: skip
-    path = out / "pictures" / "tp_block.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out, "tp_block")]
 
 
 def fp8_loss(out: Path) -> list[Path]:
@@ -170,11 +168,7 @@ def fp8_loss(out: Path) -> list[Path]:
     ax.set_ylabel("training loss")
     ax.set_title(f"{result['model']}: bf16 against the FP8 recipes (benchmarks/fp8.py, CPU)")
     ax.legend()
-    path = out / "pictures" / "fp8_loss.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out, "fp8_loss")]
 
 
 def _slowed_run(slow_rank: int) -> tuple[list[float], str]:
@@ -214,11 +208,7 @@ def stragglers(out: Path) -> list[Path]:
     ax.set_ylabel("compute s per step (waits excluded)")
     ax.set_title("straggler report, 4 CPU processes, rank 2 slowed:\n" + line, fontsize=8)
     ax.legend()
-    path = out / "pictures" / "stragglers.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight", dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(fig, out, "stragglers")]
 
 
 PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment,
