@@ -9,6 +9,7 @@ picture                            drawn from
 ``pipeline/<schedule>.png``        the schedule simulator (torch's own action order, p=4, m=8)
 ``pictures/zero_memory.png``       the playbook's ZeRO formulas (``utils.memory``), Llama 3 8B on 8 ranks
 ``pictures/cp_assignment.png``     the ring's and zig-zag's token assignment (``local_positions``)
+``pictures/ring_steps.png``        the zig-zag ring's work per rank and step, dense and packed (``ring_plan``)
 ``pictures/planner_heatmap.png``   the planner's search (Llama 3 70B on 512 H100s), ``ultrascale-plan --plot``
 ``pictures/tp_block.png``          the tensor-parallel plan of one Llama block (``llama_tp_plan``, with SP)
 ``pictures/fp8_loss.png``          the FP8 benchmark's measured loss curves (``benchmarks/results/fp8.json``)
@@ -99,6 +100,36 @@ def cp_assignment(out: Path) -> list[Path]:
     axes[0].set_title(f"which cp rank holds each token (sequence of {seq}, cp={cp}): zig-zag balances causal work")
     axes[1].set_xlabel("token position")
     return [_save(fig, out, "cp_assignment")]
+
+
+def ring_steps(out: Path) -> list[Path]:
+    import torch
+
+    from lightning_ultrascale.parallel.context.attention import ring_plan
+
+    plt = _pyplot()
+    cp, local = 4, 16
+    lengths = torch.tensor([20, 5, 30, 9])  # one window of 64 tokens packed with four documents
+    documents = torch.repeat_interleave(torch.arange(4), lengths)[None]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, (title, docs) in zip(axes, (("dense causal", None), ("packed documents 20+5+30+9", documents))):
+        plan = ring_plan("zigzag_ring", cp, local, docs)
+        work = [[0.0] * cp for _ in range(cp)]
+        for rank in range(cp):
+            for step in range(cp):
+                blocks = plan.blocks[rank][(rank - step) % cp]
+                pairs = sum((b.q.stop - b.q.start) * (b.k.stop - b.k.start) / (2 if b.causal else 1) for b in blocks)
+                work[rank][step] = pairs / local**2
+        ax.imshow(work, cmap="Blues", vmin=0, vmax=1)
+        for rank in range(cp):
+            for step in range(cp):
+                ax.text(step, rank, "skip" if work[rank][step] == 0 else f"{work[rank][step]:.2f}", ha="center",
+                        va="center", fontsize=8)  # fmt: skip
+        ax.set_xticks(range(cp), [f"step {t}" for t in range(cp)])
+        ax.set_yticks(range(cp), [f"rank {r}" for r in range(cp)])
+        ax.set_title(f"zig-zag ring, cp={cp}: {title}", fontsize=9)
+    fig.suptitle("share of a full block's query-key pairs each rank computes at each ring step", fontsize=9)
+    return [_save(fig, out, "ring_steps")]
 
 
 def planner_heatmap(out: Path) -> list[Path]:
@@ -211,7 +242,7 @@ def stragglers(out: Path) -> list[Path]:
     return [_save(fig, out, "stragglers")]
 
 
-PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment,
+PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment, "ring_steps": ring_steps,
             "planner_heatmap": planner_heatmap, "tp_block": tp_block, "fp8_loss": fp8_loss,
             "stragglers": stragglers}  # fmt: skip
 

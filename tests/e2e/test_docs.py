@@ -83,7 +83,7 @@ def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra, which .[dev] includes")
     # every picture but the planner's heatmap (a search of 70B on 512 GPUs: a minute) and the straggler report
     # (a 4-process run: 10 s), which the script draws too
-    cheap = "pipeline,zero_memory,cp_assignment,tp_block,fp8_loss"
+    cheap = "pipeline,zero_memory,cp_assignment,ring_steps,tp_block,fp8_loss"
     run = subprocess.run([sys.executable, str(ROOT / "docs" / "pictures.py"), "--only", cheap, "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
