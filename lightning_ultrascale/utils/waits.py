@@ -98,9 +98,15 @@ def _time_nccl_groups() -> bool:
 
 
 def _nccl_entries() -> list[dict[str, Any]]:
-    """NCCL's flight-recorder entries of this process (empty without NCCL)."""
+    """NCCL's flight-recorder entries of this process (empty without NCCL, or without a process group)."""
     dump = getattr(c10d, "_dump_nccl_trace_json", None)  # exists in CUDA builds only
-    return json.loads(dump(True, False)).get("entries", []) if dump is not None else []
+    if dump is None or not dist.is_initialized():
+        return []
+    try:
+        return json.loads(dump(True, False)).get("entries", [])
+    except RuntimeError as err:  # the recorder is off (TORCH_FR_BUFFER_SIZE=0) or unreadable: time counts as compute
+        _warn_once("NCCL's flight recorder cannot be read (%s): collective time counts as compute", str(err))
+        return []
 
 
 def nccl_records(entries: list[dict[str, Any]], since_ns: int, until_ns: int) -> tuple[list[tuple[float, float]], int]:
