@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# tokenizers' Rust thread pool starts at the first batch encode and stays: every later fork would copy
+# a parent with those threads in it (a malloc crash in a forked worker, once in CI).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # tqdm's monitor thread (started by the first progress bar a test shows in this process) would be
 # alive in the parent at every later fork: measured there, the one thread besides the main one.
@@ -55,6 +58,13 @@ class _SkippedWithoutOptionalPackages(pytest.Module):
             if missing.split(".")[0] not in OPTIONAL_PACKAGES:
                 raise
             pytest.skip(f"{self.path.name} needs {missing}, which is not installed", allow_module_level=True)
+
+
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    # A fork with threads in the parent is an error here (lightning_ultrascale/testing/spawn.py): this
+    # process is kept single-threaded. Added here, not in pyproject.toml: naming the warning's class
+    # there imports torch before OMP_NUM_THREADS above is set, and that starts the OpenMP pool.
+    config.addinivalue_line("filterwarnings", "error::lightning_ultrascale.testing.spawn.ForkWithThreadsWarning")
 
 
 def pytest_pycollect_makemodule(module_path, parent):  # type: ignore[no-untyped-def]

@@ -4,6 +4,6 @@ They live in the library, not under ``tests/``, because benchmarks and users' ow
 them too.
 """
 
-from lightning_ultrascale.testing.spawn import WorkerError, run_workers
+from lightning_ultrascale.testing.spawn import ForkWithThreadsWarning, WorkerError, run_workers
 
-__all__ = ["WorkerError", "run_workers"]
+__all__ = ["ForkWithThreadsWarning", "WorkerError", "run_workers"]

@@ -1,8 +1,16 @@
 """Run a function on N gloo processes and collect what each returns.
 
 Forking is ~40x faster than spawning (measured: 0.25 s vs 10 s for two processes), so workers
-are forked from a parent that has already imported torch. Fork is only safe when the parent has
-not started its intra-op thread pool, so ``run_workers`` pins it to one thread first.
+are forked from a parent that has already imported torch. Fork copies only the thread that calls
+it: a parent with other threads hands its workers whatever those threads were halfway through.
+``run_workers`` pins torch's intra-op pool to one thread and warns
+(:class:`ForkWithThreadsWarning`, an error in this project's suite) when the parent has any
+thread besides its main one. Seen so far: tokenizers' Rust thread pool after a batch encode
+(``TOKENIZERS_PARALLELISM=false`` keeps it from starting), tqdm's monitor thread, and the
+OpenMP pool that ``import torch`` starts unless ``OMP_NUM_THREADS=1`` is set before it.
+
+A worker that dies of a signal (a native crash) prints every thread's Python stack to its
+stderr first (``faulthandler``), so the parent's error comes with where it happened.
 
 Every worker initialises the default group with a timeout and always destroys it; a worker that
 raises sends its traceback to the parent, which stops the others (they may be blocked in a
@@ -11,12 +19,15 @@ collective waiting for the dead rank) and raises :class:`WorkerError` with that 
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -28,6 +39,25 @@ import torch.distributed as dist
 
 class WorkerError(RuntimeError):
     """A worker process raised, died or ran past its deadline."""
+
+
+class ForkWithThreadsWarning(RuntimeWarning):
+    """:func:`run_workers` forked a parent that runs threads besides its main one (see the module docstring)."""
+
+
+def native_threads() -> int:
+    """How many threads this process runs, native ones (OpenMP, Rust, C++) included; 1 where unknown.
+
+    Example:
+        >>> native_threads() >= 1
+        True
+    """
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's own view
+        import threading
+
+        return threading.active_count()
 
 
 def free_port() -> int:
@@ -65,6 +95,8 @@ def _worker(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # A native crash (SIGSEGV, SIGABRT from malloc's checks) prints every thread's Python stack first.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -112,6 +144,17 @@ def run_workers(
         raise ValueError(f"world_size={world_size} must be >= 1")
     # Fork after the intra-op pool started deadlocks the children (the module docstring).
     torch.set_num_threads(1)
+    threads = native_threads()
+    if threads > 1:
+        warnings.warn(
+            f"run_workers forks a parent that runs {threads - 1} thread(s) besides its main one; the workers "
+            "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
+            "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
+            "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
+            "OMP_NUM_THREADS=1 before importing torch)",
+            ForkWithThreadsWarning,
+            stacklevel=2,
+        )
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _run_once(fn, world_size, free_port(), timeout_s, args, kwargs)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +21,7 @@ from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleSt
 from lightning_ultrascale.core import forensics
 from lightning_ultrascale.core.watchdog import Watchdog
 from lightning_ultrascale.testing.commands import run_command
-from lightning_ultrascale.testing.spawn import WorkerError, run_workers
+from lightning_ultrascale.testing.spawn import ForkWithThreadsWarning, WorkerError, run_workers
 
 
 class Boom(LlamaModule):
@@ -198,3 +199,28 @@ def test_the_hung_collective_is_the_first_one_that_members_of_its_group_lack():
     # Every member in it (a failure that is no hang): nothing to name.
     states = {r: _rank(r, *before, _record("all_reduce", "3", 42, "in flight")) for r in range(4)}
     assert forensics.diagnose(states, reporter=0) is None
+
+
+# ----------------------------------------------------------------------------- the test harness itself
+def _abort_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        os.abort()  # as malloc does when it finds its heap corrupted
+
+
+def test_a_worker_that_crashes_natively_leaves_its_python_stack_on_stderr(capfd):
+    with pytest.raises(WorkerError, match=r"rank 1 died without reporting \(exit code -6\)"):
+        run_workers(_abort_on_rank_1, 2, timeout_s=60)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "_abort_on_rank_1" in err
+
+
+def test_forking_a_parent_with_a_thread_running_warns_with_the_known_sources():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        with pytest.warns(ForkWithThreadsWarning, match=r"1 thread\(s\) besides its main one.*TOKENIZERS_PARALLELISM"):
+            assert run_workers(dist.get_rank, 2) == [0, 1]
+    finally:
+        stop.set()
+        thread.join()
