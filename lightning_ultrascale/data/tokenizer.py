@@ -87,7 +87,8 @@ class HFTokenizer:
         config_file = path.with_name("tokenizer_config.json")
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.files = (path, config_file) if config_file.is_file() else (path,)
-        self.name = name or str(config.get("name_or_path") or path.parent.name)
+        # (The directory's name, resolved: a bare "tokenizer.json" has an empty parent name.)
+        self.name = name or str(config.get("name_or_path") or path.resolve().parent.name)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(bos or _token_text(config.get("bos_token")), _BOS_NAMES, "bos", path)
         self.eos_id = self._special(eos or _token_text(config.get("eos_token")), _EOS_NAMES, "eos", path)
@@ -157,10 +158,10 @@ def load_tokenizer(
     path = Path(spec)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
-            return HFTokenizer(path / "tokenizer.json", name or path.name, bos, eos)
+            return HFTokenizer(path / "tokenizer.json", name or path.resolve().name, bos, eos)
         models = sorted(path.glob("tokenizer.model*"))
         if models:
-            return SentencePieceTokenizer(models[0], name or path.name)
+            return SentencePieceTokenizer(models[0], name or path.resolve().name)
     elif path.is_file():
         if path.suffix == ".json":
             return HFTokenizer(path, name, bos, eos)

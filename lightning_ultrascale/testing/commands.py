@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_ultrascale.testing.spawn import free_port
+from lightning_ultrascale.testing.spawn import free_port, warn_if_threaded
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ def run_command(
         (0, 'hello\\n')
     """
     torch.set_num_threads(1)  # fork after the intra-op pool started deadlocks the children
+    warn_if_threaded()
     ctx, port = mp.get_context("fork"), free_port()
     with tempfile.TemporaryDirectory(prefix="ultrascale-command-") as tmp:
         procs = []

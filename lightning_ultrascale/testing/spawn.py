@@ -60,6 +60,21 @@ def native_threads() -> int:
         return threading.active_count()
 
 
+def warn_if_threaded() -> None:
+    """Warn (:class:`ForkWithThreadsWarning`) when this process, about to fork, runs more than its main thread."""
+    threads = native_threads()
+    if threads > 1:
+        warnings.warn(
+            f"forking a parent that runs {threads - 1} thread(s) besides its main one; the forked processes "
+            "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
+            "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
+            "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
+            "OMP_NUM_THREADS=1 before importing torch)",
+            ForkWithThreadsWarning,
+            stacklevel=3,
+        )
+
+
 def free_port() -> int:
     """A TCP port on localhost that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -144,17 +159,7 @@ def run_workers(
         raise ValueError(f"world_size={world_size} must be >= 1")
     # Fork after the intra-op pool started deadlocks the children (the module docstring).
     torch.set_num_threads(1)
-    threads = native_threads()
-    if threads > 1:
-        warnings.warn(
-            f"run_workers forks a parent that runs {threads - 1} thread(s) besides its main one; the workers "
-            "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
-            "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
-            "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
-            "OMP_NUM_THREADS=1 before importing torch)",
-            ForkWithThreadsWarning,
-            stacklevel=2,
-        )
+    warn_if_threaded()
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _run_once(fn, world_size, free_port(), timeout_s, args, kwargs)

@@ -219,7 +219,8 @@ def test_forking_a_parent_with_a_thread_running_warns_with_the_known_sources():
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        with pytest.warns(ForkWithThreadsWarning, match=r"1 thread\(s\) besides its main one.*TOKENIZERS_PARALLELISM"):
+        message = r"parent that runs 1 thread\(s\) besides its main one.*TOKENIZERS_PARALLELISM"
+        with pytest.warns(ForkWithThreadsWarning, match=message):
             assert run_workers(dist.get_rank, 2) == [0, 1]
     finally:
         stop.set()

@@ -274,3 +274,13 @@ def test_tokenizing_holds_a_chunk_in_memory_not_the_corpus(tmp_path):
 
         growth = _peak_growth(run)
     assert growth < 2 * chunk, f"memory grew by {growth / 2**20:.1f} MiB tokenizing {5 * chunk / 2**20:.0f} MiB"
+
+
+def test_a_tokenizer_file_named_bare_is_named_after_its_directory(tmp_path, monkeypatch):
+    # `--tokenizer tokenizer.json` in the working directory once recorded an empty name, which a blend
+    # then reported as "tokenized with different tokenizers (web.bin: Llama-3.1-8B; code.bin: )".
+    (tmp_path / "llama3").mkdir()
+    (tmp_path / "llama3" / "tokenizer.json").write_bytes(DEEPSEEK_JSON.read_bytes())
+    monkeypatch.chdir(tmp_path / "llama3")
+    assert load_tokenizer("tokenizer.json").name == "llama3"
+    assert load_tokenizer(".").name == "llama3"
