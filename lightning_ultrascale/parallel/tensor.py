@@ -47,6 +47,7 @@ from lightning_ultrascale.parallel.pricing import (
     powers_of_two,
 )
 from lightning_ultrascale.parallel.tied import retie
+from lightning_ultrascale.utils.memo import memoized
 
 #: For each linear style an earlier plugin may set in ``Layout.linear_styles``: how a plan's
 #: parallel style becomes the one that fits such a linear (e.g. ``"float8"``: torchao's Float8
@@ -163,16 +164,23 @@ class TensorParallel(ParallelPlugin):
         return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
+        key = ("tp-shards", id(model), self.sequence_parallel)
+        for full, dim in memoized(key, lambda: self._shards(model)):
+            if full in plan.shapes:
+                plan.shard(full, dim, "tp")
+
+    def _shards(self, model: nn.Module) -> list[tuple[str, int]]:
+        """Every parameter the plan splits, with its split dim."""
         spec = require_spec(model)
         assert spec.tp_plan is not None
         top, block_plans = spec.tp_plan(self.sequence_parallel)
         plans = [("", top)] + [(f"{spec.layers}.{name}.", p) for name, p in block_plans.items()]
+        out = []
         for prefix, module_plan in plans:
             for name, style in module_plan.items():
                 for param, dim in _sharded_dims(model.get_submodule(prefix + name), style).items():
-                    full = f"{prefix}{name}.{param}"
-                    if full in plan.shapes:
-                        plan.shard(full, dim, "tp")
+                    out.append((f"{prefix}{name}.{param}", dim))
+        return out
 
 
 #: Head-count attributes of an attention module that reshapes by them (the model contract):

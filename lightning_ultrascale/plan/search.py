@@ -50,6 +50,7 @@ from lightning_ultrascale.parallel.pricing import NotSearched, PlanAxis, SearchC
 from lightning_ultrascale.plan.candidate import Candidate, build_plugins
 from lightning_ultrascale.plan.cost import Cost, Workload, estimate, priced_spec
 from lightning_ultrascale.plan.hardware import Hardware, get_hardware
+from lightning_ultrascale.utils.memo import planning
 
 __all__ = ["NoLayoutFits", "Priced", "SearchResult", "search", "search_space"]
 
@@ -314,7 +315,8 @@ def search(
     context = context_of(workload, world_size, hardware)
     axes = search_space(context, space)
     layouts = _candidates(context, axes, plugins)
-    fitting, too_big, refusals, dominated = _price_space(workload, hardware, layouts, model)
+    with planning():  # the meta model's derived facts, once per search (utils/memo.py)
+        fitting, too_big, refusals, dominated = _price_space(workload, hardware, layouts, model)
     # Fastest first; equal speeds (compute-bound layouts) go to the simpler (fewer dims split), then the smaller.
     fitting.sort(key=lambda p: (-float(f"{p.tokens_per_s:.6g}"), p.candidate.splits(), p.peak))
     too_big.sort(key=lambda p: p.peak)

@@ -15,6 +15,7 @@ from lightning_ultrascale.parallel.dims import MESH_DIMS
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.mesh import build_mesh
 from lightning_ultrascale.parallel.plugin import apply_all
+from lightning_ultrascale.utils.memo import memoized
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = ["dry_run", "predict_shards"]
@@ -33,7 +34,7 @@ def predict_shards(strategy: UltraScaleStrategy, model: nn.Module, world_size: i
     plan = ShardPlan(
         coordinate=dims.coordinate(rank),
         sizes={d: getattr(dims, d) for d in MESH_DIMS},
-        shapes={name: tuple(p.shape) for name, p in model.named_parameters()},
+        shapes=dict(memoized(("shapes", id(model)), lambda: {n: tuple(p.shape) for n, p in model.named_parameters()})),
     )
     for plugin in strategy.applied_plugins():
         if plugin.active:

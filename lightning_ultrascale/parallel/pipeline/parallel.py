@@ -56,6 +56,7 @@ from lightning_ultrascale.parallel.pricing import (
     add_traffic,
 )
 from lightning_ultrascale.parallel.tied import TiedCopy, find_tied
+from lightning_ultrascale.utils.memo import memoized
 
 
 class PipelineParallel(ParallelPlugin):
@@ -232,9 +233,14 @@ class PipelineParallel(ParallelPlugin):
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         spec = require_spec(model)
-        ranges = plan_stages(model, spec, self.n_stages, self.split_points)
+        splits = tuple(self.split_points or ())
+        ranges = memoized(
+            ("stages", id(model), self.n_stages, splits),
+            lambda: plan_stages(model, spec, self.n_stages, self.split_points),
+        )
         rank = plan.coordinate["pp"]
-        for group in find_tied(model):  # a rank without a tied weight's first name holds a copy of its own
+        # A rank without a tied weight's first name holds a copy of its own.
+        for group in memoized(("tied", id(model)), lambda: find_tied(model)):
             copy = next((n for n in group if rank in self._holders(spec, ranges, n)), group[0])
             if copy != group[0]:
                 plan.shapes[copy] = plan.shapes[group[0]]
