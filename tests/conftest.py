@@ -43,6 +43,24 @@ import torch.distributed.fsdp  # noqa: E402
 import torch.distributed.pipelining  # noqa: E402
 import torch.distributed.tensor  # noqa: E402
 
+
+def _observe_children_only(launch):  # type: ignore[no-untyped-def]
+    def observer(child_processes):  # type: ignore[no-untyped-def]
+        if child_processes:
+            launch(child_processes)
+
+    return observer
+
+
+# Lightning's launcher starts a thread that watches the ranks it started, also when it started none (an
+# in-process fit on one device); the thread lives 5 s more, and a test forking ranks within them failed
+# the suite's check for threads (lightning_ultrascale/testing/spawn.py). Here it starts only with ranks to watch.
+import lightning.fabric.strategies.launchers.subprocess_script as _fabric_launcher  # noqa: E402
+import lightning.pytorch.strategies.launchers.subprocess_script as _trainer_launcher  # noqa: E402
+
+_fabric_launcher._launch_process_observer = _observe_children_only(_fabric_launcher._launch_process_observer)
+_trainer_launcher._launch_process_observer = _observe_children_only(_trainer_launcher._launch_process_observer)
+
 #: Packages the GPU machine's image lacks (it has torch, triton, lightning and transformers). A test module
 #: that imports one is skipped where it is missing, so `pytest -m gpu` collects from the repository root
 #: there (it aborted with collection errors before); everywhere else they are installed and nothing changes.

@@ -46,7 +46,7 @@ class ForkWithThreadsWarning(RuntimeWarning):
 
 
 def native_threads() -> int:
-    """How many threads this process runs, native ones (OpenMP, Rust, C++) included; 1 where unknown.
+    """How many threads this process runs, native ones (OpenMP, Rust, C++) included (Python's own count off Linux).
 
     Example:
         >>> native_threads() >= 1
