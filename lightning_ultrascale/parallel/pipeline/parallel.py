@@ -239,13 +239,16 @@ class PipelineParallel(ParallelPlugin):
             lambda: plan_stages(model, spec, self.n_stages, self.split_points),
         )
         rank = plan.coordinate["pp"]
+        key = ("pp-holders", id(model), self.plan_shards_key())
+        named = memoized(key, lambda: {n: self._holders(spec, ranges, n) for n, _ in model.named_parameters()})
+        holders = lambda name: named.get(name) or self._holders(spec, ranges, name)  # noqa: E731
         # A rank without a tied weight's first name holds a copy of its own.
         for group in memoized(("tied", id(model)), lambda: find_tied(model)):
-            copy = next((n for n in group if rank in self._holders(spec, ranges, n)), group[0])
+            copy = next((n for n in group if rank in holders(n)), group[0])
             if copy != group[0]:
                 plan.shapes[copy] = plan.shapes[group[0]]
         for name in list(plan.shapes):
-            if rank not in self._holders(spec, ranges, name):
+            if rank not in holders(name):
                 del plan.shapes[name]
 
     def _holders(self, spec: ModelSpec, ranges: Sequence[range], name: str) -> set[int]:
