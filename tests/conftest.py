@@ -6,6 +6,7 @@ has already imported the distributed packages the workers use (0.25 s instead of
 workers), so both happen here, before any test module runs.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -42,6 +43,10 @@ if not torch.cuda.is_available():
 import torch.distributed.fsdp  # noqa: E402
 import torch.distributed.pipelining  # noqa: E402
 import torch.distributed.tensor  # noqa: E402
+
+from lightning_ultrascale.data.corpus import load_default_corpus_documents  # noqa: E402
+
+load_default_corpus_documents()  # encoded once here: every forked rank inherits it (~2,000 ranks read it)
 
 
 def _observe_children_only(launch):  # type: ignore[no-untyped-def]
@@ -128,3 +133,23 @@ def pytest_sessionfinish(session, exitstatus):  # type: ignore[no-untyped-def]
 
 
 _BEFORE = pytest.StashKey[set[str] | None]()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_workers():  # type: ignore[no-untyped-def]
+    # Parity runs (testing.parity.record_run) of one test module share warm workers, one set per world
+    # size (lightning_ultrascale/testing/pool.py): a layout's second run skips what its first paid for.
+    from lightning_ultrascale.testing.pool import worker_pools
+
+    with worker_pools():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workers_under_monkeypatch(request):  # type: ignore[no-untyped-def]
+    # Warm workers were forked before this test patched anything: a test that patches (or uses a
+    # fixture that does) runs its jobs on fresh processes, which see the patch.
+    from lightning_ultrascale.testing.pool import fresh_workers
+
+    with fresh_workers() if "monkeypatch" in request.fixturenames else contextlib.nullcontext():
+        yield

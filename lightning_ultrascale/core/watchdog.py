@@ -44,6 +44,8 @@ _FAILED = "ultrascale/failed/"
 _ENDED = "ultrascale/ended/"
 _REPORTER = "ultrascale/reporter"  # the first failing rank; once set, every watchdog posts its collectives
 _STATE = "ultrascale/collectives/"
+#: What a failing rank leaves in the job's store (a process group kept for another job must not keep it).
+FAILURE_KEYS = (_ABORT, _REPORTER)
 
 
 class Watchdog:

@@ -4,6 +4,7 @@ They live in the library, not under ``tests/``, because benchmarks and users' ow
 them too.
 """
 
+from lightning_ultrascale.testing.pool import fresh_workers, run_pooled, worker_pools
 from lightning_ultrascale.testing.spawn import ForkWithThreadsWarning, WorkerError, run_workers
 
-__all__ = ["ForkWithThreadsWarning", "WorkerError", "run_workers"]
+__all__ = ["ForkWithThreadsWarning", "WorkerError", "fresh_workers", "run_pooled", "run_workers", "worker_pools"]

@@ -3,7 +3,7 @@
 Same seed, same global batch, N optimizer steps, compared with a single-device run of the same
 LightningModule under plain Lightning (not our strategy: the reference must not share our code
 paths). Every run goes through the real Lightning loop (gradient accumulation, zero_grad,
-optimizer step), inside processes forked by :func:`run_workers`.
+optimizer step), inside processes forked by :func:`run_workers` (or warm ones: :func:`run_pooled`).
 
 What is compared, per optimizer step: the loss of the global batch (the mean of every rank's
 micro-batch losses) and every parameter's full gradient just before the optimizer step; and the
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_ultrascale.models.spec import find_model
-from lightning_ultrascale.testing.spawn import run_workers
+from lightning_ultrascale.testing.pool import run_pooled
 
 #: Trainer settings for measuring runs: no logging, checkpoints, bars, summaries or validation.
 QUIET_TRAINER: dict[str, Any] = {
@@ -216,7 +216,7 @@ def record_run(
         trainer.fit(make_module(), datamodule=make_datamodule())
         return recorder.record
 
-    records = run_workers(worker, world_size, timeout_s=timeout_s)
+    records = run_pooled(worker, world_size, timeout_s=timeout_s)
     return records[0]
 
 

@@ -16,7 +16,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing import WorkerError, run_workers
+from lightning_ultrascale.testing import WorkerError, run_pooled, run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, relative_error
 
 
@@ -61,7 +61,7 @@ def _interrupted_vs_uninterrupted(
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(tmp_path, stage, replicate, tp, world_size):
     # Weights, AdamW states, LR schedule and data position all restored: bit-identical here.
     args = (stage, replicate, tp, world_size, str(tmp_path / "ckpt"))
-    error = run_workers(_interrupted_vs_uninterrupted, world_size, *args)
+    error = run_pooled(_interrupted_vs_uninterrupted, world_size, *args)
     assert error[0] == 0.0, f"resumed parameters differ by {error[0]:.2e}"
 
 
@@ -72,7 +72,7 @@ def test_pipelined_run_resumes_exactly(tmp_path, stage, world_size, schedule):
     # Each stage saves and restores its own parameters and optimizer states (flattened, keyed by
     # parameter); ZeRO-1/2 shards under a key per stage.
     args = (stage, 1, 1, world_size, str(tmp_path / "ckpt"), 2, schedule)
-    errors = run_workers(_interrupted_vs_uninterrupted, world_size, *args)
+    errors = run_pooled(_interrupted_vs_uninterrupted, world_size, *args)
     assert max(errors) == 0.0, f"resumed parameters differ by up to {max(errors):.2e}"
 
 
@@ -105,15 +105,15 @@ def _fit_saving(path: str, max_steps: int, strategy_cls=UltraScaleStrategy, ckpt
 def synchronous_run(tmp_path_factory) -> tuple[Path, RunRecord]:
     """4 steps saving after each (synchronously): where the checkpoint is, and what the run did."""
     path = tmp_path_factory.mktemp("synchronous") / "sync"
-    return path, run_workers(_fit_saving, 2, str(path), 4)[0]
+    return path, run_pooled(_fit_saving, 2, str(path), 4)[0]
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, synchronous_run):
     last = str(tmp_path / "last.ckpt")
     with pytest.raises(WorkerError, match=r"rank 1 died without reporting \(exit code 3\)"):
-        run_workers(_fit_saving, 2, last, 4, _DiesWhilePublishing)
+        run_workers(_fit_saving, 2, last, 4, _DiesWhilePublishing)  # (fresh: a rank dies)
     assert (tmp_path / "last.ckpt.partial").is_dir()  # step 3's, never published
-    resumed = run_workers(_fit_saving, 2, last, 4, UltraScaleStrategy, last)[0]
+    resumed = run_pooled(_fit_saving, 2, last, 4, UltraScaleStrategy, last)[0]
     uninterrupted = synchronous_run[1]
     assert len(resumed.losses) == 2  # steps 3 and 4: resumed from step 2's checkpoint
     assert resumed.losses == uninterrupted.losses[2:]
@@ -125,7 +125,7 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(tmp_path, synch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     sync_path, sync = synchronous_run
-    async_ = run_workers(_fit_saving, 2, str(tmp_path / "async"), 4, async_checkpoint=True)[0]
+    async_ = run_pooled(_fit_saving, 2, str(tmp_path / "async"), 4, async_checkpoint=True)[0]
     assert async_.losses == sync.losses
     saved = {}
     for name, path in (("sync", sync_path), ("async", tmp_path / "async")):

@@ -31,7 +31,7 @@ from lightning_ultrascale import (
 from lightning_ultrascale.core.checkpoint import ACCUMULATION_KEY, rebase_accumulation
 from lightning_ultrascale.data.sampler import DataParallelSampler
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 
 #: A run's steps (the LR schedule spans them all), and the step after which it saves. Two resumed
@@ -90,7 +90,7 @@ def _resume_each(target: str, sources: list[str], root: str) -> dict[str, RunRec
 def checkpoints(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("layouts")
     for layout, (world_size, _, _) in LAYOUTS.items():
-        run_workers(_fit, world_size, layout, STEPS, None, str(root / layout), timeout_s=300)
+        run_pooled(_fit, world_size, layout, STEPS, None, str(root / layout), timeout_s=300)
     return str(root)
 
 
@@ -102,7 +102,7 @@ def uninterrupted() -> RunRecord:
 @pytest.mark.parametrize("target", list(PAIRS))
 def test_a_checkpoint_of_any_layout_resumes_in_another(checkpoints, uninterrupted, target):
     world_size = LAYOUTS[target][0]
-    runs = run_workers(_resume_each, world_size, target, PAIRS[target], checkpoints, timeout_s=600)[0]
+    runs = run_pooled(_resume_each, world_size, target, PAIRS[target], checkpoints, timeout_s=600)[0]
     # The reference's steps after SAVED_AT: the resumed runs record only what they trained.
     reference = RunRecord(uninterrupted.losses[SAVED_AT:], uninterrupted.grads[SAVED_AT:], uninterrupted.params)
     for source, run in runs.items():
@@ -149,10 +149,10 @@ def _fit_accumulating(layout: str, ckpt_path: str | None = None, save_to: str | 
 def test_a_resume_under_another_accumulation_trains_the_uninterrupted_steps(tmp_path, source, target):
     # Before: the restored micro-batch count was the saving layout's, so zero1-dp2 -> pp2-acc2 stepped
     # after one micro-batch and then on halves of two global batches (losses 1e-2 off).
-    run_workers(_fit_accumulating, ACCUMULATION_LAYOUTS[source][0], source, None, str(tmp_path / "ckpt"))
+    run_pooled(_fit_accumulating, ACCUMULATION_LAYOUTS[source][0], source, None, str(tmp_path / "ckpt"))
     world_size = ACCUMULATION_LAYOUTS[target][0]
-    uninterrupted = run_workers(_fit_accumulating, world_size, target)[0]
-    resumed = run_workers(_fit_accumulating, world_size, target, str(tmp_path / "ckpt"))[0]
+    uninterrupted = run_pooled(_fit_accumulating, world_size, target)[0]
+    resumed = run_pooled(_fit_accumulating, world_size, target, str(tmp_path / "ckpt"))[0]
     reference = RunRecord(uninterrupted.losses[SAVED_AT:], uninterrupted.grads[SAVED_AT:], uninterrupted.params)
     assert_parity(resumed, reference, rtol=1e-5, grad_rtol=ADAMW_RTOL, param_rtol=ADAMW_RTOL)
 

@@ -36,7 +36,7 @@ from lightning_ultrascale.parallel.context.attention import (
 )
 from lightning_ultrascale.parallel.context.comms import RingExchange
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
 from lightning_ultrascale.utils.loss import TokenNormaliser
 from lightning_ultrascale.utils.memory import peak_bytes
@@ -129,7 +129,7 @@ def kernel_errors(
 @pytest.mark.parametrize("cp", [2, 4])
 def test_attention_and_its_gradients_equal_full_causal_attention(method, cp):
     # GQA (8 query heads on 2 kv heads); 3 tokens per zig-zag chunk, so no chunk is a power of two.
-    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "reference")
+    errors = run_pooled(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "reference")
     worst = max(max(e) for e in errors)
     assert worst < 1e-5, f"{method} cp={cp}: output/dq/dk/dv relative errors {errors}"
 
@@ -138,7 +138,7 @@ def test_attention_and_its_gradients_equal_full_causal_attention(method, cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_fused_flash_kernel_gives_the_same_ring_attention(method, cp):
     # The device's fused kernel (on CPU torch's flash kernel): the path a GPU runs with its own op.
-    errors = run_workers(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "flash")
+    errors = run_pooled(kernel_errors, cp, method, 2 * cp * 3, 8, 2, "flash")
     assert max(max(e) for e in errors) < 1e-5, errors
 
 
@@ -183,7 +183,7 @@ def _recompute_ring(kernel: str) -> tuple[int, int, int]:
 def test_selective_recomputation_keeps_the_ring_output_and_no_block_inside_it():
     # The ring is one op: the SAC policy keeps its output and LSE, never runs it again in backward,
     # and cannot see the per-block outputs or (reference kernel) score blocks inside it.
-    flash, reference = (run_workers(_recompute_ring, 2, k)[0] for k in ("flash", "reference"))
+    flash, reference = (run_pooled(_recompute_ring, 2, k)[0] for k in ("flash", "reference"))
     assert flash[1:] == reference[1:] == (0, 4)  # no ring forward in backward; 4 blocks' backwards
     assert flash[0] == reference[0], (flash, reference)  # the kernel's insides leave nothing behind
 
@@ -219,7 +219,7 @@ def _traced_backward(dtype: torch.dtype) -> list[str]:
 
 
 def test_the_gradient_exchange_overlaps_the_next_block_and_accumulates_in_fp32():
-    events = run_workers(_traced_backward, 2, torch.bfloat16)[1]  # zig-zag: a block at both steps
+    events = run_pooled(_traced_backward, 2, torch.bfloat16)[1]  # zig-zag: a block at both steps
     # Step 0: K/V go on (bf16), the block; the accumulator leaves (fp32, as torch's context parallel
     # keeps it: before, bf16, rounded at every hop); K/V waited. Step 1: the next block is computed
     # BEFORE the accumulator sent at step 0 is waited for. Rank 1 is the last that needs rank 0's
@@ -239,8 +239,8 @@ def _attention_pairs(method: str, seq: int) -> int:
 
 
 def test_zigzag_balances_causal_flops_and_ring_does_not():
-    zigzag = run_workers(_attention_pairs, 4, "zigzag_ring", 64)
-    ring = run_workers(_attention_pairs, 4, "ring", 64)
+    zigzag = run_pooled(_attention_pairs, 4, "zigzag_ring", 64)
+    ring = run_pooled(_attention_pairs, 4, "ring", 64)
     # Together they compute the causal triangle (with the diagonal) of 2 heads: 2 x 64 x 65 / 2.
     assert sum(zigzag) == sum(ring) == 2 * 64 * 65 // 2
     mean = sum(zigzag) / 4
@@ -346,7 +346,7 @@ def _weighted_losses() -> float:
 
 
 def test_loss_is_weighted_by_each_ranks_labelled_tokens():
-    averaged = run_workers(_weighted_losses, 2)[0]
+    averaged = run_pooled(_weighted_losses, 2)[0]
     assert averaged == pytest.approx((8 * 1.0 + 2 * 4.0) / 10)  # the mean over all 10 tokens, not 2.5
 
 

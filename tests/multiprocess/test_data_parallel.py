@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_ultrascale.parallel.data import DataParallel
 from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import assert_parity
 
 
@@ -59,7 +59,7 @@ def _overlap_worker():
 
 
 def test_bucket_reductions_start_before_backward_finishes():
-    results = run_workers(_overlap_worker, 2)
+    results = run_pooled(_overlap_worker, 2)
     n_buckets, launch_log, events, _ = results[0]
     assert n_buckets == 3
     assert [i for i, _ in launch_log] == [0, 1, 2], "buckets must launch in index order on every rank"
@@ -69,7 +69,7 @@ def test_bucket_reductions_start_before_backward_finishes():
 
 
 def test_reduced_gradients_are_the_mean_over_ranks():
-    results = run_workers(_overlap_worker, 2)
+    results = run_pooled(_overlap_worker, 2)
     per_rank = []
     for rank in range(2):
         model = _toy_model()  # same seed and RNG draws as the worker of this rank
@@ -103,7 +103,7 @@ def _no_sync_worker():
 
 
 def test_no_sync_accumulates_locally_and_reduces_the_sum_once():
-    r0, _ = run_workers(_no_sync_worker, 2)
+    r0, _ = run_pooled(_no_sync_worker, 2)
     assert r0[0] == 0, "no reduction may happen inside no_sync"
     assert r0[1] == 1, "one bucket, one all-reduce on the synced micro-step"
     # Single-process reference: the mean over ranks of (grad of micro-step 1 + micro-step 2).
@@ -142,7 +142,7 @@ def _fit_twice_with_one_trainer(tp: int, stage: int = 0) -> None:
 
 
 def test_a_second_fit_keeps_gradients_synchronised_and_a_second_strategy_is_refused():
-    run_workers(_fit_twice_with_one_trainer, 2, 1)
+    run_pooled(_fit_twice_with_one_trainer, 2, 1)
 
 
 # Stages 0 and 1: their engines hook the parameters (stage 3's FSDP2 shards differ by design).
@@ -150,4 +150,4 @@ def test_a_second_fit_keeps_gradients_synchronised_and_a_second_strategy_is_refu
 def test_a_second_fit_with_tensor_parallel_keeps_gradients_synchronised(stage):
     # Lightning's .to(device) at the second setup swaps the DTensor parameters' tensors; the
     # data-parallel hooks bound after it must still fire (buckets.GradientBuckets).
-    run_workers(_fit_twice_with_one_trainer, 4, 2, stage)
+    run_pooled(_fit_twice_with_one_trainer, 4, 2, stage)

@@ -18,7 +18,7 @@ from lightning_ultrascale.models.common.documents import document_attention, doc
 from lightning_ultrascale.parallel.context import attention as context_attention
 from lightning_ultrascale.parallel.context import parallel as parallel_module
 from lightning_ultrascale.parallel.context.attention import FlopCounter, attention_fn, local_positions, ring_plan
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import assert_parity
 
 LENGTHS = [[5, 9, 1, 17, 3, 13], [48]]  # two windows of 48 tokens: six documents, and one
@@ -135,7 +135,7 @@ def _every_path(lengths: list[list[int]]) -> dict[tuple[str, str, int], float]:
 def test_context_parallel_attention_keeps_documents_apart(tile, cp, monkeypatch):
     if tile is not None:
         monkeypatch.setattr(documents, "MIN_TILE", tile)  # the forked ranks inherit it
-    ranks = run_workers(_every_path, cp, [[5, 9, 1, 17, 3, 13, 16], [30, 34]])
+    ranks = run_pooled(_every_path, cp, [[5, 9, 1, 17, 3, 13, 16], [30, 34]])
     worst = {path: max(rank[path] for rank in ranks) for path in ranks[0]}
     # fp32 against one process's SDPA: measured 1.9e-6 absolute on values of order 1.
     assert len(worst) == 2 * len(PATHS) and max(worst.values()) < 1e-5, worst
@@ -147,7 +147,7 @@ def test_a_ring_step_between_blocks_that_share_no_document_sends_and_computes_no
     plan = ring_plan("ring", 4, 16, _documents(aligned))
     assert plan.last == (0, 0, 0, 0)
     assert all(not plan.blocks[r][s] for r in range(4) for s in range(4) if r != s)
-    results = run_workers(_cp_attention, 4, "ring", "flash", aligned, 8)
+    results = run_pooled(_cp_attention, 4, "ring", "flash", aligned, 8)
     assert max(e for e, _, _ in results) < 1e-5
     # Only the causal diagonal block is computed (forward pairs: 4 heads x 2 windows x 16 x 17 / 2),
     # and nothing is sent, forward or backward.
@@ -163,7 +163,7 @@ def test_zigzag_skips_the_blocks_of_other_documents():
     chunked = [[8] * 8]
     plan = ring_plan("zigzag_ring", 4, 16, _documents(chunked))
     assert plan.last == (0, 0, 0, 0)
-    results = run_workers(_cp_attention, 4, "zigzag_ring", "flash", chunked, 8)
+    results = run_pooled(_cp_attention, 4, "zigzag_ring", "flash", chunked, 8)
     assert max(e for e, _, _ in results) < 1e-5 and all(s == 0 for _, _, s in results)
 
     # Documents of two chunks (16 tokens): rank r's first chunk shares one with its neighbour only.
@@ -181,7 +181,7 @@ def test_a_block_shrinks_to_the_rows_and_keys_of_the_document_it_shares():
     (block,) = plan.blocks[1][0]
     # Rank 1's rows 0..5 (tokens 16..21) against rank 0's keys 10..15: 6 x 6 instead of 16 x 16.
     assert (block.q, block.k) == (slice(0, 6), slice(10, 16))
-    results = run_workers(_cp_attention, 2, "ring", "flash", [[10, 12, 10]], 8)
+    results = run_pooled(_cp_attention, 2, "ring", "flash", [[10, 12, 10]], 8)
     assert max(e for e, _, _ in results) < 1e-5
 
 

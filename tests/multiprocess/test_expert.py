@@ -35,7 +35,7 @@ from lightning_ultrascale.models.common.moe import GroupedExperts, MoE, MoEConfi
 from lightning_ultrascale.parallel.context.attention import local_positions
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.pipeline.schedules import SCHEDULES
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity, record_run
 
 MOE_TINY = get_model_config("moe_tiny")  # DeepSeek-V3 routing: sigmoid, groups, shared expert, bias
@@ -423,7 +423,7 @@ def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     saved = None
     for i, layout in enumerate(chain):
         save_to = str(tmp_path / f"{i}-{layout}") if i < len(chain) - 1 else None
-        run = run_workers(_fit_moe, EP_LAYOUTS[layout][0], layout, 2 * i + 2, saved, save_to, timeout_s=300)[0]
+        run = run_pooled(_fit_moe, EP_LAYOUTS[layout][0], layout, 2 * i + 2, saved, save_to, timeout_s=300)[0]
         assert len(run.losses) == 2
         # AdamW on a MoE model: losses only (assert_adamw_moe_parity says why); a wrong expert shard
         # or moment after the resume moves them by far more than 1e-5.
@@ -442,7 +442,7 @@ def _fit_metrics(plugins, world_size: int) -> dict[str, float]:
         trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH))
         return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("moe/", "train/aux"))}
 
-    return run_workers(worker, world_size)[0]
+    return run_pooled(worker, world_size)[0]
 
 
 def test_balance_metrics_under_pipeline_parallelism_equal_one_process():
@@ -482,7 +482,7 @@ def _kept_slots(method: str | None) -> tuple[torch.Tensor, torch.Tensor]:
 def test_capacity_keeps_the_same_tokens_when_context_parallelism_splits_the_sequence(method):
     kept, _ = _kept_slots(None)
     assert 0 < int((~kept).sum()) < kept.numel() // 2  # some slots are dropped, most are kept
-    for rank_kept, positions in run_workers(_kept_slots, 2, method):
+    for rank_kept, positions in run_pooled(_kept_slots, 2, method):
         assert torch.equal(rank_kept, kept[:, positions])
 
 
@@ -524,7 +524,7 @@ CAPACITY_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def capped_reference() -> tuple[RunRecord, list[float]]:
-    return run_workers(_fit_capped, 1, None, 1, 1)[0]
+    return run_pooled(_fit_capped, 1, None, 1, 1)[0]
 
 
 @pytest.mark.parametrize("layout", list(CAPACITY_LAYOUTS))
@@ -533,7 +533,7 @@ def test_capacity_drops_the_same_tokens_in_every_layout(layout, capped_reference
     # micro-batch's sequences otherwise (ep2 x cp2 dropped 14.18% against 13.21% in one process).
     ref, ref_drops = capped_reference
     plugins, dp = CAPACITY_LAYOUTS[layout]
-    run, drops = run_workers(_fit_capped, 2, plugins, 2, dp)[0]
+    run, drops = run_pooled(_fit_capped, 2, plugins, 2, dp)[0]
     assert len(ref_drops) == 3 and all(d > 0 for d in ref_drops)
     assert drops == ref_drops  # counts, exactly
     assert_parity(run, ref, rtol=1e-5)  # and which tokens: every gradient

@@ -28,7 +28,7 @@ from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableData
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.models.llama import Llama
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 
 LAYOUTS = {
@@ -155,13 +155,13 @@ def reference() -> RunRecord:
 @pytest.mark.parametrize("meta", [True, False], ids=["meta", "whole"])
 @pytest.mark.parametrize("layout", ["zero3-dp2", "tp2-sp", "cp2"])
 def test_a_fabric_loop_trains_like_one_process(reference, layout, meta):
-    assert_parity(run_workers(_fabric_fit, 2, layout, 3, meta=meta)[0], reference, rtol=1e-5)
+    assert_parity(run_pooled(_fabric_fit, 2, layout, 3, meta=meta)[0], reference, rtol=1e-5)
 
 
 def test_expert_parallelism_under_fabric_trains_like_one_process():
     # moe_tiny's experts split over 2 ranks (all-to-all dispatch), ZeRO-3 over the rest; each rank's
     # micro-batch is routed as one process routes its micro-batches.
-    run = run_workers(_fabric_fit, 2, "ep2-zero3", 3, model_name="moe_tiny")[0]
+    run = run_pooled(_fabric_fit, 2, "ep2-zero3", 3, model_name="moe_tiny")[0]
     assert_parity(run, _reference(steps=3, accumulate=2, model_name="moe_tiny"), rtol=1e-5)
 
 
@@ -176,7 +176,7 @@ def test_expert_parallelism_under_fabric_trains_like_one_process():
     ids=["zero1-dp2-acc2-max_norm", "tp2-sp-clip_val"],
 )
 def test_fabric_accumulation_and_clipping_match_one_process(layout, accumulate, clip):
-    run = run_workers(_fabric_fit, 2, layout, 3, accumulate=accumulate, **clip)[0]
+    run = run_pooled(_fabric_fit, 2, layout, 3, accumulate=accumulate, **clip)[0]
     assert_parity(run, _reference(steps=3, accumulate=accumulate, **clip), rtol=1e-5)
 
 
@@ -184,7 +184,7 @@ def test_fp8_under_fabric_quantises_like_one_process():
     # The Trainer's FP8Precision given to Fabric: the swap applies first, ZeRO-3 all-gathers the
     # tensorwise weights in FP8 (scales refreshed after each step); each rank's micro-batch is
     # quantised as the one-process run's micro-batches are (test_fp8_training.py).
-    run = run_workers(_fabric_fit, 2, "zero3-dp2", 3, fp8="tensorwise")[0]
+    run = run_pooled(_fabric_fit, 2, "zero3-dp2", 3, fp8="tensorwise")[0]
     assert_parity(run, _reference(steps=3, accumulate=2, fp8="tensorwise"), rtol=1e-5)
 
 
@@ -207,16 +207,16 @@ def _trainer_fit(steps: int, ckpt_path: str | None = None, save_to: str | None =
 def test_checkpoints_go_from_fabric_to_the_trainer_and_back_in_any_layout(tmp_path):
     fabric_ckpt, trainer_ckpt = str(tmp_path / "fabric"), str(tmp_path / "trainer")
     reference = _reference(steps=6)
-    uninterrupted = run_workers(_fabric_fit, 2, "tp2-sp", 6, save_at=3, path=fabric_ckpt)[0]
+    uninterrupted = run_pooled(_fabric_fit, 2, "tp2-sp", 6, save_at=3, path=fabric_ckpt)[0]
     assert_parity(uninterrupted, reference, rtol=1e-5)
     continued = RunRecord(reference.losses[3:])
     runs = {
         # a bare model's checkpoint (layers.0...) in a LightningModule (model.layers.0...), at its step and batch
-        "fabric tp2 -> trainer zero3": run_workers(_trainer_fit, 2, 6, fabric_ckpt)[0],
-        "fabric tp2 -> fabric zero3": run_workers(_fabric_fit, 2, "zero3-dp2", 6, load=fabric_ckpt)[0],
+        "fabric tp2 -> trainer zero3": run_pooled(_trainer_fit, 2, 6, fabric_ckpt)[0],
+        "fabric tp2 -> fabric zero3": run_pooled(_fabric_fit, 2, "zero3-dp2", 6, load=fabric_ckpt)[0],
     }
-    run_workers(_trainer_fit, 2, 6, save_to=trainer_ckpt)
-    runs["trainer zero3 -> fabric tp2"] = run_workers(_fabric_fit, 2, "tp2-sp", 6, load=trainer_ckpt)[0]
+    run_pooled(_trainer_fit, 2, 6, save_to=trainer_ckpt)
+    runs["trainer zero3 -> fabric tp2"] = run_pooled(_fabric_fit, 2, "tp2-sp", 6, load=trainer_ckpt)[0]
     for name, run in runs.items():
         try:
             assert_parity(RunRecord(run.losses), continued, rtol=1e-5, check_params=False)
@@ -235,7 +235,7 @@ def _forward_a_batch_of_its_own() -> None:
 
 def test_context_parallelism_refuses_a_batch_that_bypassed_setup_dataloaders():
     # It would train on whole sequences through ring attention: every rank's positions wrong, silently.
-    run_workers(_forward_a_batch_of_its_own, 2)
+    run_pooled(_forward_a_batch_of_its_own, 2)
 
 
 def test_pipeline_parallelism_under_fabric_is_refused_naming_the_trainer():

@@ -44,6 +44,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import (
     QUIET_TRAINER,
     ParityRecorder,
@@ -51,7 +52,6 @@ from lightning_ultrascale.testing.parity import (
     assert_parity,
     relative_error,
 )
-from lightning_ultrascale.testing.spawn import run_workers
 from lightning_ultrascale.testing.tracing import StepCommTracer
 
 MODEL = "llama_small"
@@ -123,9 +123,9 @@ def test_a_checkpoint_loads_across_fp8_and_high_precision_runs(tmp_path):
     # Both directions in one chain: FP8 saves at step 2, fp32 resumes from it and saves at step 3,
     # FP8 resumes from that.
     fp8_path, fp32_path = str(tmp_path / "fp8-step2.ckpt"), str(tmp_path / "fp32-step3.ckpt")
-    _, fp8_saved = run_workers(_zero3_fit, 2, True, 2, None, fp8_path)[0]
-    fp32_loaded, fp32_saved = run_workers(_zero3_fit, 2, False, 3, fp8_path, fp32_path)[0]
-    fp8_loaded, _ = run_workers(_zero3_fit, 2, True, 4, fp32_path)[0]
+    _, fp8_saved = run_pooled(_zero3_fit, 2, True, 2, None, fp8_path)[0]
+    fp32_loaded, fp32_saved = run_pooled(_zero3_fit, 2, False, 3, fp8_path, fp32_path)[0]
+    fp8_loaded, _ = run_pooled(_zero3_fit, 2, True, 4, fp32_path)[0]
     # FP8 keeps fp32 master weights with their names and shapes: the checkpoint is the same kind.
     for saved, loaded in ((fp8_saved, fp32_loaded), (fp32_saved, fp8_loaded)):
         assert saved.keys() == loaded.keys()
@@ -173,7 +173,7 @@ def _zero3_traffic(fp8: bool) -> tuple[int, int, int]:
 @pytest.fixture(scope="module")
 def zero3_traffic() -> dict[bool, tuple[int, int, int]]:
     """:func:`_zero3_traffic` of bf16 (False) and FP8 (True): one pair of runs for the two tests below."""
-    return {fp8: run_workers(_zero3_traffic, 2, fp8)[0] for fp8 in (False, True)}
+    return {fp8: run_pooled(_zero3_traffic, 2, fp8)[0] for fp8 in (False, True)}
 
 
 def test_zero3_all_gathers_fp8_weights_in_half_of_bf16s_bytes(zero3_traffic):

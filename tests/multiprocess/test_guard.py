@@ -6,7 +6,7 @@ from llama_runs import SGD
 
 from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
 from lightning_ultrascale.core.guard import NonFiniteError, NonFiniteGuard
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 
 
@@ -39,7 +39,7 @@ def _fit(where: str, stage: int, skip_step: bool):
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank_naming_the_step_and_the_rank():
-    results = run_workers(_fit, 2, "loss", 0, False)
+    results = run_pooled(_fit, 2, "loss", 0, False)
     messages = {message for message, _ in results}
     assert len(messages) == 1, messages  # the same message on every rank, at the same step
     message = messages.pop()
@@ -49,7 +49,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_naming_the_step_and_the_rank():
 
 
 def test_a_nan_gradient_in_a_sharded_optimizer_names_its_parameter():
-    results = run_workers(_fit, 2, "grad", 2, False)
+    results = run_pooled(_fit, 2, "grad", 2, False)
     message = results[0][0]
     assert "non-finite gradient at step 2" in message, message
     assert "model.norm.weight (in a sharded optimizer's shard)" in message, message
@@ -57,5 +57,5 @@ def test_a_nan_gradient_in_a_sharded_optimizer_names_its_parameter():
 
 
 def test_skip_step_skips_and_counts_and_the_run_goes_on():
-    for skipped, steps, finite in run_workers(_fit, 2, "loss", 0, True):
+    for skipped, steps, finite in run_pooled(_fit, 2, "loss", 0, True):
         assert (skipped, steps, finite) == (1, 4, True)

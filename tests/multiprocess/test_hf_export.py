@@ -19,7 +19,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.hf.convert import hf_architecture
 from lightning_ultrascale.models.llama import Llama
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, record_run
 
 
@@ -35,8 +35,8 @@ def _train_and_save(path: str) -> None:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    run_workers(_train_and_save, 2, str(root / "ckpt"))
-    run_workers(export, 2, str(root / "ckpt"), str(root / "hf"))  # each process exports half of the tensors
+    run_pooled(_train_and_save, 2, str(root / "ckpt"))
+    run_pooled(export, 2, str(root / "ckpt"), str(root / "hf"))  # each process exports half of the tensors
     return root
 
 
@@ -103,8 +103,8 @@ def _train_moe_and_save(cfg, path: str) -> None:
 @pytest.fixture(scope="module", params=[DEEPSEEK_V3_TINY, MIXTRAL_TINY], ids=["deepseek_v3", "mixtral"])
 def exported_moe(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param.name)
-    run_workers(_train_moe_and_save, 2, request.param, str(root / "ckpt"))
-    run_workers(export, 2, str(root / "ckpt"), str(root / "hf"))
+    run_pooled(_train_moe_and_save, 2, request.param, str(root / "ckpt"))
+    run_pooled(export, 2, str(root / "ckpt"), str(root / "hf"))
     return request.param, root
 
 

@@ -23,8 +23,8 @@ from lightning_ultrascale import (
 from lightning_ultrascale.models.contract import ContractError
 from lightning_ultrascale.models.hf.adapter import adapt
 from lightning_ultrascale.models.hf.weights import save_pretrained
+from lightning_ultrascale.testing import WorkerError, run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, assert_parity, record_run, relative_error
-from lightning_ultrascale.testing.spawn import WorkerError, run_workers
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 32, 4, 3
 
@@ -124,7 +124,7 @@ def _train_and_save(family, plugins, dp, directory):
 @pytest.mark.parametrize(("family", "layout"), [("qwen2", "pp2-zbv"), ("mixtral", "ep2"), ("llama", "tp2-sp")])
 def test_a_trained_model_saves_as_hugging_face_and_loads_back(tmp_path, family, layout):
     plugins, dp = LAYOUTS[layout] if layout in LAYOUTS else MORE_LAYOUTS[layout]
-    record = run_workers(_train_and_save, 2, family, plugins, dp, tmp_path / "hf", timeout_s=300)[0]
+    record = run_pooled(_train_and_save, 2, family, plugins, dp, tmp_path / "hf", timeout_s=300)[0]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     params = {f"model.{n}": p for n, p in loaded.named_parameters()}
     assert params.keys() == record.params.keys()  # (a tied head: under the embedding's name in both)
@@ -239,7 +239,7 @@ def test_a_hugging_face_model_trains_in_a_fabric_loop_like_one_process():
     reference = adapt(AutoModelForCausalLM.from_config(hf_config("qwen2")))
     reference.init_weights(0)
     losses, params = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), torch.Tensor.backward, STEPS)
-    run_losses, run_params = run_workers(_fabric_loop, 2, lambda: [TensorParallel(2)], timeout_s=300)[0]
+    run_losses, run_params = run_pooled(_fabric_loop, 2, lambda: [TensorParallel(2)], timeout_s=300)[0]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(run_losses, losses)), (run_losses, losses)
     run_params = {n.removeprefix("_forward_module."): p for n, p in run_params.items()}  # (Fabric's wrapper)
     assert run_params.keys() == params.keys()

@@ -25,7 +25,7 @@ from lightning_ultrascale.models.shard_init import normal_at, philox4x32
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.mesh import build_mesh
 from lightning_ultrascale.parallel.plugin import ParallelPlugin, apply_all
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled, run_workers
 
 TINY = get_model_config("llama_tiny")
 # An odd vocabulary and FFN width: FSDP2 and TP leave uneven shards (161 + 160 rows, ...).
@@ -143,7 +143,7 @@ def _compare_with_one_process(layout: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_holds_its_slice_of_the_one_process_weights(layout: str) -> None:
-    ranks = run_workers(_compare_with_one_process, LAYOUTS[layout][2], layout)
+    ranks = run_pooled(_compare_with_one_process, LAYOUTS[layout][2], layout)
     for rank, found in enumerate(ranks):
         wrong = [name for name, (same, _, _) in found.items() if not same]
         assert not wrong, f"{layout} rank {rank}: {wrong}"
@@ -188,7 +188,7 @@ def _count_draws(plugins: Callable[[], list[ParallelPlugin]], cfg: Any, world_si
 @pytest.mark.parametrize("layout", ["zero3_dp2_uneven", "ep2_x_zero3_inside_experts", "zero3_over_tp2"])
 def test_sharded_parameters_draw_only_their_shard(layout: str) -> None:
     plugins, cfg, world_size = LAYOUTS[layout]
-    for drawn, held, whole, full_shape_calls in run_workers(_count_draws, world_size, plugins, cfg, world_size):
+    for drawn, held, whole, full_shape_calls in run_pooled(_count_draws, world_size, plugins, cfg, world_size):
         assert not full_shape_calls, full_shape_calls  # distribute_tensor only ever cuts 1-D index lists
         # A Philox call makes four normals: a shard's edges and a strided shard's rows round up to them.
         assert held <= drawn <= 1.1 * held, (drawn, held)

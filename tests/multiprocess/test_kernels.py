@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_ultrascale import ConfigError, LlamaModule, TensorParallel, ZeRO
 from lightning_ultrascale.kernels import check_kernels, fused_linear_cross_entropy, get_kernels, reference
 from lightning_ultrascale.models import build_model
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import assert_parity
-from lightning_ultrascale.testing.spawn import run_workers
 from lightning_ultrascale.utils.memory import peak_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -266,7 +266,7 @@ def _vocab_parallel_errors(sequence_parallel: bool) -> dict[str, float]:
 
 def test_vocabulary_parallel_fused_loss_equals_one_process():
     for sequence_parallel in (False, True):
-        for errors in run_workers(_vocab_parallel_errors, 2, sequence_parallel):
+        for errors in run_pooled(_vocab_parallel_errors, 2, sequence_parallel):
             assert max(errors.values()) < 1e-5, f"sequence_parallel={sequence_parallel}: {errors}"
 
 

@@ -32,7 +32,7 @@ from lightning_ultrascale.parallel import tensor
 from lightning_ultrascale.parallel.dims import DATA_DIMS
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, assert_parity, relative_error
 
 
@@ -101,7 +101,7 @@ def _fit(plugins, world_size: int, dp: int, clip: float | None = None):
         trainer.fit(LlamaModule("llama_tiny", optim=SGD), datamodule=data)
         return recorder.record, facts.facts
 
-    return run_workers(worker, world_size, timeout_s=300)[0]
+    return run_pooled(worker, world_size, timeout_s=300)[0]
 
 
 @pytest.fixture(scope="module")
@@ -226,5 +226,5 @@ def _resume_with_norm_group(path: str) -> float:
 
 def test_two_sharded_optimizer_engines_resume_exactly(tmp_path):
     # ZeRO-1 shards one AdamW over two groups of ranks; each engine saves and restores its own part.
-    errors = run_workers(_resume_with_norm_group, 4, str(tmp_path / "ckpt"), timeout_s=300)
+    errors = run_pooled(_resume_with_norm_group, 4, str(tmp_path / "ckpt"), timeout_s=300)
     assert max(errors) == 0.0, f"resumed parameters differ by up to {max(errors):.2e}"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_ultrascale import LlamaModule, PipelineParallel, UltraScaleDataModule, UltraScaleStrategy, ZeRO
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.training.callbacks import TrainingMetrics, UltraScaleProgressBar, peak_tflops
 
 SEQ, VOCAB = 8, 32
@@ -178,7 +178,7 @@ def _logged_losses(plugins: Any, world_size: int, micro_batch_size: int, accumul
         val = [m["val/loss"] for _, m in logger.rows if "val/loss" in m]
         return train, val, float(trainer.progress_bar_metrics["train/loss"])
 
-    return run_workers(worker, world_size)
+    return run_pooled(worker, world_size)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["packed", "ignored-labels"])

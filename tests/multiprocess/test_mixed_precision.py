@@ -32,7 +32,7 @@ from lightning_ultrascale import (
     ZeRO,
 )
 from lightning_ultrascale.models import get_model_config
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, relative_error
 from lightning_ultrascale.testing.tracing import StepStateAndTraffic
 from lightning_ultrascale.utils.memory import layout_model_state_bytes
@@ -182,7 +182,7 @@ def test_fp8_linears_train_from_bf16_weights_and_fp32_masters(reference_fp8, sta
 @functools.cache
 def _measured(stage: int, reduce_dtype: str, tp: int, pp: int, world: int) -> dict[str, Any]:
     """:func:`_measure` on ``world`` ranks, once per layout: both tests below read the same runs."""
-    return run_workers(_measure, world, stage, reduce_dtype, tp, pp, world)[0]
+    return run_pooled(_measure, world, stage, reduce_dtype, tp, pp, world)[0]
 
 
 def _measure(stage: int, reduce_dtype: str, tp: int, pp: int, world: int) -> dict[str, Any]:
@@ -261,10 +261,10 @@ def _fit(
 
 def test_bf16_checkpoint_holds_the_masters_and_resumes_exactly(tmp_path):
     path = str(tmp_path / "ckpt")
-    whole = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, None, 0, None)[0]
-    first = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, path, 2, None)[0]
+    whole = run_pooled(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, None, 0, None)[0]
+    first = run_pooled(_fit, 2, [ZeRO(1, bucket_mb=0.1)], "bf16-mixed", 2, STEPS, path, 2, None)[0]
     # Another bucket size: other shards, the same per-parameter checkpoint.
-    resumed = run_workers(_fit, 2, [ZeRO(1, bucket_mb=0.05)], "bf16-mixed", 2, STEPS, None, 0, path)[0]
+    resumed = run_pooled(_fit, 2, [ZeRO(1, bucket_mb=0.05)], "bf16-mixed", 2, STEPS, None, 0, path)[0]
     assert first.losses + resumed.losses == whole.losses
     assert resumed.initial.keys() == first.params.keys()
     assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params), "masters restored exactly"
@@ -283,8 +283,8 @@ def test_bf16_checkpoint_loads_in_another_layout(tmp_path, save_layout, load_lay
     path = str(tmp_path / "ckpt")
     (save, world), (load, load_world) = layouts[save_layout], layouts[load_layout]
     # One step before the save (the masters already off the bf16 grid), one after the load.
-    first = run_workers(_fit, world, save(), "bf16-mixed", world, 2, path, 1, None)[0]
-    resumed = run_workers(_fit, load_world, load(), "bf16-mixed", load_world, 2, None, 0, path)[0]
+    first = run_pooled(_fit, world, save(), "bf16-mixed", world, 2, path, 1, None)[0]
+    resumed = run_pooled(_fit, load_world, load(), "bf16-mixed", load_world, 2, None, 0, path)[0]
     # Loading moves no value: the masters the run starts from are the saved ones, bit for bit.
     assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params)
     assert len(resumed.losses) == 1
@@ -292,9 +292,9 @@ def test_bf16_checkpoint_loads_in_another_layout(tmp_path, save_layout, load_lay
 
 def test_fp32_and_bf16_checkpoints_load_into_each_other(tmp_path):
     to_bf16, to_fp32 = str(tmp_path / "fp32.ckpt"), str(tmp_path / "bf16.ckpt")
-    fp32 = run_workers(_fit, 2, [ZeRO(1)], "32-true", 2, 3, to_bf16, 1, None)[0]
-    bf16 = run_workers(_fit, 2, [ZeRO(2)], "bf16-mixed", 2, 3, to_fp32, 2, to_bf16)[0]
-    back = run_workers(_fit, 1, [ZeRO(0)], "32-true", 1, 3, None, 0, to_fp32)[0]
+    fp32 = run_pooled(_fit, 2, [ZeRO(1)], "32-true", 2, 3, to_bf16, 1, None)[0]
+    bf16 = run_pooled(_fit, 2, [ZeRO(2)], "bf16-mixed", 2, 3, to_fp32, 2, to_bf16)[0]
+    back = run_pooled(_fit, 1, [ZeRO(0)], "32-true", 1, 3, None, 0, to_fp32)[0]
     # fp32 weights become the masters exactly, and the masters the fp32 weights.
     assert all(torch.equal(bf16.initial[n], fp32.params[n]) for n in fp32.params)
     assert all(torch.equal(back.initial[n], bf16.params[n]) for n in bf16.params)
@@ -304,8 +304,8 @@ def test_fp32_and_bf16_checkpoints_load_into_each_other(tmp_path):
 def test_single_file_checkpoint_holds_the_masters(tmp_path):
     # save_distributed_checkpoint=False (one torch.save file) at ZeRO-0: the masters, whole.
     path = str(tmp_path / "ckpt.pt")
-    first = run_workers(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, 2, path, 1, None, False)[0]
-    resumed = run_workers(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, 2, None, 0, path, False)[0]
+    first = run_pooled(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, 2, path, 1, None, False)[0]
+    resumed = run_pooled(_fit, 1, [ZeRO(0)], "bf16-mixed", 1, 2, None, 0, path, False)[0]
     assert all(torch.equal(resumed.initial[n], first.params[n]) for n in first.params)
     assert {t.dtype for t in torch.load(path, weights_only=False)["state_dict"].values()} == {torch.float32}
 
@@ -329,6 +329,6 @@ def _fit_twice(stage: int) -> tuple[RunRecord, RunRecord]:
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_second_fit_starts_from_the_masters_not_the_bf16_weights(stage):
     # A second setup rebuilds the engines: ZeRO-1 gathers its master slices back first.
-    first, second = run_workers(_fit_twice, 2, stage)[0]
+    first, second = run_pooled(_fit_twice, 2, stage)[0]
     assert all(torch.equal(second.initial[n], first.params[n]) for n in first.params)
     assert len(second.losses) == 1

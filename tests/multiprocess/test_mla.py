@@ -15,7 +15,7 @@ from lightning_ultrascale import ContextParallel, TensorParallel
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import get_model_config
 from lightning_ultrascale.models.common.mla import MLA_HF_NAMES, MLAConfig, MLAttention, YarnScaling, mla_inv_freq
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import assert_parity, relative_error
 
 # v's head size (16) differs from q/k's (16 + 8): what context parallelism must carry through.
@@ -135,7 +135,7 @@ def test_invalid_mla_config_names_option_value_and_what_is_valid(change, message
 )  # fmt: skip
 def test_context_attention_with_v_narrower_than_qk_equals_full_attention(method, kernel):
     # MLA's head sizes: q/k 24, v 16.
-    errors = run_workers(kernel_errors, 2, method, 12, 4, 4, kernel, 24, 16)
+    errors = run_pooled(kernel_errors, 2, method, 12, 4, 4, kernel, 24, 16)
     assert max(max(e) for e in errors) < 1e-5, f"{method}/{kernel}: output/dq/dk/dv relative errors {errors}"
 
 

@@ -23,7 +23,7 @@ from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.pipeline import balance_stages, piece_costs, plan_stages, stage_ranks
 from lightning_ultrascale.parallel.pipeline.schedules import SCHEDULES
 from lightning_ultrascale.parallel.pipeline.split import PieceCosts
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
 
 TINY = get_model_config("llama_tiny")
@@ -231,7 +231,7 @@ def _validation_loss(plugins, world_size):
         trainer.fit(LlamaModule("llama_tiny", optim=SGD), datamodule=data)
         return float(trainer.callback_metrics["val/loss"])
 
-    return run_workers(worker, world_size)
+    return run_pooled(worker, world_size)
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +298,7 @@ def _peak_microbatches(schedule: str, pp: int, microbatches: int) -> list[float]
         # Every microbatch saves the same bytes on a given rank: express the peak in microbatches.
         return (meter.peak - meter.baseline) / (meter.packed / microbatches)
 
-    return run_workers(worker, pp)
+    return run_pooled(worker, pp)
 
 
 def test_1f1b_holds_at_most_pp_microbatches_and_afab_holds_all():

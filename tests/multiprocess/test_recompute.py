@@ -21,7 +21,7 @@ from lightning_ultrascale.parallel.data import ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.plugin import apply_all
 from lightning_ultrascale.parallel.recompute import Recompute
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
 
 CONFIGS = {
@@ -210,7 +210,7 @@ def _strategy_built_model() -> tuple[list[bool], list[bool], dict[str, torch.Ten
 
 
 def test_the_strategy_recomputes_blocks_that_fsdp_then_shards_under_unchanged_names():
-    recomputed, sharded, weights = run_workers(_strategy_built_model, 2)[0]
+    recomputed, sharded, weights = run_pooled(_strategy_built_model, 2)[0]
     assert recomputed == [False, True, False, True]
     assert all(sharded)
     # Same names and, seeded by name, the same initial weights as a plain single-process build.

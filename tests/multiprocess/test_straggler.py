@@ -19,7 +19,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 from lightning_ultrascale.training.stragglers import RankFigures, StragglerMonitor
 
@@ -81,7 +81,7 @@ def _train(slow_rank: int | None, layout: str = "zero0") -> dict[str, Any]:
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_rank_slow_in_its_forward_is_named_in_the_log_and_the_metrics(layout):
-    rank0, rank1 = run_workers(_train, 2, 1, layout)
+    rank0, rank1 = run_pooled(_train, 2, 1, layout)
     figures = rank0["figures"]
     assert isinstance(figures, RankFigures) and figures.step == 4 and figures.steps == 2
     # Rank 0 waited for rank 1 in collectives: its compute time leaves the waits out.
@@ -98,7 +98,7 @@ def test_a_rank_slow_in_its_forward_is_named_in_the_log_and_the_metrics(layout):
 
 
 def test_an_even_run_names_nobody_and_measures_every_rank_s_peak():
-    rank0, _ = run_workers(_train, 2, None)
+    rank0, _ = run_pooled(_train, 2, None)
     assert rank0["stragglers"] == [] and rank0["warnings"] == []
     assert [m["straggler/flagged"] for m in rank0["metrics"]] == [0.0, 0.0]
     assert all("straggler/slowest_rank" not in m for m in rank0["metrics"])

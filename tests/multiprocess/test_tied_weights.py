@@ -29,7 +29,7 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.core.fabric import FabricStrategy
 from lightning_ultrascale.parallel.tied import find_tied
-from lightning_ultrascale.testing import WorkerError, run_workers
+from lightning_ultrascale.testing import WorkerError, run_pooled
 from lightning_ultrascale.testing.parity import RunRecord, assert_parity, record_run
 from lightning_ultrascale.training.hf_module import HFCausalLMModule
 
@@ -223,4 +223,4 @@ def _fabric_loop(plugins=None) -> RunRecord:
 @pytest.mark.parametrize("layout", ["zero0", "tp2", "cp2"])
 def test_a_tied_model_in_a_fabric_loop_trains_like_one_process(layout):
     plugins = LAYOUTS[layout][0]
-    assert_parity(run_workers(_fabric_loop, 2, plugins)[0], _fabric_loop(), rtol=1e-5)
+    assert_parity(run_pooled(_fabric_loop, 2, plugins)[0], _fabric_loop(), rtol=1e-5)

@@ -14,7 +14,7 @@ from lightning_ultrascale import LlamaModule, Recompute, UltraScaleDataModule, U
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.parallel.dims import ParallelDims
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
 
 
@@ -147,7 +147,7 @@ def _zero3_initial_weights() -> dict[str, torch.Tensor]:
 
 
 def test_zero3_initialises_the_weights_of_a_single_process_build():
-    sharded = run_workers(_zero3_initial_weights, 2)[0]
+    sharded = run_pooled(_zero3_initial_weights, 2)[0]
     reference = dict(build_model("llama_tiny", seed=7).named_parameters())
     assert sharded.keys() == reference.keys()
     for name, value in sharded.items():
@@ -245,7 +245,7 @@ def _reduction_dtypes(stage: int, precision: str, reduce_dtype: str) -> tuple[se
 )
 @pytest.mark.parametrize(("reduce_dtype", "bytes_per_grad"), [("fp32", 4), ("bf16", 2)])
 def test_gradients_are_reduced_in_the_chosen_dtype(stage, precision, master_dtype, reduce_dtype, bytes_per_grad):
-    master_dtypes, reduced_bytes, n_params = run_workers(_reduction_dtypes, 2, stage, precision, reduce_dtype)[0]
+    master_dtypes, reduced_bytes, n_params = run_pooled(_reduction_dtypes, 2, stage, precision, reduce_dtype)[0]
     # The parameters' dtype: bf16-mixed keeps bf16 weights at stage 0 (the fp32 masters are the
     # optimizer's) and FSDP2's sharded fp32 ones at stage 3 (gathered in bf16); bf16-true: bf16.
     assert master_dtypes == {master_dtype}
@@ -280,7 +280,7 @@ def test_zero3_accumulates_sharded_gradients_between_micro_steps():
     # Reduce-scattered on every micro-step: between micro-steps each rank holds its half of every
     # gradient (FSDP2's no-sync mode would hold the whole unsharded gradient instead, where
     # param.grad is still None). The planner counts ZeRO-3's gradients sharded for this reason.
-    for grads in run_workers(_accumulated_grads, 2):
+    for grads in run_pooled(_accumulated_grads, 2):
         assert grads and all(g is not None for g in grads.values()), grads
         assert all(local <= -(-full // 2) for local, full in grads.values()), grads
 

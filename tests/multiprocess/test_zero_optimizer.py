@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.data import sharded_optimizer
 from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
-from lightning_ultrascale.testing import WorkerError, run_workers
+from lightning_ultrascale.testing import WorkerError, run_pooled, run_workers
 from lightning_ultrascale.utils.comm import CommTracer
 from lightning_ultrascale.utils.memory import model_state_bytes
 
@@ -132,7 +132,7 @@ def test_zero_matches_one_process_with_adamw(stage, world_size, accumulate, clip
     steps = 5
     ref_losses, ref_norms, ref_params = _reference(steps, clip)
     args = (stage, steps, accumulate, clip, set_to_none)
-    losses, norms, params = run_workers(_train_worker, world_size, *args)[0]
+    losses, norms, params = run_pooled(_train_worker, world_size, *args)[0]
     # Measured: losses within 1e-7 relative, parameters within 6e-8 absolute; relative differences
     # reach 1.5e-5 only on elements passing near zero, hence atol 1e-7 (~1 float32 ulp at |w| ~ 1).
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -166,7 +166,7 @@ def test_zero_memory_is_one_nth(stage):
     psi = 4 * sum(p.numel() for p in reference.parameters())  # fp32 bytes of all parameters
     n_params = len(list(reference.parameters()))
 
-    for rank, (measured, n_buckets, model_grads) in enumerate(run_workers(_memory_worker, n, stage)):
+    for rank, (measured, n_buckets, model_grads) in enumerate(run_pooled(_memory_worker, n, stage)):
         # Padding: at most N-1 elements per bucket (4 B each), in params, full grads and shards.
         pad = 4 * (n - 1) * n_buckets
         assert psi <= measured.params <= psi + pad, "parameters stay replicated"
@@ -197,7 +197,7 @@ def _overlap_worker():
 
 
 def test_zero_reduce_scatters_start_before_backward_finishes():
-    for n_buckets, launch_log, events, _ in run_workers(_overlap_worker, 2):
+    for n_buckets, launch_log, events, _ in run_pooled(_overlap_worker, 2):
         assert n_buckets == 3
         assert [i for i, _ in launch_log] == [0, 1, 2], "buckets must launch in index order on every rank"
         # When the first layer's backward ran, the buckets of the last layers were already in flight.
@@ -206,7 +206,7 @@ def test_zero_reduce_scatters_start_before_backward_finishes():
 
 
 def test_zero_gradients_are_the_mean_over_ranks():
-    results = run_workers(_overlap_worker, 2)
+    results = run_pooled(_overlap_worker, 2)
     per_rank = []
     for rank in range(2):
         torch.manual_seed(0)  # the worker's model and input, drawn in the same order
@@ -225,7 +225,7 @@ class _GatherLog:
         self.engine = engine
         self.events: list[tuple[str, int]] = []
         self._all_gather = sharded_optimizer._all_gather
-        sharded_optimizer._all_gather = self._launch  # a forked worker's module: no other test sees it
+        sharded_optimizer._all_gather = self._launch  # a fresh worker's module (run_workers): no other test sees it
         for index, layer in enumerate(layers):  # after the engine's own pre-hooks: they run first
             layer.register_forward_pre_hook(lambda *_, i=index: self.events.append(("forward", i)))
 
@@ -272,6 +272,7 @@ def _lazy_gather_worker():
 
 
 def test_zero_all_gathers_launch_at_the_step_and_each_waits_for_the_first_layer_needing_it():
+    # Fresh processes: _GatherLog patches a module.
     for n_buckets, comms, stepped, forward, again in run_workers(_lazy_gather_worker, 2):
         assert n_buckets == 3  # bucket 0 holds layers 4-5, bucket 2 layers 0-1
         assert comms["world"]["all_gather"]["calls"] == 3
@@ -313,6 +314,7 @@ def _readers_worker():
 
 
 def test_zero_every_reader_of_the_parameters_waits_for_their_gathers():
+    # Fresh processes: _GatherLog patches a module.
     for after_state_dict, second_step, closure_step, after_state in run_workers(_readers_worker, 2):
         assert after_state_dict == [("wait", 2), ("wait", 1), ("wait", 0)]
         assert second_step == [("wait", 0), ("wait", 1), ("wait", 2), ("launch", 2), ("launch", 1), ("launch", 0)]
@@ -365,7 +367,7 @@ def test_zero_waits_at_the_start_of_the_forward_for_a_weight_read_outside_its_mo
         sum(reference(t).logsumexp(-1).mean() / 2 for t in tokens.chunk(2)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    for params in run_workers(_reads_worker, 2, 3):
+    for params in run_pooled(_reads_worker, 2, 3):
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -373,7 +375,7 @@ def test_zero_waits_at_the_start_of_the_forward_for_a_weight_read_outside_its_mo
 def test_zero_refuses_a_weight_read_while_its_gather_is_in_flight():
     # model.forward() skips the model's pre-hooks: nothing waits for the projection before it is read.
     with pytest.raises(WorkerError, match=r"took part in a forward while its all-gather was still in flight.*Linear"):
-        run_workers(_reads_worker, 2, 2, call_forward=True)
+        run_pooled(_reads_worker, 2, 2, call_forward=True)
 
 
 def _comm_worker(stage: int):
@@ -395,7 +397,7 @@ def _comm_worker(stage: int):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_moves_reduce_scatter_plus_all_gather_of_psi(stage):
     n = 4
-    for padded_psi, n_buckets, no_sync, summary, wire in run_workers(_comm_worker, n, stage):
+    for padded_psi, n_buckets, no_sync, summary, wire in run_pooled(_comm_worker, n, stage):
         assert no_sync == {}, "no communication inside no_sync"
         (ops,) = summary.values()
         assert set(ops) == {"reduce_scatter", "all_gather"}
@@ -440,13 +442,13 @@ def _load_elsewhere_worker(path: str, stage: int):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_dcp_checkpoint_resumes_exactly(tmp_path, stage):
     path = str(tmp_path / "ckpt")
-    results = run_workers(_checkpoint_worker, 2, path, stage)
+    results = run_pooled(_checkpoint_worker, 2, path, stage)
     for uninterrupted, resumed, _ in results:
         for name, value in uninterrupted.items():
             assert torch.equal(resumed[name], value), f"{name} differs after resuming"
     # The checkpoint does not depend on N: 4 ranks load the Adam states 2 ranks saved.
     saved = results[0][2]
-    for loaded in run_workers(_load_elsewhere_worker, 4, path, stage):
+    for loaded in run_pooled(_load_elsewhere_worker, 4, path, stage):
         assert loaded.keys() == saved.keys()
         for bucket, tensors in saved.items():
             for name, value in tensors.items():

@@ -31,7 +31,7 @@ from lightning_ultrascale import (
     ZeRO,
 )
 from lightning_ultrascale.models import get_model_config
-from lightning_ultrascale.testing import run_workers
+from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
 from lightning_ultrascale.utils.comm import CommTracer, _is_subclass_needing_dispatch
 
@@ -125,7 +125,7 @@ WATCHED = {
 def test_zero12_parameters_are_never_read_while_being_gathered(tmp_path, layout):
     plugins, world_size, dp, accumulate, module = WATCHED[layout]
     args = (plugins(), world_size, dp, accumulate, module, str(tmp_path / "ckpt"))
-    results = run_workers(_watched_fit, world_size, *args)
+    results = run_pooled(_watched_fit, world_size, *args)
     for rank, (reads, pending_at_first_block, pending_at_save) in enumerate(results):
         assert reads == [], f"rank {rank} read parameters in flight: {sorted(set(reads))}"
         # The training forward after step 1 and the validation after step 2 start while buckets
@@ -151,8 +151,8 @@ def _fit_resumed(path: str, max_steps: int, ckpt_path: str | None) -> RunRecord:
 
 def test_zero2_with_accumulation_validation_and_a_resume_matches_one_process(tmp_path):
     path = str(tmp_path / "ckpt")
-    first = run_workers(_fit_resumed, 2, path, 4, None)[0]  # saves after step 2 and stops
-    resumed = run_workers(_fit_resumed, 2, path, 4, path)[0]
+    first = run_pooled(_fit_resumed, 2, path, 4, None)[0]  # saves after step 2 and stops
+    resumed = run_pooled(_fit_resumed, 2, path, 4, path)[0]
     run = RunRecord(losses=first.losses + resumed.losses, grads=first.grads + resumed.grads, params=resumed.params)
     assert len(first.losses) == 2
     assert_parity(run, run_tiny_llama(SGD, steps=4), rtol=1e-5)
@@ -182,7 +182,7 @@ def _gathered(precision: str) -> tuple[set[torch.dtype], int, int]:
     [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16)],
 )
 def test_zero12_gathers_parameters_in_their_own_dtype(precision, dtype):
-    param_dtypes, gathered_bytes, n_params = run_workers(_gathered, 2, precision)[0]
+    param_dtypes, gathered_bytes, n_params = run_pooled(_gathered, 2, precision)[0]
     # bf16-mixed: bf16 weights on the device (their fp32 masters are the optimizer's shards), so 2
     # bytes move, as under bf16-true; fp32 moves 4. Padding: under N=2 ranks at most one element per
     # bucket (two buckets: the weight-decayed parameters and the others).

