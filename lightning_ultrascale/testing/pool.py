@@ -24,23 +24,20 @@ workers have imported, by reference), a test dependency (the ``dev`` extra).
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import multiprocessing as mp
 import os
 import pickle
-import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.testing.spawn import WorkerError, free_port, run_workers, warn_if_threaded
+from lightning_ultrascale.testing.spawn import _collect, become_rank, free_port, run_workers, warn_if_threaded
 
 #: The pools of the innermost :func:`worker_pools`, by world size; None outside one.
 _pools: dict[int, _Pool] | None = None
@@ -144,32 +141,11 @@ class _Pool:
     def run(self, job: bytes, timeout_s: float) -> list[Any]:
         for conn in self.conns:
             conn.send_bytes(job)
-        results: dict[int, Any] = {}
-        healths: dict[int, dict[str, Any]] = {}
-        waiting = dict(zip(self.conns, range(self.world_size)))
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise WorkerError(
-                    f"timed out after {timeout_s:.0f}s waiting for ranks {sorted(waiting.values())} "
-                    f"of {self.world_size} (a hang in a collective, or a too-small timeout_s)"
-                )
-            for conn in ready:
-                rank = waiting.pop(conn)  # type: ignore[call-overload]
-                try:
-                    status, payload, health = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
-                except EOFError:
-                    self.procs[rank].join(timeout=10)
-                    raise WorkerError(
-                        f"rank {rank} died without reporting (exit code {self.procs[rank].exitcode})"
-                    ) from None
-                if status == "error":
-                    raise WorkerError(f"rank {rank} of {self.world_size} raised:\n{payload}")
-                results[rank] = payload
-                healths[rank] = health
+        # Each reply: (this rank's result, what _agree needs); spawn's collector raises for a rank that failed.
+        replies = _collect(dict(zip(self.conns, range(self.world_size))), self.procs, timeout_s)
+        healths = {rank: health for rank, (_, health) in replies.items()}
         self.usable = _agree(healths)
-        return [results[r] for r in range(self.world_size)]
+        return [replies[r][0] for r in range(self.world_size)]
 
     def close(self) -> None:
         """Kill the workers (a worker may be blocked in a collective: nothing waits for it)."""
@@ -198,19 +174,11 @@ def _agree(healths: dict[int, dict[str, Any]]) -> bool:
 
 def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
     """A pooled worker: join the group, then run each job received and send back its result."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    become_rank(rank, world_size, port)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
     except BaseException:
-        _reply(conn, ("error", traceback.format_exc(), {}))
+        _reply(conn, ("error", traceback.format_exc()))
         return
     import cloudpickle
 
@@ -224,15 +192,16 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
             with warnings.catch_warnings():
                 where, fn, args, kwargs = cloudpickle.loads(job)
                 os.chdir(where)
-                reply = ("ok", fn(*args, **kwargs))
+                result = fn(*args, **kwargs)
         except BaseException:
-            reply = ("error", traceback.format_exc())
+            _reply(conn, ("error", traceback.format_exc()))
+            continue  # (the parent closes this pool)
         finally:
             os.environ.clear()
             os.environ.update(environ)
             os.chdir(cwd)
             torch._dynamo.reset()  # compiled graphs and their counters start empty for the next job
-        _reply(conn, (*reply, _reusable()))
+        _reply(conn, ("ok", (result, _reusable())))
 
 
 def _reusable() -> dict[str, Any]:
@@ -262,5 +231,5 @@ def _reply(conn: Connection, message: tuple[Any, ...]) -> None:
     try:
         data = pickle.dumps(message)
     except Exception:  # a result that does not pickle: say so, rather than die without a word
-        data = pickle.dumps(("error", traceback.format_exc(), message[-1]))
+        data = pickle.dumps(("error", traceback.format_exc()))
     conn.send_bytes(data)

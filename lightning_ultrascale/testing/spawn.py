@@ -92,16 +92,8 @@ def _send(conn: Connection, message: tuple[str, Any]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
-def _worker(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    timeout_s: float,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    conn: Connection,
-) -> None:
+def become_rank(rank: int, world_size: int, port: int) -> None:
+    """In a forked worker: torchrun's variables for ``rank`` of ``world_size``, and a stack dump on a native crash."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -112,6 +104,19 @@ def _worker(
     )
     # A native crash (SIGSEGV, SIGABRT from malloc's checks) prints every thread's Python stack first.
     faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    conn: Connection,
+) -> None:
+    become_rank(rank, world_size, port)
     try:
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
