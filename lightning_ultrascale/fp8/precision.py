@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.fp8.convert import RECIPES, TORCHAO_RECIPES, FP8Conversion, convert_to_fp8
 from lightning_ultrascale.kernels import cuda
-from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.models.spec import ModelSpec, spec_of
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
@@ -168,7 +168,7 @@ class FP8Precision(MixedPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         # Under another strategy (one device, Lightning's DDP) the swap happens here, where Lightning
         # converts modules for precision; under UltraScaleStrategy it already happened, on meta.
-        model = next((m for m in module.modules() if isinstance(getattr(m, "spec", None), ModelSpec)), module)
+        model = next((m for m in module.modules() if spec_of(m) is not None), module)
         if model not in self.swap.applied_to:
             self.swap.convert(model, tp=1)
         return module

@@ -20,21 +20,41 @@ from lightning_ultrascale.models import deepseek, llama, mixtral
 from lightning_ultrascale.models.common.decoder import Llama, LlamaConfig, RopeScaling
 from lightning_ultrascale.models.common.mla import MLAConfig
 from lightning_ultrascale.models.common.moe import MoEConfig
-from lightning_ultrascale.models.spec import ModelSpec, SpecifiedModel, require_spec
+from lightning_ultrascale.models.spec import (
+    AuxLossModel,
+    ModelSpec,
+    PipelineLoss,
+    RoutedExperts,
+    SequenceStatistics,
+    SpecifiedModel,
+    StagedModel,
+    SwappableAttention,
+    declares,
+    require_spec,
+    spec_of,
+)
 
 __all__ = [
     "FAMILIES",
     "MODEL_CONFIGS",
+    "AuxLossModel",
     "Llama",
     "LlamaConfig",
     "MLAConfig",
     "MoEConfig",
     "ModelSpec",
+    "PipelineLoss",
     "RopeScaling",
+    "RoutedExperts",
+    "SequenceStatistics",
     "SpecifiedModel",
+    "StagedModel",
+    "SwappableAttention",
     "build_model",
+    "declares",
     "get_model_config",
     "require_spec",
+    "spec_of",
 ]
 
 #: Every family's folder, in the order its presets are listed; each holds ``CONFIGS`` (name -> config).

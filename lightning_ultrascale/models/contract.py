@@ -54,7 +54,15 @@ from torch import nn
 
 from lightning_ultrascale.errors import ContractError
 from lightning_ultrascale.models.shard_init import clean_name
-from lightning_ultrascale.models.spec import ModelSpec, StagedModel
+from lightning_ultrascale.models.spec import (
+    ModelSpec,
+    PipelineLoss,
+    RoutedExperts,
+    StagedModel,
+    SwappableAttention,
+    declares,
+    spec_of,
+)
 
 #: What a batch may hold under context and pipeline parallelism (each handled by name).
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
@@ -121,25 +129,24 @@ HOOKS: tuple[Hook, ...] = (
          "a method running the named blocks (with the embedding first if embed, the norm and head last if "
          "head) on x: token ids on the first stage, the previous stage's hidden state elsewhere",
          "lightning_ultrascale.models.llama.Llama.forward_stage",
-         lambda m, module, spec: isinstance(m, StagedModel)),
+         lambda m, module, spec: declares(m, StagedModel)),
     Hook("loss_fn(logits, labels) on the LightningModule", "PipelineParallel",
          "a method returning the mean loss of one microbatch (the last stage computes it; labels -100 ignored)",
          "lightning_ultrascale.training.module.LlamaModule.loss_fn",
-         lambda m, module, spec: callable(getattr(module, "loss_fn", None))),
+         lambda m, module, spec: declares(module, PipelineLoss)),
     Hook("attention_fn(q, k, v) on each block's attention module", "ContextParallel",
          "an attribute holding the attention kernel, called as attention_fn(q, k, v) with q, k, v of shape "
          "[batch, heads, seq, head_dim] (context parallelism swaps it for ring or all-to-all attention)",
          "lightning_ultrascale.models.llama.Attention",
-         lambda m, module, spec: all(hasattr(a, "attention_fn") for a in _attentions(m, spec))),
+         lambda m, module, spec: all(declares(a, SwappableAttention) for a in _attentions(m, spec))),
     Hook("experts and dispatcher on each MoE block's spec.moe module", "ExpertParallel",
          "the MoE module holds its experts' weights in `experts` (stacked [experts, ...] parameters, split over "
          "the expert ranks) and routes rows through `dispatcher(experts, rows, counts)`, which expert "
          "parallelism replaces with its all-to-all",
          "lightning_ultrascale.models.common.moe.MoE",
          lambda m, module, spec: all(
-             hasattr(moe, "experts") and hasattr(moe, "dispatcher")
+             declares(m.get_submodule(f"{spec.layers}.{i}.{spec.moe}"), RoutedExperts)
              for i in spec.moe_blocks if str(i) in m.get_submodule(spec.layers)
-             for moe in [m.get_submodule(f"{spec.layers}.{i}.{spec.moe}")]
          )),
     Hook("spec.tp_plan", "TensorParallel",
          "ModelSpec(tp_plan=fn), fn(sequence_parallel) -> (top-level plan, {block name: block plan}) of DTensor "
@@ -161,8 +168,8 @@ def check_model(model: nn.Module, module: Any, plugins: Sequence[Any]) -> None:
         ...
         lightning_ultrascale.errors.ContractError: Llama lacks what the layout needs:...
     """
-    spec = getattr(model, "spec", None)
-    if not isinstance(spec, ModelSpec):
+    spec = spec_of(model)
+    if spec is None:
         raise ContractError(
             f"{type(model).__name__} has no `spec: ModelSpec` attribute; every layout needs it (block list, "
             "attention, embedding, norm and head names, sizes). Example: lightning_ultrascale.models.llama.Llama.spec"
@@ -183,7 +190,7 @@ def check_module(module: nn.Module, plugins: Sequence[Any]) -> None:
     """:func:`check_model` on the model ``module`` holds, if it holds one yet (a model built in
     ``configure_model`` is checked once built, by the strategy)."""
     for sub in module.modules():
-        if isinstance(getattr(sub, "spec", None), ModelSpec):
+        if spec_of(sub) is not None:
             check_model(sub, module, plugins)
             return
 

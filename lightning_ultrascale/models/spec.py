@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Protocol, runtime_checkable
+from functools import cache, cached_property
+from typing import Any, Generic, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -158,6 +158,85 @@ class StagedModel(Protocol):
     ) -> Tensor: ...
 
 
+@runtime_checkable
+class PipelineLoss(Protocol):
+    """What pipeline parallelism needs of the LightningModule: the last stage's loss of one microbatch
+    (mean over the tokens whose label is not ``-100``)."""
+
+    def loss_fn(self, logits: Tensor, labels: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class AuxLossModel(Protocol):
+    """Optional beside :class:`StagedModel`: a model whose blocks add an auxiliary loss (MoE balancing)
+    hands a pipeline stage the sum its ``blocks`` recorded in the last forward, or None."""
+
+    def pop_aux_loss(self, blocks: Sequence[str]) -> Tensor | None: ...
+
+
+@runtime_checkable
+class SwappableAttention(Protocol):
+    """An attention module whose kernel context parallelism replaces (ring or all-to-all attention):
+    ``attention_fn(q, k, v)`` on ``[batch, heads, seq, head_dim]`` tensors."""
+
+    attention_fn: Callable[..., Tensor]
+
+
+@runtime_checkable
+class RoutedExperts(Protocol):
+    """A mixture-of-experts module that expert parallelism splits: its stacked ``experts`` and the
+    ``dispatcher(experts, rows, counts)`` it routes through, which expert parallelism replaces."""
+
+    experts: nn.Module
+    dispatcher: Callable[..., Tensor]
+
+
+@runtime_checkable
+class SequenceStatistics(Protocol):
+    """A module with per-sequence statistics (MoE balancing counts, capacity): context parallelism sets
+    its ``sequence_split`` so it counts over the whole sequence, whichever chunks its rank holds."""
+
+    sequence_split: SequenceSplit | None
+
+
+def declares(obj: object, protocol: type) -> bool:
+    """Whether ``obj`` has every member ``protocol`` declares, its methods callable: the contract's check
+    of a model, block or LightningModule against one of the protocols above.
+
+    Not ``isinstance(obj, protocol)``: from Python 3.12 on that looks members up statically and misses
+    what an ``nn.Module`` holds in its registries (a submodule ``experts``, a ``loss_fn`` set to an
+    ``nn.Module``), so the same model would pass on one Python and be refused on another.
+
+    Example:
+        >>> from lightning_ultrascale.models import build_model
+        >>> model = build_model("llama_tiny", device="meta")
+        >>> declares(model, StagedModel), declares(model.layers["0"].attention, SwappableAttention)
+        (True, True)
+        >>> declares(nn.Linear(2, 2), StagedModel)
+        False
+    """
+    for name, method in _members(protocol):
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            return False
+        if method and not callable(value):  # (a method set to None opts out of it)
+            return False
+    return True
+
+
+@cache
+def _members(protocol: type) -> tuple[tuple[str, bool], ...]:
+    """``protocol``'s members and whether each is a method (else an attribute: present is enough)."""
+    found: dict[str, bool] = {}
+    for cls in protocol.__mro__:
+        if cls in (Protocol, Generic, object):
+            continue
+        found.update((n, False) for n in getattr(cls, "__annotations__", {}) if not n.startswith("_"))
+        found.update((n, callable(v)) for n, v in vars(cls).items() if not n.startswith("_"))
+    return tuple(sorted(found.items()))
+
+
 def piece(model: nn.Module, name: str) -> nn.Module | None:
     """The module at the (possibly dotted) ``name`` of a spec (``"model.embed_tokens"``), or None
     where it is absent or dropped (a pipeline stage that does not run it)."""
@@ -176,10 +255,23 @@ def drop_piece(model: nn.Module, name: str) -> None:
     setattr(model.get_submodule(owner) if owner else model, attr, None)
 
 
+def spec_of(module: object) -> ModelSpec | None:
+    """The :class:`ModelSpec` that ``module`` declares in its ``spec`` attribute, or None: the one place
+    the library asks an object whether it is a model of the contract.
+
+    Example:
+        >>> from lightning_ultrascale.models import build_model
+        >>> spec_of(build_model("llama_tiny", device="meta")).name, spec_of(nn.Linear(2, 2))
+        ('llama_tiny', None)
+    """
+    spec = getattr(module, "spec", None)
+    return spec if isinstance(spec, ModelSpec) else None
+
+
 def require_spec(model: nn.Module) -> ModelSpec:
     """The model's :class:`ModelSpec`, or a ``TypeError`` that says how to provide one."""
-    spec = getattr(model, "spec", None)
-    if not isinstance(spec, ModelSpec):
+    spec = spec_of(model)
+    if spec is None:
         raise TypeError(
             f"{type(model).__name__} has no `spec: ModelSpec` attribute; lightning_ultrascale needs it to "
             "parallelise the model (see lightning_ultrascale.models.spec.ModelSpec)"
@@ -190,7 +282,7 @@ def require_spec(model: nn.Module) -> ModelSpec:
 def find_model(root: nn.Module) -> tuple[nn.Module, str]:
     """The outermost module under ``root`` that declares a :class:`ModelSpec`, and its name there."""
     for name, module in root.named_modules():
-        if isinstance(getattr(module, "spec", None), ModelSpec):
+        if spec_of(module) is not None:
             return module, name
     raise ContractError(
         f"{type(root).__name__} holds no model with a `spec: ModelSpec`, which UltraScaleStrategy needs to "

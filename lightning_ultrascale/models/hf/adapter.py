@@ -59,7 +59,7 @@ from lightning_ultrascale.models.common.moe import Dispatcher, _scale_grad
 from lightning_ultrascale.models.contract import ContractError
 from lightning_ultrascale.models.hf.convert import MODEL_TYPES
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, local_indices
-from lightning_ultrascale.models.spec import ModelSpec, piece
+from lightning_ultrascale.models.spec import ModelSpec, piece, spec_of
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
@@ -104,8 +104,8 @@ def adapt_in(root: nn.Module) -> None:
     outermost HF causal LM that declares no spec yet; blocks kept in an ``nn.ModuleList`` held as
     :class:`~lightning_ultrascale.models.blocks.Blocks` (same names) to a model that declares one."""
     for module in root.modules():
-        spec = getattr(module, "spec", None)
-        if isinstance(spec, ModelSpec):
+        spec = spec_of(module)
+        if spec is not None:
             if isinstance(getattr(module, spec.layers.split(".")[0], None), nn.Module):
                 as_blocks(module, spec.layers)
             return
@@ -120,7 +120,7 @@ def adapt(model: nn.Module) -> nn.Module:
     Raises :class:`~lightning_ultrascale.models.contract.ContractError` for a family or a setting
     this library would train differently from transformers.
     """
-    if isinstance(getattr(model, "spec", None), ModelSpec):
+    if spec_of(model) is not None:
         return model
     cfg = model.config
     check_supported(cfg)

@@ -30,7 +30,14 @@ from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, option, require_positive_int
 from lightning_ultrascale.models.contract import check_batch
-from lightning_ultrascale.models.spec import ModelSpec, SequenceSplit, require_spec
+from lightning_ultrascale.models.spec import (
+    ModelSpec,
+    SequenceSplit,
+    SequenceStatistics,
+    SwappableAttention,
+    declares,
+    require_spec,
+)
 from lightning_ultrascale.parallel.context.attention import KERNELS, METHODS, attention_fn, local_positions
 from lightning_ultrascale.parallel.context.positions import PositionProbe
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
@@ -175,7 +182,7 @@ class ContextParallel(ParallelPlugin):
         fn = self._noting_forwards(attention_fn(self.method, cp_mesh.get_group(), self.kernel))
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
-            if not hasattr(attention, "attention_fn"):
+            if not declares(attention, SwappableAttention):
                 raise TypeError(
                     f"{type(attention).__name__} has no attention_fn(q, k, v) to replace; context parallelism "
                     "swaps it for ring / all-to-all attention (see models/common/decoder.py Attention)"
@@ -185,7 +192,7 @@ class ContextParallel(ParallelPlugin):
         # the whole sequence, whichever of its chunks they hold.
         split = self.sequence_split(cp_mesh.get_group(), self._rank)
         for module in model.modules():
-            if hasattr(module, "sequence_split"):
+            if declares(module, SequenceStatistics):
                 module.sequence_split = split
         layout.batch_transforms.append(self.shard_batch)
         return model

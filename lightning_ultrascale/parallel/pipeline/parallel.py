@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, StagedModel, require_spec
+from lightning_ultrascale.models.spec import ModelSpec, StagedModel, declares, require_spec
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.pipeline.schedules import (
@@ -153,7 +153,7 @@ class PipelineParallel(ParallelPlugin):
     # ----------------------------------------------------------------------------- model
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         spec = require_spec(model)
-        if not isinstance(model, StagedModel):
+        if not declares(model, StagedModel):
             raise TypeError(
                 f"{type(model).__name__} has no forward_stage(x, position_ids, blocks, embed=, head=); "
                 "pipeline parallelism runs the model stage by stage through it (see models/common/decoder.py)"

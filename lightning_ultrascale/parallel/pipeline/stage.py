@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_ultrascale.models.common.moe import attach_aux_loss
-from lightning_ultrascale.models.spec import ModelSpec, drop_piece
+from lightning_ultrascale.models.spec import AuxLossModel, ModelSpec, declares, drop_piece
 
 
 class StageModule(nn.Module):
@@ -55,8 +55,7 @@ class StageModule(nn.Module):
         model = self.__dict__["_model"]
         docs = {} if document_ids is None else {"document_ids": document_ids}
         out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last, **docs)
-        pop = getattr(model, "pop_aux_loss", None)
-        aux = pop(self.block_names) if pop is not None else None
+        aux = model.pop_aux_loss(self.block_names) if declares(model, AuxLossModel) else None
         if aux is not None and self._tracking:
             scale = self.aux_loss_scale()
             out = attach_aux_loss(out, aux, scale)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError, option
 from lightning_ultrascale.models.contract import check_batch
+from lightning_ultrascale.models.spec import PipelineLoss, declares
 from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
 from lightning_ultrascale.parallel.pipeline.stage import first_param_device
 from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
@@ -232,13 +233,12 @@ def _shape_only_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 
 def _loss_fn_of(module: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    loss_fn = getattr(module, "loss_fn", None)
-    if not callable(loss_fn):
+    if not declares(module, PipelineLoss):
         raise TypeError(
             f"{type(module).__name__} has no loss_fn(logits, labels): with pipeline parallelism the loss is "
             "computed on the last stage, per microbatch, by that method"
         )
-    return loss_fn
+    return module.loss_fn
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:
