@@ -11,8 +11,9 @@ each), so the second job of a layout starts warm; outside it, and with ``fresh=T
 A pooled job must be a pure function of its arguments, like a parity run: the workers were
 forked when the pool started, so they do not see what the parent changed since (a
 ``monkeypatch``, an environment variable: run such a test inside :func:`fresh_workers`). Between
-jobs a worker restores its environment variables, working directory and warning filters and
-resets ``torch.compile``'s caches. Tests of the process itself (timeouts, crashes, hangs,
+jobs a worker restores its environment variables, working directory, warning filters and torch's
+process-wide settings (default dtype, grad mode, deterministic algorithms, threads, the CPU random
+state) and resets ``torch.compile``'s caches. Tests of the process itself (timeouts, crashes, hangs,
 signals, peak RSS) belong on fresh processes. A job that raises, dies or hangs takes its pool
 down (the other ranks may be blocked in a collective with it): the error is
 :func:`run_workers`'s, and the next job starts a new pool.
@@ -187,7 +188,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
             job = conn.recv_bytes()
         except EOFError:  # the parent is gone
             return
-        environ, cwd = dict(os.environ), os.getcwd()
+        environ, cwd, torch_state = dict(os.environ), os.getcwd(), _torch_state()
         try:
             with warnings.catch_warnings():
                 where, fn, args, kwargs = cloudpickle.loads(job)
@@ -200,8 +201,29 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
             os.environ.clear()
             os.environ.update(environ)
             os.chdir(cwd)
+            _restore_torch_state(torch_state)
             torch._dynamo.reset()  # compiled graphs and their counters start empty for the next job
         _reply(conn, ("ok", (result, _reusable())))
+
+
+def _torch_state() -> tuple[Any, ...]:
+    """torch's process-wide settings a job may change and not restore (it ran alone in a fresh process)."""
+    return (
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+        torch.random.get_rng_state(),
+    )
+
+
+def _restore_torch_state(state: tuple[Any, ...]) -> None:
+    dtype, grad, deterministic, threads, rng = state
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
 
 
 def _reusable() -> dict[str, Any]:

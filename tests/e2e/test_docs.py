@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from lightning_ultrascale.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -84,8 +87,10 @@ def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
     # every picture but the planner's heatmap (a search of 70B on 512 GPUs: a minute) and the straggler report
     # (a 4-process run: 10 s), which the script draws too
     cheap = "pipeline,zero_memory,cp_assignment,ring_steps,tp_block,fp8_loss"
-    run = subprocess.run([sys.executable, str(ROOT / "docs" / "pictures.py"), "--only", cheap, "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    # Forked (testing.commands), not a fresh interpreter: the package is imported already; matplotlib stays there.
+    script = str(ROOT / "docs" / "pictures.py")
+    argv = [script, "--only", cheap, "--out", str(tmp_path)]
+    run = run_command(lambda: runpy.run_path(script, run_name="__main__"), argv, dict(os.environ), timeout_s=300)
     assert run.returncode == 0, run.stderr[-3000:]
     drawn = {str(Path(line).relative_to(tmp_path)) for line in run.stdout.split()}
     committed = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.png")}
