@@ -465,16 +465,31 @@ def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims
     return dim, wire / bandwidth + latency * max(1, size - 1)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What a rank's shard plan holds of the model, as pricing reads it: its blocks, the embedding, the head."""
+
+    plan: ShardPlan
+    layers: tuple[int, ...]
+    first: bool
+    last: bool
+
+    @classmethod
+    def of(cls, plan: ShardPlan, spec: ModelSpec) -> _Held:
+        prefix = f"{spec.layers}."
+        layers = sorted({int(n[len(prefix) :].split(".")[0]) for n in plan.shapes if n.startswith(prefix)})
+        first = f"{spec.embedding}.weight" in plan.shapes
+        last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
+        return cls(plan, tuple(layers), first, last)
+
+
 def _rank_cost(
-    workload: Workload, c: Candidate, model: nn.Module, plan: ShardPlan, rank: int, accumulation: int, polled: bool
+    workload: Workload, c: Candidate, model: nn.Module, holds: _Held, rank: int, accumulation: int, polled: bool
 ) -> Cost:
-    """Memory and traffic of one rank holding ``plan``: every plugin's terms composed (no time yet)."""
+    """Memory and traffic of one rank holding ``holds.plan``: every plugin's terms composed (no time yet)."""
     spec = priced_spec(model)
-    prefix = f"{spec.layers}."
-    layers = sorted({int(n[len(prefix) :].split(".")[0]) for n in plan.shapes if n.startswith(prefix)})
-    first = f"{spec.embedding}.weight" in plan.shapes
-    last = f"{spec.head}.weight" in plan.shapes or (spec.head is None and first)
-    view = RankView(workload, c, plan, tuple(layers), first, last, accumulation, widths(spec, c), spec)
+    plan, layers, first, last = holds.plan, holds.layers, holds.first, holds.last
+    view = RankView(workload, c, plan, layers, first, last, accumulation, widths(spec, c), spec)
     terms = [t for t in (p.plan_cost(view) for p in c.plugins if p.active) if t is not None]
     states = [t.state for t in terms if t.state is not None]
     if len(states) != 1:
@@ -504,7 +519,7 @@ def estimate(
     model: nn.Module,
     gpu: Hardware | None = None,
     ranks: list[int] | None = None,
-    shard_cache: dict[Any, ShardPlan] | None = None,
+    shard_cache: dict[Any, Any] | None = None,
 ) -> list[Cost]:
     """The cost of ``candidate`` on each of ``ranks`` (default: the first rank of every pipeline stage).
 
@@ -536,14 +551,15 @@ def estimate(
     costs = []
     # (ZeRO 0-2 leave parameters whole: one plan for the three.)
     shape_key = c.shards_key()
+    spec = priced_spec(model)
     for rank in ranks:
         if shard_cache is None:
-            plan = predict_shards(strategy, model, world, rank)
+            holds = _Held.of(predict_shards(strategy, model, world, rank), spec)
         else:
             if (shape_key, rank) not in shard_cache:
-                shard_cache[shape_key, rank] = predict_shards(strategy, model, world, rank)
-            plan = shard_cache[shape_key, rank]
-        cost = _rank_cost(workload, c, model, plan, rank, accumulation, polled)
+                shard_cache[shape_key, rank] = _Held.of(predict_shards(strategy, model, world, rank), spec)
+            holds = shard_cache[shape_key, rank]
+        cost = _rank_cost(workload, c, model, holds, rank, accumulation, polled)
         if gpu is not None:
             step_time(workload, c, cost, dims, gpu)
         costs.append(cost)

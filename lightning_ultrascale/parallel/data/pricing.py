@@ -29,17 +29,23 @@ def group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
     return groups
 
 
-def model_state(plan: ShardPlan, zero: int, precision: str = "32-true", reduce_dtype: str = "fp32") -> dict[str, int]:
+def model_state(
+    plan: ShardPlan,
+    zero: int,
+    precision: str = "32-true",
+    reduce_dtype: str = "fp32",
+    groups: dict[tuple[str, ...], list[int]] | None = None,
+) -> dict[str, int]:
     """Parameters, gradients and AdamW states one rank holds after a step (``model_state_bytes``'s view).
 
     ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
     tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
     optimizer states (and gradients) of each gradient group over its ranks (rounded up), by the
     engines' formula (``layout_model_state_bytes``: under ``bf16-mixed`` the fp32 master is
-    optimizer state).
+    optimizer state). ``groups``: :func:`group_numels` of ``plan`` where the caller has it.
     """
     params = grads = optimizer = 0
-    for dims, numels in group_numels(plan).items():
+    for dims, numels in (group_numels(plan) if groups is None else groups).items():
         numel = sum(numels)
         n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1  # ZeRO-3's split is in the plan
         state = layout_model_state_bytes(numel, zero, n, precision, reduce_dtype)
@@ -57,10 +63,10 @@ def _optimizer_groups(plan: ShardPlan, dims: tuple[str, ...]) -> int:
     return len(ndims)
 
 
-def unsharded_numel(plan: ShardPlan, zero: int) -> int:
+def unsharded_numel(plan: ShardPlan, zero: int, groups: dict[tuple[str, ...], list[int]] | None = None) -> int:
     """Elements this rank's parameters hold before ZeRO-3 splits them over the data dims."""
     total = 0
-    for dims, numels in group_numels(plan).items():
+    for dims, numels in (group_numels(plan) if groups is None else groups).items():
         n = math.prod(plan.sizes[d] for d in dims if d != "dp_replicate") if zero == 3 else 1
         total += sum(numels) * n
     return total
@@ -70,8 +76,9 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
     """ZeRO ``zero``'s terms on ``rank``: state, held gradients, gathered parameters, traffic."""
     w, c, plan = rank.workload, rank.layout, rank.plan
     grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
-    state = model_state(plan, zero, w.precision, reduce_dtype)
-    unsharded = unsharded_numel(plan, zero)
+    groups = group_numels(plan)  # (once: every term below reads it)
+    state = model_state(plan, zero, w.precision, reduce_dtype, groups)
+    unsharded = unsharded_numel(plan, zero, groups)
     fsdp = zero == 3 and math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate") > 1
     terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state, host="fsdp" if fsdp else None)
     terms.held_grads = _held_grads(rank, zero, state["grads"], unsharded, grad_bytes)
@@ -84,7 +91,7 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
         shards = math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
-    _traffic(terms, rank, zero, grad_bytes)
+    _traffic(terms, rank, zero, grad_bytes, groups)
     terms.step_bytes = _step_bytes(state, w.precision, zero)
     return terms
 
@@ -119,7 +126,9 @@ def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_byte
     return held
 
 
-def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int) -> None:
+def _traffic(
+    terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, groups: dict[tuple[str, ...], list[int]]
+) -> None:
     """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp).
 
     Reductions overlap backward; parameter all-gathers overlap a forward: ZeRO-1/2's updated
@@ -128,7 +137,7 @@ def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int) -> No
     traffic = terms.traffic
     plan, w = rank.plan, rank.workload
     weight_bytes = 2 if w.precision == "bf16-mixed" else 4
-    for dims, numels in group_numels(plan).items():
+    for dims, numels in groups.items():
         numel = sum(numels)
         live = [d for d in dims if plan.sizes[d] > 1]
         if not live:
