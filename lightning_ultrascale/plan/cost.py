@@ -550,16 +550,11 @@ def estimate(
         ranks = sorted({p * (world // c.pp) for p in range(c.pp)})
     costs = []
     # (ZeRO 0-2 leave parameters whole: one plan for the three.)
-    shape_key = c.shards_key()
-    spec = priced_spec(model)
+    cache, shape_key, spec = {} if shard_cache is None else shard_cache, c.shards_key(), priced_spec(model)
     for rank in ranks:
-        if shard_cache is None:
-            holds = _Held.of(predict_shards(strategy, model, world, rank), spec)
-        else:
-            if (shape_key, rank) not in shard_cache:
-                shard_cache[shape_key, rank] = _Held.of(predict_shards(strategy, model, world, rank), spec)
-            holds = shard_cache[shape_key, rank]
-        cost = _rank_cost(workload, c, model, holds, rank, accumulation, polled)
+        if (shape_key, rank) not in cache:
+            cache[shape_key, rank] = _Held.of(predict_shards(strategy, model, world, rank), spec)
+        cost = _rank_cost(workload, c, model, cache[shape_key, rank], rank, accumulation, polled)
         if gpu is not None:
             step_time(workload, c, cost, dims, gpu)
         costs.append(cost)
