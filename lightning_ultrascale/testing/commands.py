@@ -21,9 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from lightning_ultrascale.testing.spawn import free_port, warn_if_threaded
+from lightning_ultrascale.testing.spawn import before_fork, free_port
 
 
 @dataclass(frozen=True)
@@ -55,8 +53,7 @@ def run_command(
         >>> out.returncode, out.stdout
         (0, 'hello\\n')
     """
-    torch.set_num_threads(1)  # fork after the intra-op pool started deadlocks the children
-    warn_if_threaded()
+    before_fork()
     ctx, port = mp.get_context("fork"), free_port()
     with tempfile.TemporaryDirectory(prefix="ultrascale-command-") as tmp:
         procs = []

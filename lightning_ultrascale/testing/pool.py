@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.testing.spawn import _collect, become_rank, free_port, run_workers, warn_if_threaded
+from lightning_ultrascale.testing.spawn import _collect, become_rank, before_fork, free_port, run_workers
 
 #: The pools of the innermost :func:`worker_pools`, by world size; None outside one.
 _pools: dict[int, _Pool] | None = None
@@ -121,9 +121,7 @@ class _Pool:
     """``world_size`` forked workers in one gloo process group, running the jobs sent to them one at a time."""
 
     def __init__(self, world_size: int) -> None:
-        # The parent's rules for forking (spawn.py's module docstring).
-        torch.set_num_threads(1)
-        warn_if_threaded()
+        before_fork()
         self.world_size, self.usable = world_size, True
         ctx = mp.get_context("fork")
         port = free_port()

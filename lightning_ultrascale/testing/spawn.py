@@ -60,7 +60,15 @@ def native_threads() -> int:
         return threading.active_count()
 
 
-def warn_if_threaded() -> None:
+def before_fork() -> None:
+    """The parent's rules for forking (the module docstring), once before it forks workers: one intra-op
+    thread (a fork after torch's intra-op pool started deadlocks the children), and
+    :class:`ForkWithThreadsWarning` where another thread runs (blamed on the forking helper's caller)."""
+    torch.set_num_threads(1)
+    warn_if_threaded(stacklevel=4)
+
+
+def warn_if_threaded(stacklevel: int = 3) -> None:
     """Warn (:class:`ForkWithThreadsWarning`) when this process, about to fork, runs more than its main thread."""
     threads = native_threads()
     if threads > 1:
@@ -71,7 +79,7 @@ def warn_if_threaded() -> None:
             "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
             "OMP_NUM_THREADS=1 before importing torch)",
             ForkWithThreadsWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -162,9 +170,7 @@ def run_workers(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    # Fork after the intra-op pool started deadlocks the children (the module docstring).
-    torch.set_num_threads(1)
-    warn_if_threaded()
+    before_fork()
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _run_once(fn, world_size, free_port(), timeout_s, args, kwargs)

@@ -220,8 +220,9 @@ def test_forking_a_parent_with_a_thread_running_warns_with_the_known_sources():
     thread.start()
     try:
         message = r"parent that runs 1 thread\(s\) besides its main one.*TOKENIZERS_PARALLELISM"
-        with pytest.warns(ForkWithThreadsWarning, match=message):
+        with pytest.warns(ForkWithThreadsWarning, match=message) as warned:
             assert run_workers(dist.get_rank, 2) == [0, 1]
+        assert {w.filename for w in warned} == {__file__}  # blamed on the line that forked, not on a helper
     finally:
         stop.set()
         thread.join()
