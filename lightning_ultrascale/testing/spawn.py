@@ -65,11 +65,6 @@ def before_fork() -> None:
     thread (a fork after torch's intra-op pool started deadlocks the children), and
     :class:`ForkWithThreadsWarning` where another thread runs (blamed on the forking helper's caller)."""
     torch.set_num_threads(1)
-    warn_if_threaded(stacklevel=4)
-
-
-def warn_if_threaded(stacklevel: int = 3) -> None:
-    """Warn (:class:`ForkWithThreadsWarning`) when this process, about to fork, runs more than its main thread."""
     threads = native_threads()
     if threads > 1:
         warnings.warn(
@@ -79,7 +74,7 @@ def warn_if_threaded(stacklevel: int = 3) -> None:
             "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
             "OMP_NUM_THREADS=1 before importing torch)",
             ForkWithThreadsWarning,
-            stacklevel=stacklevel,
+            stacklevel=3,
         )
 
 
