@@ -213,7 +213,7 @@ def test_a_worker_that_crashes_natively_leaves_its_python_stack_on_stderr(capfd)
     with pytest.raises(WorkerError, match=r"rank 1 died without reporting \(exit code -6\)"):
         run_workers(_abort_on_rank_1, 2, timeout_s=60)
     err = capfd.readouterr().err
-    assert "Fatal Python error: Aborted" in err and "_abort_on_rank_1" in err
+    assert "Fatal Python error: Aborted" in err and "_abort_on_rank_1" in err, f"the ranks' stderr: {err!r}"
 
 
 def test_forking_a_parent_with_a_thread_running_warns_with_the_known_sources():
