@@ -2,8 +2,8 @@
 
 After backward and before the optimizer step (and before gradient clipping, which a NaN would
 spread), each rank checks the loss it computed in the step and its optimizer's gradients
-(this rank's shards), and one all-reduce of a vector with a slot per rank tells every rank who
-saw what. All ranks then act alike: raise :class:`NonFiniteError` naming the step, the first rank
+(this rank's shards), and the step's one all-reduce (``core/agreement.py``: a row per rank) tells
+every rank who saw what. All ranks then act alike: raise :class:`NonFiniteError` naming the step, the first rank
 and its first non-finite parameter gradient, or, with ``skip_step``, drop every gradient so the
 optimizer changes nothing this step (the LR schedule goes on) and count the skip.
 """
@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ultrascale.core.agreement import LABELLED, STATUS, StepAgreement
 from lightning_ultrascale.utils.comm import collective_device
 from lightning_ultrascale.utils.tensors import local_tensor
 
@@ -64,29 +65,42 @@ class NonFiniteGuard:
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return output
 
+    def status(self, optimizer: Optimizer) -> torch.Tensor:
+        """This rank's status of the step as a device scalar (loss, else gradient, else fine); nothing read back."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g for g in (local_tensor(p.grad) for p in params) if g.numel()]  # FSDP may leave a rank none of one
+        status = _status(self._loss_bad, grads, collective_device())
+        self._loss_bad = None
+        return status
+
     def check(self, optimizer: Optimizer, step: int, name_of: Callable[[torch.Tensor, int], str]) -> bool:
         """Every rank: whether this step must be skipped; raises :class:`NonFiniteError` to stop.
 
         ``name_of(tensor, flat_index)``: the parameter an optimizer tensor's element belongs to.
-        One host read per step (the all-reduced worst status); the parameter is looked for only
-        when a step is bad.
+        The guard alone: one all-reduce of every rank's status and one host read (a strategy
+        folds it into the step's one agreement instead: :meth:`act`).
         """
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        device = collective_device()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        statuses = torch.zeros(world, device=device)
-        grads = [g for g in (local_tensor(p.grad) for p in params) if g.numel()]  # FSDP may leave a rank none of one
-        statuses[rank] = _status(self._loss_bad, grads, device)
-        self._loss_bad = None
-        if world > 1:
-            dist.all_reduce(statuses)  # the one collective of a healthy step
-        worst = int(statuses.max())  # and its one host read
+        rows, worst = StepAgreement().exchange(self.status(optimizer), None)
+        return self.act(rows, worst, optimizer, step, name_of)
+
+    def act(
+        self,
+        rows: torch.Tensor,
+        worst: int,
+        optimizer: Optimizer,
+        step: int,
+        name_of: Callable[[torch.Tensor, int], str],
+    ) -> bool:
+        """What every rank does with the agreed statuses (``rows``: ``core.agreement``'s, ``worst`` read from
+        them): nothing on a healthy step; else raise or skip, naming the first rank and its parameter."""
         if worst == _FINE:
             return False
+        statuses = rows[:, STATUS]
         culprit = int((statuses == worst).nonzero()[0])
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         bad = _first_non_finite(params)
         where = [name_of(*bad) if bad is not None else "none"]
-        if world > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(where, src=culprit)
         what = "loss" if worst == _LOSS else "gradient"
         message = (
@@ -127,11 +141,14 @@ def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | 
 
 
 class GuardedSteps(ModelParallelStrategy):
-    """The strategy's part between backward and the optimizer step: token weighting, then the ``guard``'s check."""
+    """The strategy's part between backward and the optimizer step: the step's one agreement
+    (``core/agreement.py``: the guard's statuses, a stop request, the token counts), then token
+    weighting and the ``guard``'s verdict."""
 
     guard: NonFiniteGuard
     layout: Layout
     step: StepRunner
+    agreement: StepAgreement
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -139,8 +156,10 @@ class GuardedSteps(ModelParallelStrategy):
             result = closure()
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
-            self.step.finish_step(optimizer, trainer.accumulate_grad_batches)  # exact token weighting
-            self.guard.check(optimizer, trainer.global_step, self._name_of)
+            # (the status before token weighting: a finite positive factor keeps finite what it scales)
+            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts())
+            self.step.scale_step(optimizer, rows[:, LABELLED:], trainer.accumulate_grad_batches)  # exact weighting
+            self.guard.act(rows, worst, optimizer, trainer.global_step, self._name_of)
             return result
 
         return super().optimizer_step(optimizer, guarded, model, **kwargs)

@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_ultrascale.core.agreement import StepAgreement
 from lightning_ultrascale.core.checkpoint import LayoutCheckpoints
 from lightning_ultrascale.core.composition import PluginComposition
 from lightning_ultrascale.core.guard import GuardedSteps, NonFiniteGuard
@@ -100,6 +101,7 @@ class UltraScaleStrategy(
         self.compose(plugins, seed)
         self.async_checkpoint = async_checkpoint
         self.guard = guard or NonFiniteGuard()
+        self.agreement = StepAgreement()
         self.tf32 = tf32
 
     # ----------------------------------------------------------------------------- sizes, mesh, layout

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from lightning_ultrascale.utils.loss import TokenNormaliser
 
@@ -43,6 +44,8 @@ class StepRunner:
         self._layout: Layout | None = None
         self.tokens = TokenNormaliser()
         self._weight: torch.Tensor | None = None
+        self._counted = False  # whether this step's counts went into the agreement
+        self._group_rows: torch.Tensor | None = None  # the dp x cp group's global ranks, to index the agreed rows
 
     @property
     def layout(self) -> Layout:
@@ -98,6 +101,26 @@ class StepRunner:
         """After the step's last backward: gradients become the mean over every labelled token of the global batch."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.tokens.finish(grads, self.layout.mesh["dp_cp"].get_group(), accumulate)
+
+    def take_counts(self) -> torch.Tensor | None:
+        """This rank's labelled tokens and label slots of the step, for the step's agreement (then reset)."""
+        counts = self.tokens.take_counts()
+        self._counted = counts is not None
+        return counts
+
+    def scale_step(self, optimizer: torch.optim.Optimizer, counts: torch.Tensor, accumulate: int) -> None:
+        """:meth:`finish_step` from every rank's counts (``world x 2``, as the agreement gathered them): this
+        rank's ``dp x cp`` group's rows summed on the device, the gradients scaled."""
+        if not self._counted:
+            return
+        self._counted = False
+        group = self.layout.mesh["dp_cp"].get_group()
+        if self._group_rows is None or self._group_rows.device != counts.device:
+            ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
+            self._group_rows = torch.tensor(ranks, dtype=torch.long, device=counts.device)
+        totals = counts.index_select(0, self._group_rows).sum(dim=0)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.tokens.scale(grads, totals, accumulate)
 
     def _transform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "batch" in kwargs:

@@ -60,8 +60,13 @@ def _syncs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     return False
 
 
+#: The dispatcher namespaces of collectives (``torch.distributed``'s and the functional ones DTensor issues).
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
 class HostSyncCounter(TorchDispatchMode):
-    """Counts host syncs while active, by call site (``counts``); enter it on the thread that trains.
+    """Counts host syncs while active, by call site (``counts``), and collectives (``collectives``);
+    enter it on the thread that trains.
 
     Example:
         >>> with HostSyncCounter() as syncs:
@@ -73,12 +78,15 @@ class HostSyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.collectives: Counter[str] = Counter()
         self._tolist: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Sequence[type], args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if _syncs(func, args, kwargs):
             self.counts[f"{func._overloadpacket.__name__} at {_caller()}"] += 1
+        elif func.namespace in COLLECTIVE_NAMESPACES:
+            self.collectives[f"{func._overloadpacket.__name__} at {_caller()}"] += 1
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostSyncCounter:

@@ -12,8 +12,9 @@ is started again (``cli.train.run_dir``: the SLURM job id, which a requeued job 
 **Preemption** (:class:`Preemption`): SIGUSR1 (SLURM's warning before the time limit, with
 ``#SBATCH --signal=SIGUSR1@90``) and SIGTERM (cloud and Kubernetes preemption, ``scancel``) only set
 a flag: a signal reaches ranks at different steps, and saving inside a handler would run
-collectives from wherever each rank was interrupted. After every optimizer step the ranks agree
-(one all-reduce of that flag, MAX): all stop at the same step, save through the strategy (every
+collectives from wherever each rank was interrupted. At every optimizer step the ranks agree
+(the flag rides in the strategy's one control all-reduce, ``core/agreement.py``; under another
+strategy, an all-reduce of its own): all stop at the same step, save through the strategy (every
 layout, crash-safe), rank 0 asks SLURM to requeue the job (``scontrol requeue``) where it runs
 under SLURM, and the run ends. Started again, ``ckpt_path=auto`` resumes from that checkpoint.
 """
@@ -36,6 +37,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_ultrascale.core.agreement import StepAgreement
 from lightning_ultrascale.core.checkpoint_io import CheckpointDataError, load
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.utils.comm import collective_device
@@ -142,6 +144,7 @@ class Preemption(L.Callback):
         #: The step the ranks stopped at, once they did.
         self.stopped_at: int | None = None
         self._previous: dict[int, Any] = {}
+        self._agreement: StepAgreement | None = None
 
     # ----------------------------------------------------------------------------- signals
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -153,6 +156,15 @@ class Preemption(L.Callback):
         for name in self.signals:
             signum = SIGNALS[name]
             self._previous[signum] = signal.signal(signum, self._note)
+        agreement = getattr(trainer.strategy, "agreement", None)
+        if isinstance(agreement, StepAgreement):  # the flag rides in the step's one agreement
+            agreement.stop_requested, agreement.stop = self._requested, False
+            self._agreement = agreement
+        if "SIGTERM" in self.signals:
+            _without_lightnings_sigterm_broadcast(trainer)
+
+    def _requested(self) -> bool:
+        return self.received != 0
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: the ranks agree on the step after the next optimizer step.
@@ -162,6 +174,8 @@ class Preemption(L.Callback):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
+        if self._agreement is not None:
+            self._agreement.stop_requested, self._agreement = None, None
 
     # ----------------------------------------------------------------------------- agreement, save, stop
     def on_train_batch_end(
@@ -181,7 +195,10 @@ class Preemption(L.Callback):
         trainer.should_stop = True
 
     def _agreed(self, trainer: L.Trainer) -> bool:
-        """Whether any rank received a signal: one all-reduce (MAX) of the flag, so all decide alike."""
+        """Whether any rank received a signal, so all decide alike: as the step's agreement found (the
+        strategy's, ``core/agreement.py``), else by one all-reduce (MAX) of the flag."""
+        if self._agreement is not None:
+            return self._agreement.stop
         flag = float(self.received != 0)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             box = torch.tensor([flag], device=collective_device())
@@ -201,6 +218,14 @@ class Preemption(L.Callback):
         path = Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "checkpoints"
         trainer.save_checkpoint(path / "last.ckpt")
         return str(path / "last.ckpt")
+
+
+def _without_lightnings_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Turn off Lightning's SIGTERM check (rank 0's flag broadcast and read before every micro-batch): this
+    callback's own handler takes SIGTERM, so Lightning's flag never rises and its broadcast only costs."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):  # (Lightning 2.5+; earlier versions have none)
+        loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
 
 
 def requeue_slurm_job() -> bool:

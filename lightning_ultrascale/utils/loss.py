@@ -10,7 +10,8 @@ context parallelism gives one rank the ignored tail of a sequence.
 by its labelled fraction ``n / L`` (``L`` its label slots), which turns the averaged gradient into
 ``sum of token gradients / (ranks x micro-steps x L)``; after the step's last backward the
 gradients are multiplied by ``ranks x micro-steps x L / N`` with ``N`` the step's labelled tokens
-over every rank and micro-step (one all-reduce of two numbers per optimizer step). Both factors
+over every rank and micro-step (two numbers per rank, summed over the ``dp x cp`` ranks once per
+optimizer step: in the step's one agreement, ``core/agreement.py``, under the Trainer). Both factors
 are exactly 1 when every token is labelled, so packed runs are bit for bit what they were.
 """
 
@@ -50,17 +51,34 @@ class TokenNormaliser:
             self._labelled = self._labelled + n
         return (n / self._slots).to(torch.float32)
 
-    def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:
-        """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token."""
+    def take_counts(self) -> torch.Tensor | None:
+        """This rank's labelled tokens and label slots of the step (float64, on the count's device), then
+        reset; None where no micro-step was weighted."""
         if self._labelled is None:
-            return
+            return None
         # (built on the count's device: a CPU scalar beside a CUDA one fails in stack)
         slots = torch.tensor(float(self._slots), dtype=torch.float64, device=self._labelled.device)
         counts = torch.stack((self._labelled, slots))
         self._labelled, self._slots = None, 0
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
-        factor = accumulate * counts[1] / counts[0].clamp(min=1)
+        return counts
+
+    @staticmethod
+    def scale(grads: Iterable[torch.Tensor], totals: torch.Tensor, accumulate: int) -> None:
+        """Scale ``grads`` (local shards fine) by ``accumulate x slots / labelled`` of the step's ``totals``."""
+        factor = accumulate * totals[1] / totals[0].clamp(min=1)
         for grad in grads:
             local = grad.to_local() if hasattr(grad, "to_local") else grad
-            local.mul_(factor.to(local.dtype))
+            local.mul_(factor.to(device=local.device, dtype=local.dtype))
+
+    def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:
+        """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token.
+
+        Its own all-reduce of the counts over ``group``; the Trainer's strategy carries them in the
+        step's one agreement instead (``core/agreement.py``).
+        """
+        counts = self.take_counts()
+        if counts is None:
+            return
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        self.scale(grads, counts, accumulate)

@@ -30,11 +30,14 @@ from lightning_ultrascale.utils.grad import grad_norm
 class _NaNGradientOnRank1(NonFiniteGuard):
     """Rank 1 finds a NaN gradient at step 1: the step is skipped and clipping then sees no gradient at all."""
 
-    def check(self, optimizer, step, name_of):
-        if step == 1 and dist.get_rank() == 1:
+    steps = 0
+
+    def status(self, optimizer):
+        self.steps += 1
+        if self.steps == 2 and dist.get_rank() == 1:
             grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
             (grad.to_local() if hasattr(grad, "to_local") else grad).fill_(float("nan"))
-        return super().check(optimizer, step, name_of)
+        return super().status(optimizer)
 
 
 LAYOUTS = {
@@ -82,18 +85,17 @@ def test_the_check_fails_a_collective_on_a_tensor_built_without_a_device():
 
 
 def _deviceless_in_package() -> None:
-    import lightning_ultrascale.core.guard as guard_module
+    import lightning_ultrascale.core.agreement as agreement_module
+    from lightning_ultrascale.core.guard import NonFiniteGuard
 
-    # The guard's status vector built without a device again, as it was: the check must name it.
-    original = guard_module.collective_device
-    guard_module.collective_device = lambda: None
+    # The step agreement's rows built without a device again, as the guard's were: the check must name it.
+    original = agreement_module.collective_device
+    agreement_module.collective_device = lambda: None
     try:
         with CollectiveDeviceCheck():
-            guard_module.NonFiniteGuard().check(
-                torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 0, lambda t, i: ""
-            )
+            NonFiniteGuard().check(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 0, lambda t, i: "")
     finally:
-        guard_module.collective_device = original
+        agreement_module.collective_device = original
 
 
 def test_the_token_weighting_keeps_its_counts_on_the_batch_s_device():

@@ -21,6 +21,7 @@ from lightning_ultrascale import (
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 from lightning_ultrascale.testing.syncs import HostSyncCounter
+from lightning_ultrascale.training.resilience import Preemption
 
 #: Reads per optimizer step any layout may make: the non-finite guard's verdict (one all-reduced
 #: status), Lightning's own SIGTERM check (a broadcast flag it reads each step) and Lightning's
@@ -80,3 +81,52 @@ def test_a_step_syncs_a_fixed_number_of_times(layout):
         assert not [site for site in counts if "models/" in site], counts  # nothing per layer in the model
         expert_reads = sum(n for site, n in counts.items() if "parallel/expert/" in site)
         assert expert_reads == steps * ep_layers, counts  # one per MoE layer's forward, not two
+
+
+# ------------------------------------------------------------------------------- the step's control traffic
+#: The control collectives a step may issue (an all-reduce or broadcast outside the layouts' gradient and
+#: parameter engines): the step's one agreement, and the module's logged loss summed over the global batch.
+AGREEMENT = "allreduce_ at lightning_ultrascale/core/agreement.py"
+LOGGED_LOSS = "allreduce_ at lightning_ultrascale/core/statistics.py"
+
+
+class _CountControl(_Count):
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_step == 4 and self.counter is not None and not self.counts:
+            self.counter.__exit__(None, None, None)
+            self.counts = {"reads": dict(self.counter.counts), "collectives": dict(self.counter.collectives)}
+
+
+def _count_control(layout: str, accumulate: int) -> dict[str, dict[str, int]]:
+    _, plugins, _ = LAYOUTS[layout]
+    count = _CountControl()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(*plugins()), max_steps=5,
+        accumulate_grad_batches=accumulate, callbacks=[count, Preemption()],
+        **{**QUIET_TRAINER, "log_every_n_steps": 1000},
+    )  # fmt: skip
+    module = LlamaModule("llama_tiny", optim=SGD)
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4, mask_eos_loss=True))
+    return count.counts
+
+
+def _site(key: str) -> str:
+    return key.rsplit(":", 1)[0]
+
+
+@pytest.mark.parametrize(("layout", "accumulate"), [("zero1-dp2", 2), ("zero3-dp2", 1), ("pp2", 1)])
+def test_a_healthy_step_agrees_in_one_control_collective_and_one_host_read(layout, accumulate):
+    # The guard's status, the preemption flag and the token count travel in one all-reduce, read once
+    # (core/agreement.py), and Lightning's SIGTERM broadcast before each micro-batch is off under
+    # Preemption. Before: three control all-reduces a step, each read back, plus one broadcast and read
+    # per micro-batch. Ignored-label tokens (mask_eos_loss) make the token weighting do real work.
+    steps = 3
+    for counts in run_workers(_count_control, 2, layout, accumulate):
+        control: dict[str, int] = {}
+        for key, n in counts["collectives"].items():
+            op, site = key.split(" at ")
+            if op.startswith(("allreduce", "broadcast")) and not site.startswith("lightning_ultrascale/parallel/"):
+                control[_site(key)] = control.get(_site(key), 0) + n
+        assert control == {AGREEMENT: steps, LOGGED_LOSS: steps}, counts
+        ours = {k: n for k, n in counts["reads"].items() if "lightning_ultrascale/" in k and "/data/" not in k}
+        assert {_site(k): n for k, n in ours.items()} == {"tolist at lightning_ultrascale/core/agreement.py": steps}

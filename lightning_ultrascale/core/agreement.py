@@ -1,0 +1,67 @@
+"""What the ranks must agree on after a step, in one all-reduce and one host read.
+
+After the step's last backward, and before the optimizer step, every rank writes one row of a small
+``world x 4`` float64 matrix on the collective device: its non-finite status (the guard's), whether it
+was asked to stop (a preemption signal), and its labelled tokens and label slots (token weighting).
+One all-reduce (a sum: every other rank's row is zero) hands every rank every row; one host read
+of two numbers (the worst status, any stop) tells the host what to do. The token counts stay on the
+device: each rank sums the rows of its ``dp x cp`` group there and scales its gradients.
+
+Before this, a healthy step carried three such collectives (the guard's, the preemption agreement's,
+the token count's) and Lightning's own SIGTERM broadcast before every micro-batch, each read back
+on the host (a stream sync on a GPU). :class:`~lightning_ultrascale.training.resilience.Preemption`
+turns Lightning's broadcast off: its own agreement covers SIGTERM.
+
+The rows are ``world`` long so that a bad step can name its rank (the guard's message); at 16,384
+ranks that is 512 KiB, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_ultrascale.utils.comm import collective_device
+
+#: The columns of a rank's row.
+STATUS, STOP, LABELLED, SLOTS = range(4)
+
+
+class StepAgreement:
+    """The one control collective of a step (see the module docstring).
+
+    ``stop_requested``: asked at each exchange whether this rank wants the run to stop (set by
+    :class:`~lightning_ultrascale.training.resilience.Preemption` while it watches the signals).
+
+    Example:
+        >>> agreement = StepAgreement()
+        >>> rows, worst = agreement.exchange(torch.tensor(0.0), torch.tensor([3.0, 4.0], dtype=torch.float64))
+        >>> rows.tolist(), worst, agreement.stop
+        ([[0.0, 0.0, 3.0, 4.0]], 0, False)
+    """
+
+    def __init__(self) -> None:
+        self.stop_requested: Callable[[], bool] | None = None
+        #: Whether any rank asked to stop, as agreed at the last exchange.
+        self.stop = False
+
+    def exchange(self, status: torch.Tensor, counts: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """Every rank's row (``world x 4``, on the collective device) and the worst status, read once.
+
+        ``status``: this rank's non-finite status (a device scalar); ``counts``: its labelled tokens
+        and label slots of the step (float64), or None where it weighted no tokens.
+        """
+        device = collective_device()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rows = torch.zeros(world, 4, dtype=torch.float64, device=device)
+        rows[rank, STATUS] = status.to(device=device, dtype=torch.float64)
+        rows[rank, STOP] = float(self.stop_requested is not None and self.stop_requested())
+        if counts is not None:
+            rows[rank, LABELLED:] = counts.to(device=device, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(rows)  # the step's one control collective
+        worst, stop = rows[:, STATUS : STOP + 1].amax(dim=0).tolist()  # and its one host read
+        self.stop = stop > 0
+        return rows, int(worst)
