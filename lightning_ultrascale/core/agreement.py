@@ -1,14 +1,16 @@
 """What the ranks must agree on after a step, in one all-reduce and one host read.
 
 After the step's last backward, and before the optimizer step, every rank writes one row of a small
-``world x 4`` float64 matrix on the collective device: its non-finite status (the guard's), whether it
-was asked to stop (a preemption signal), and its labelled tokens and label slots (token weighting).
+``world x (4 + k)`` float64 matrix on the collective device: its non-finite status (the guard's),
+whether it was asked to stop (a preemption signal), its labelled tokens and label slots (token
+weighting), and the ``k`` sums the LightningModule reports over the global batch (its loss: the
+:class:`~lightning_ultrascale.models.spec.StepSums` hook).
 One all-reduce (a sum: every other rank's row is zero) hands every rank every row; one host read
 of two numbers (the worst status, any stop) tells the host what to do. The token counts stay on the
 device: each rank sums the rows of its ``dp x cp`` group there and scales its gradients.
 
-Before this, a healthy step carried three such collectives (the guard's, the preemption agreement's,
-the token count's) and Lightning's own SIGTERM broadcast before every micro-batch, each read back
+Before this, a healthy step carried four such collectives (the guard's, the preemption agreement's,
+the token count's, the logged loss's) and Lightning's own SIGTERM broadcast before every micro-batch, each read back
 on the host (a stream sync on a GPU). :class:`~lightning_ultrascale.training.resilience.Preemption`
 turns Lightning's broadcast off: its own agreement covers SIGTERM.
 
@@ -25,8 +27,8 @@ import torch.distributed as dist
 
 from lightning_ultrascale.utils.comm import collective_device
 
-#: The columns of a rank's row.
-STATUS, STOP, LABELLED, SLOTS = range(4)
+#: The columns of a rank's row (the module's sums from ``SUMS`` on).
+STATUS, STOP, LABELLED, SLOTS, SUMS = range(5)
 
 
 class StepAgreement:
@@ -47,19 +49,24 @@ class StepAgreement:
         #: Whether any rank asked to stop, as agreed at the last exchange.
         self.stop = False
 
-    def exchange(self, status: torch.Tensor, counts: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """Every rank's row (``world x 4``, on the collective device) and the worst status, read once.
+    def exchange(
+        self, status: torch.Tensor, counts: torch.Tensor | None, sums: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Every rank's row (``world x (4 + k)``, on the collective device) and the worst status, read once.
 
         ``status``: this rank's non-finite status (a device scalar); ``counts``: its labelled tokens
-        and label slots of the step (float64), or None where it weighted no tokens.
+        and label slots of the step (float64), or None where it weighted no tokens; ``sums``: the
+        module's ``k`` sums (as long on every rank), or None.
         """
         device = collective_device()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        rows = torch.zeros(world, 4, dtype=torch.float64, device=device)
+        rows = torch.zeros(world, SUMS + (0 if sums is None else sums.numel()), dtype=torch.float64, device=device)
         rows[rank, STATUS] = status.to(device=device, dtype=torch.float64)
         rows[rank, STOP] = float(self.stop_requested is not None and self.stop_requested())
         if counts is not None:
-            rows[rank, LABELLED:] = counts.to(device=device, dtype=torch.float64)
+            rows[rank, LABELLED:SUMS] = counts.to(device=device, dtype=torch.float64)
+        if sums is not None:
+            rows[rank, SUMS:] = sums.detach().flatten().to(device=device, dtype=torch.float64)
         if world > 1:
             dist.all_reduce(rows)  # the step's one control collective
         worst, stop = rows[:, STATUS : STOP + 1].amax(dim=0).tolist()  # and its one host read

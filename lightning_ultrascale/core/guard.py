@@ -20,8 +20,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ultrascale.core.agreement import LABELLED, STATUS, StepAgreement
-from lightning_ultrascale.utils.comm import collective_device
+from lightning_ultrascale.core.agreement import LABELLED, STATUS, SUMS, StepAgreement
+from lightning_ultrascale.models.spec import StepSums, declares
+from lightning_ultrascale.utils.comm import collective_device, sum_rows
 from lightning_ultrascale.utils.tensors import local_tensor
 
 if TYPE_CHECKING:
@@ -142,13 +143,14 @@ def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | 
 
 class GuardedSteps(ModelParallelStrategy):
     """The strategy's part between backward and the optimizer step: the step's one agreement
-    (``core/agreement.py``: the guard's statuses, a stop request, the token counts), then token
-    weighting and the ``guard``'s verdict."""
+    (``core/agreement.py``: the guard's statuses, a stop request, the token counts, the module's
+    :class:`~lightning_ultrascale.models.spec.StepSums`), then token weighting and the ``guard``'s verdict."""
 
     guard: NonFiniteGuard
     layout: Layout
     step: StepRunner
     agreement: StepAgreement
+    batch_group: Callable[[], Any]  # (LayoutStatistics')
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -156,9 +158,14 @@ class GuardedSteps(ModelParallelStrategy):
             result = closure()
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
+            module = self.lightning_module
+            sums = module.step_sums() if declares(module, StepSums) else None
             # (the status before token weighting: a finite positive factor keeps finite what it scales)
-            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts())
-            self.step.scale_step(optimizer, rows[:, LABELLED:], trainer.accumulate_grad_batches)  # exact weighting
+            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts(), sums)
+            self.step.scale_step(optimizer, rows[:, LABELLED:SUMS], trainer.accumulate_grad_batches)
+            if sums is not None:
+                total = sum_rows(rows[:, SUMS:], self.batch_group())
+                module.agree_step_sums(total.to(device=sums.device, dtype=sums.dtype).view_as(sums))
             self.guard.act(rows, worst, optimizer, trainer.global_step, self._name_of)
             return result
 

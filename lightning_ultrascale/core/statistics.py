@@ -42,10 +42,12 @@ class LayoutStatistics(ModelParallelStrategy):
         Tensor-parallel ranks hold the same tokens, so they are left out (Lightning's ``reduce``
         would count them ``tp`` times). E.g. tokens per expert over the global batch.
         """
-        torch.distributed.all_reduce(
-            tensor, group=self.layout.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group()
-        )
+        torch.distributed.all_reduce(tensor, group=self.batch_group())
         return tensor
+
+    def batch_group(self) -> Any:
+        """The ranks that see different tokens (and the pipeline stages): every rank but its tensor-parallel peers."""
+        return self.layout.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group()
 
     def max_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum over the pipeline stages (each holds its blocks' values, zeros elsewhere)."""

@@ -167,6 +167,18 @@ class PipelineLoss(Protocol):
 
 
 @runtime_checkable
+class StepSums(Protocol):
+    """Optional on the LightningModule: sums of a training step the strategy adds up over the global batch
+    (each token counted once) in the step's one control collective (``core/agreement.py``), instead of
+    a collective of the module's own: ``step_sums`` this rank's (the same length on every rank, taken
+    once per step), ``agree_step_sums`` the totals back, before ``optimizer_step`` returns."""
+
+    def step_sums(self) -> Tensor: ...
+
+    def agree_step_sums(self, sums: Tensor) -> None: ...
+
+
+@runtime_checkable
 class AuxLossModel(Protocol):
     """Optional beside :class:`StagedModel`: a model whose blocks add an auxiliary loss (MoE balancing)
     hands a pipeline stage the sum its ``blocks`` recorded in the last forward, or None."""

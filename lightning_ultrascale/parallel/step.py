@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
+from lightning_ultrascale.utils.comm import sum_rows
 from lightning_ultrascale.utils.loss import TokenNormaliser
 
 if TYPE_CHECKING:
@@ -45,7 +45,6 @@ class StepRunner:
         self.tokens = TokenNormaliser()
         self._weight: torch.Tensor | None = None
         self._counted = False  # whether this step's counts went into the agreement
-        self._group_rows: torch.Tensor | None = None  # the dp x cp group's global ranks, to index the agreed rows
 
     @property
     def layout(self) -> Layout:
@@ -114,11 +113,7 @@ class StepRunner:
         if not self._counted:
             return
         self._counted = False
-        group = self.layout.mesh["dp_cp"].get_group()
-        if self._group_rows is None or self._group_rows.device != counts.device:
-            ranks = dist.get_process_group_ranks(group) if dist.is_initialized() else [0]
-            self._group_rows = torch.tensor(ranks, dtype=torch.long, device=counts.device)
-        totals = counts.index_select(0, self._group_rows).sum(dim=0)
+        totals = sum_rows(counts, self.layout.mesh["dp_cp"].get_group())
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.tokens.scale(grads, totals, accumulate)
 

@@ -94,6 +94,7 @@ class HFCausalLMModule(LlamaModule):
         self.expert_stats = None
         self._loss_sums: dict[str, torch.Tensor] = {}
         self._step_metrics: dict[str, torch.Tensor] = {}
+        self._agreed_sums: torch.Tensor | None = None
         self.save_hyperparameters(
             {"model": f"hf:{self.path}", "hf_config": self.hf_config.to_dict(), "optim": vars(self.optim), "seed": seed}
         )
@@ -151,6 +152,10 @@ class HFCausalLMModule(LlamaModule):
         return loss
 
     @torch.no_grad()
+    def step_sums(self) -> torch.Tensor:
+        return self._local_sums("train")
+
+    @torch.no_grad()
     def _step_end(self) -> dict[str, torch.Tensor]:
-        sums = self._global_sums("train")
+        sums = self._train_sums()
         return {"train/loss": sums[0] / sums[1].clamp(min=1)}

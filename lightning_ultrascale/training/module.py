@@ -137,6 +137,7 @@ class LlamaModule(L.LightningModule):
         #: ``[cross-entropy sum, labelled tokens]`` of the micro-batches since the last look, by split.
         self._loss_sums: dict[str, torch.Tensor] = {}
         self._step_metrics: dict[str, torch.Tensor] = {}
+        self._agreed_sums: torch.Tensor | None = None
         self.save_hyperparameters(
             {
                 "model": self.config.name,
@@ -230,19 +231,43 @@ class LlamaModule(L.LightningModule):
         split = "train" if self.training else "val"
         self._loss_sums[split] = self._loss_sums[split] + sums if split in self._loss_sums else sums
 
+    def _local_sums(self, split: str, more: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's ``[cross-entropy sum, labelled tokens, *more]`` of ``split`` since the last call."""
+        local = self._loss_sums.pop(split, None)
+        local = torch.zeros(2, device=self.device) if local is None else local
+        return local if more is None else torch.cat((local, more.to(local.device)))
+
     def _global_sums(self, split: str, more: torch.Tensor | None = None) -> torch.Tensor:
         """``[cross-entropy sum, labelled tokens, *more]`` over the global batch (every rank calls it).
 
         ``UltraScaleStrategy`` sums over the ranks that hold different tokens (pipeline stages
         included: those without the head add zeros); tensor-parallel peers repeat them.
         """
-        local = self._loss_sums.pop(split, None)
-        local = torch.zeros(2, device=self.device) if local is None else local
-        if more is not None:
-            local = torch.cat((local, more.to(local.device)))
+        return self._sum_over_batch(self._local_sums(split, more))
+
+    def _sum_over_batch(self, local: torch.Tensor) -> torch.Tensor:
         strategy = self.trainer.strategy
         reduce = getattr(strategy, "sum_over_batch", None) or (lambda t: strategy.reduce(t, reduce_op="sum"))
         return reduce(local)
+
+    @torch.no_grad()
+    def step_sums(self) -> torch.Tensor:
+        """This rank's training sums of the step, taken once: ``[cross-entropy sum, labelled tokens]``, then
+        for an MoE model its tokens per expert, dropped tokens and aux loss (``models.spec.StepSums``:
+        ``UltraScaleStrategy`` sums them in the step's one control collective)."""
+        stats = self.model.expert_stats() if self.model is not None and self.config.moe is not None else None
+        more = None if stats is None else torch.cat((stats.loads.flatten(), stats.dropped[None], stats.aux[None]))
+        return self._local_sums("train", more)
+
+    def agree_step_sums(self, sums: torch.Tensor) -> None:
+        """The step's :meth:`step_sums` over the global batch (each token counted once), from the strategy."""
+        self._agreed_sums = sums
+
+    def _train_sums(self) -> torch.Tensor:
+        """The step's training sums over the global batch: as the strategy's agreement handed them, else
+        reduced here (another strategy)."""
+        sums, self._agreed_sums = self._agreed_sums, None
+        return sums if sums is not None else self._sum_over_batch(self.step_sums())
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self._loss(batch)
@@ -260,13 +285,11 @@ class LlamaModule(L.LightningModule):
         losses it trains with are ``train/aux_loss``, per token too.
         """
         assert self.model is not None
-        stats = self.model.expert_stats() if self.config.moe is not None else None
-        more = None if stats is None else torch.cat((stats.loads.flatten(), stats.dropped[None], stats.aux[None]))
-        sums = self._global_sums("train", more)
+        sums = self._train_sums()
         tokens = sums[1].clamp(min=1)
         metrics = {"train/loss": sums[0] / tokens}
-        if stats is not None:
-            loads = sums[2 : 2 + stats.loads.numel()].view_as(stats.loads)
+        if self.config.moe is not None:
+            loads = sums[2:-2].view(len(self.config.moe_blocks()), -1)
             self.expert_stats = ExpertStats(loads, sums[-2], sums[-1])
             metrics |= self._balance_experts(loads, sums[-2])
             metrics["train/aux_loss"] = sums[-1] / tokens

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale.utils.memory import format_bytes
 
-__all__ = ["CommRecord", "CommTracer", "collective_device", "wire_bytes"]
+__all__ = ["CommRecord", "CommTracer", "collective_device", "sum_rows", "wire_bytes"]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -47,6 +47,25 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+#: Index tensors of groups' global ranks, by ranks and device: built once (a host-to-device copy waits).
+_RANKS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def sum_rows(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of ``rows`` over the ranks of ``group`` (global ranks index the rows), on their device.
+
+    Example:
+        >>> sum_rows(torch.tensor([[1.0, 2.0]]), None).tolist()
+        [1.0, 2.0]
+    """
+    if group is None or not dist.is_initialized():
+        return rows.sum(dim=0)
+    key = (tuple(dist.get_process_group_ranks(group)), rows.device)
+    if key not in _RANKS:
+        _RANKS[key] = torch.tensor(key[0], dtype=torch.long, device=rows.device)
+    return rows.index_select(0, _RANKS[key]).sum(dim=0)
 
 
 @dataclass(frozen=True)
