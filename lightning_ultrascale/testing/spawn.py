@@ -11,8 +11,8 @@ OpenMP pool that ``import torch`` starts unless ``OMP_NUM_THREADS=1`` is set bef
 to wait idle in a blocking read holds nothing a child could inherit half-changed: a test runner's I/O
 threads (pytest-xdist's) are marked so once, with :func:`allow_idle_threads`, and not warned about.
 
-A worker that dies of a signal (a native crash) prints every thread's Python stack to its
-stderr first (``faulthandler``), so the parent's error comes with where it happened.
+A worker that dies of a signal (a native crash) writes every thread's Python stack first
+(``faulthandler``, to a file per rank), and the parent's error carries it: where it happened.
 
 Every worker initialises the default group with a timeout and always destroys it; a worker that
 raises sends its traceback to the parent, which stops the others (they may be blocked in a
@@ -27,6 +27,7 @@ import os
 import pickle
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +35,7 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,8 +116,14 @@ def _send(conn: Connection, message: tuple[str, Any]) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
-def become_rank(rank: int, world_size: int, port: int) -> None:
-    """In a forked worker: torchrun's variables for ``rank`` of ``world_size``, and a stack dump on a native crash."""
+#: Where this process writes its stacks on a native crash (kept open while it lives).
+_CRASH_LOG: Any = None
+
+
+def become_rank(rank: int, world_size: int, port: int, crash_log: str | None = None) -> None:
+    """In a forked worker: torchrun's variables for ``rank`` of ``world_size``, and a stack dump on a native
+    crash, to ``crash_log`` (a file the parent reads into its error) or else to stderr."""
+    global _CRASH_LOG
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -124,8 +132,9 @@ def become_rank(rank: int, world_size: int, port: int) -> None:
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    # A native crash (SIGSEGV, SIGABRT from malloc's checks) prints every thread's Python stack first.
-    faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A native crash (SIGSEGV, SIGABRT from malloc's checks) writes every thread's Python stack first.
+    _CRASH_LOG = open(crash_log, "w") if crash_log else sys.stderr  # (open while the process lives)
+    faulthandler.enable(file=_CRASH_LOG, all_threads=True)
 
 
 def _worker(
@@ -137,8 +146,9 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     conn: Connection,
+    crash_log: str,
 ) -> None:
-    become_rank(rank, world_size, port)
+    become_rank(rank, world_size, port, crash_log)
     try:
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -208,21 +218,23 @@ def _run_once(
     ctx = mp.get_context("fork")
     procs: list[mp.process.BaseProcess] = []
     conns: dict[Connection, int] = {}
-    for rank in range(world_size):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_worker,
-            args=(fn, rank, world_size, port, timeout_s, args, kwargs, child_end),
-            name=f"ultrascale-worker-{rank}",
-        )
-        proc.start()
-        child_end.close()
-        procs.append(proc)
-        conns[parent_end] = rank
-    try:
-        results = _collect(conns, procs, timeout_s)
-    finally:
-        _stop(procs)
+    with tempfile.TemporaryDirectory(prefix="ultrascale-ranks-") as logs:
+        crash_logs = {rank: os.path.join(logs, f"rank{rank}.stacks") for rank in range(world_size)}
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, port, timeout_s, args, kwargs, child_end, crash_logs[rank]),
+                name=f"ultrascale-worker-{rank}",
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns[parent_end] = rank
+        try:
+            results = _collect(conns, procs, timeout_s, crash_logs)
+        finally:
+            _stop(procs)
     return [results[r] for r in range(world_size)]
 
 
@@ -236,8 +248,14 @@ def _stop(procs: list[mp.process.BaseProcess]) -> None:
             proc.join()
 
 
-def _collect(conns: dict[Connection, int], procs: list[mp.process.BaseProcess], timeout_s: float) -> dict[int, Any]:
-    """Every rank's result, or a :class:`WorkerError` for the first rank that raised, died or hung."""
+def _collect(
+    conns: dict[Connection, int],
+    procs: list[mp.process.BaseProcess],
+    timeout_s: float,
+    crash_logs: dict[int, str] | None = None,
+) -> dict[int, Any]:
+    """Every rank's result, or a :class:`WorkerError` for the first rank that raised, died or hung (a rank
+    that died of a signal: with the stacks it wrote to its ``crash_logs`` file)."""
     world_size = len(procs)
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -256,10 +274,19 @@ def _collect(conns: dict[Connection, int], procs: list[mp.process.BaseProcess], 
             except EOFError:
                 # The pipe closes a moment before the process is reaped: wait for its exit code.
                 procs[rank].join(timeout=10)
-                raise WorkerError(f"rank {rank} died without reporting (exit code {procs[rank].exitcode})") from None
+                died = f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                stacks = _read_text((crash_logs or {}).get(rank))
+                raise WorkerError(died + (f"; its stacks when it died:\n{stacks}" if stacks else "")) from None
             if status == "error":
                 raise WorkerError(f"rank {rank} of {world_size} raised:\n{payload}")
             if status == "port_taken":
                 raise _PortTaken(payload)
             results[rank] = payload
     return results
+
+
+def _read_text(path: str | None) -> str:
+    try:
+        return Path(path).read_text().strip() if path else ""
+    except OSError:
+        return ""
