@@ -18,9 +18,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # tokenizers' Rust thread pool starts at the first batch encode and stays: every later fork would copy
 # a parent with those threads in it (a malloc crash in a forked worker, once in CI).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# glibc writes its own fatal messages (a heap check failing before abort) to /dev/tty unless told otherwise:
-# a forked rank that dies of one here says why on its stderr.
-os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
 
 # tqdm's monitor thread (started by the first progress bar a test shows in this process) would be
 # alive in the parent at every later fork: measured there, the one thread besides the main one.
