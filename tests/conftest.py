@@ -48,14 +48,6 @@ from lightning_ultrascale.data.corpus import load_default_corpus_documents  # no
 
 load_default_corpus_documents()  # encoded once here: every forked rank inherits it (~2,000 ranks read it)
 
-# `pytest -n auto` (the suite's command, pytest-xdist) runs tests in worker processes that carry the
-# runner's I/O threads from their start, idle in reads of its pipe: forking past those is safe
-# (lightning_ultrascale/testing/spawn.py), and any thread a test starts later is still an error.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    from lightning_ultrascale.testing.spawn import allow_idle_threads
-
-    allow_idle_threads()
-
 
 def _observe_children_only(launch):  # type: ignore[no-untyped-def]
     def observer(child_processes):  # type: ignore[no-untyped-def]
@@ -96,15 +88,6 @@ def pytest_configure(config):  # type: ignore[no-untyped-def]
     # process is kept single-threaded. Added here, not in pyproject.toml: naming the warning's class
     # there imports torch before OMP_NUM_THREADS above is set, and that starts the OpenMP pool.
     config.addinivalue_line("filterwarnings", "error::lightning_ultrascale.testing.spawn.ForkWithThreadsWarning")
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
-    # Under `pytest -n`, one xdist worker runs each test module whole: its tests share the module's warm
-    # worker pool and fixtures (a trained checkpoint, a tokenized corpus), built once, not once per worker.
-    from xdist.scheduler import LoadFileScheduling
-
-    return LoadFileScheduling(config, log)
 
 
 def pytest_pycollect_makemodule(module_path, parent):  # type: ignore[no-untyped-def]

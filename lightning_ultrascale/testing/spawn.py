@@ -7,9 +7,7 @@ it: a parent with other threads hands its workers whatever those threads were ha
 (:class:`ForkWithThreadsWarning`, an error in this project's suite) when the parent has any
 thread besides its main one. Seen so far: tokenizers' Rust thread pool after a batch encode
 (``TOKENIZERS_PARALLELISM=false`` keeps it from starting), tqdm's monitor thread, and the
-OpenMP pool that ``import torch`` starts unless ``OMP_NUM_THREADS=1`` is set before it. A thread known
-to wait idle in a blocking read holds nothing a child could inherit half-changed: a test runner's I/O
-threads (pytest-xdist's) are marked so once, with :func:`allow_idle_threads`, and not warned about.
+OpenMP pool that ``import torch`` starts unless ``OMP_NUM_THREADS=1`` is set before it.
 
 A worker that dies of a signal (a native crash) writes every thread's Python stack first
 (``faulthandler``, to a file per rank), and the parent's error carries it: where it happened.
@@ -28,7 +26,6 @@ import pickle
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -50,18 +47,6 @@ class ForkWithThreadsWarning(RuntimeWarning):
     """:func:`run_workers` forked a parent that runs threads besides its main one (see the module docstring)."""
 
 
-def _thread_ids() -> set[int]:
-    """This process's native thread ids, OpenMP, Rust and C++ threads included (Python's own off Linux)."""
-    try:
-        return {int(task) for task in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux: Python's own view
-        return {thread.native_id for thread in threading.enumerate() if thread.native_id is not None}
-
-
-#: The threads :func:`allow_idle_threads` was told wait idle at every fork.
-_IDLE_THREADS: set[int] = set()
-
-
 def native_threads() -> int:
     """How many threads this process runs, native ones (OpenMP, Rust, C++) included (Python's own count off Linux).
 
@@ -69,16 +54,12 @@ def native_threads() -> int:
         >>> native_threads() >= 1
         True
     """
-    return len(_thread_ids())
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's own view
+        import threading
 
-
-def allow_idle_threads() -> None:
-    """Fork past the threads this process runs now, the calling one aside, without a warning. Only for
-    threads that wait in a blocking read and whose objects the forked children never touch: pytest-xdist's
-    I/O threads, reading the runner's pipe (a fork happens while the forking thread holds the interpreter
-    lock, and glibc's fork takes the heap's locks itself, so a child inherits no half-changed heap).
-    Threads started later are still warned about."""
-    _IDLE_THREADS.update(_thread_ids() - {threading.get_native_id()})
+        return threading.active_count()
 
 
 def before_fork() -> None:
@@ -86,10 +67,10 @@ def before_fork() -> None:
     thread (a fork after torch's intra-op pool started deadlocks the children), and
     :class:`ForkWithThreadsWarning` where another thread runs (blamed on the forking helper's caller)."""
     torch.set_num_threads(1)
-    others = len(_thread_ids() - _IDLE_THREADS - {threading.get_native_id()})
-    if others > 0:
+    threads = native_threads()
+    if threads > 1:
         warnings.warn(
-            f"forking a parent that runs {others} thread(s) besides its main one; the forked processes "
+            f"forking a parent that runs {threads - 1} thread(s) besides its main one; the forked processes "
             "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
             "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
             "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "

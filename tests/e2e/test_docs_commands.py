@@ -53,7 +53,7 @@ SETUP = {
     "python3 -m venv .venv": ".ci/run",
     ".venv/bin/pip install -q torch==2.13.0 -e '.[dev]'": ".ci/run",
     ".venv/bin/pip install -q torch==2.13.0 -e .": ".ci/run installs this and the dev extra on top",
-    ".venv/bin/python -m pytest -n auto": ".ci/run: the suite this test is part of",
+    ".venv/bin/python -m pytest": ".ci/run: the suite this test is part of",
     "pip install torch==2.13.0 .": "tests/e2e/test_packaging.py installs the wheel pip builds from the checkout",
     "pip install -e '.[dev]'": ".ci/run",
     "pip wheel --no-deps -w dist .": "tests/e2e/test_packaging.py",

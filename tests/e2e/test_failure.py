@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
 from lightning_ultrascale.core import forensics
 from lightning_ultrascale.core.watchdog import Watchdog
-from lightning_ultrascale.testing import spawn
 from lightning_ultrascale.testing.commands import run_command
 from lightning_ultrascale.testing.spawn import ForkWithThreadsWarning, WorkerError, run_workers
 
@@ -227,23 +225,3 @@ def test_forking_a_parent_with_a_thread_running_warns_with_the_known_sources():
     finally:
         stop.set()
         thread.join()
-
-
-def test_threads_allowed_as_idle_are_forked_past_and_later_ones_are_not(monkeypatch):
-    monkeypatch.setattr(spawn, "_IDLE_THREADS", set(spawn._IDLE_THREADS))  # the allowance ends with this test
-    stop = threading.Event()
-    idle, later = threading.Thread(target=stop.wait), threading.Thread(target=stop.wait)
-    idle.start()
-    try:
-        spawn.allow_idle_threads()  # as tests/conftest.py does for pytest-xdist's I/O threads
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", ForkWithThreadsWarning)
-            assert run_workers(dist.get_rank, 2) == [0, 1]
-        later.start()
-        with pytest.warns(ForkWithThreadsWarning, match=r"runs 1 thread\(s\) besides its main one"):
-            assert run_workers(dist.get_rank, 2) == [0, 1]
-    finally:
-        stop.set()
-        for thread in (idle, later):
-            if thread.ident is not None:
-                thread.join()
