@@ -18,6 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # tokenizers' Rust thread pool starts at the first batch encode and stays: every later fork would copy
 # a parent with those threads in it (a malloc crash in a forked worker, once in CI).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Inductor's first compile on a cold cache (a fresh machine: /tmp/torchinductor_$USER empty) starts a
+# thread pool that stays; every later fork then failed the check for threads. One thread compiles here.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # tqdm's monitor thread (started by the first progress bar a test shows in this process) would be
 # alive in the parent at every later fork: measured there, the one thread besides the main one.

@@ -62,6 +62,25 @@ def native_threads() -> int:
         return threading.active_count()
 
 
+def thread_names() -> str:
+    """The threads besides the calling one: Python's names for the threads Python started, and the
+    kernel's names (``/proc/self/task/*/comm``) of every other task, which native pools' threads show as.
+
+    Example:
+        >>> thread_names()
+        'python: []; kernel: []'
+    """
+    import threading
+
+    python = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id()]
+        kernel = [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in tasks]
+    except OSError:
+        kernel = []
+    return f"python: {python}; kernel: {kernel}"
+
+
 def before_fork() -> None:
     """The parent's rules for forking (the module docstring), once before it forks workers: one intra-op
     thread (a fork after torch's intra-op pool started deadlocks the children), and
@@ -70,7 +89,8 @@ def before_fork() -> None:
     threads = native_threads()
     if threads > 1:
         warnings.warn(
-            f"forking a parent that runs {threads - 1} thread(s) besides its main one; the forked processes "
+            f"forking a parent that runs {threads - 1} thread(s) besides its main one ({thread_names()}); "
+            "the forked processes "
             "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
             "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
             "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
