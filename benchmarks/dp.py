@@ -6,10 +6,12 @@ Prints two tables and writes ``benchmarks/results/dp.json``:
    bytes handed to all-reduce over the ``dp_cp`` dim (must be Ψ, the gradient bytes) and the
    per-rank ring traffic 2Ψ(N-1)/N that this implies, against the playbook's formula.
 2. Tokens/s of ``UltraScaleStrategy(DataParallel())`` and Lightning's built-in ``ddp`` on the same
-   model, data and process count, alternated in one run (these machines are noisy: only the
-   ratio measured side by side means anything).
+   model, data and process count, as alternated pairs (``testing.timing.Alternation``: these
+   machines are noisy, only a ratio measured side by side means anything): the median of the paired
+   ratios with its 95% bootstrap interval, pairs added until the interval is within ±1.5% or the
+   time budget is spent; the table says when the interval straddles 1.0.
 
-    python benchmarks/dp.py            # full run (~2 minutes on 2 CPU cores)
+    python benchmarks/dp.py            # full run (~10 minutes on 2 CPU cores)
     python benchmarks/dp.py --quick    # a smoke run for the test suite: N=2 only, 4 steps (figures mean nothing)
 """
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ torch.set_num_threads(1)
 from lightning_ultrascale import DataParallel, LlamaModule, UltraScaleDataModule, UltraScaleStrategy  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, fit_tokens_per_s  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "dp.json"
@@ -83,12 +86,13 @@ def comm_worker(world_size: int, seq_len: int, micro_batch: int) -> dict[str, An
 
 
 def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float:
-    timer = StepTimer()
     strategy: Any = UltraScaleStrategy(DataParallel()) if kind == "ultrascale" else "ddp"
-    trainer = _trainer(strategy, world_size, steps, [timer])
-    data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch)
-    trainer.fit(LlamaModule("llama_tiny"), datamodule=data)
-    return world_size * micro_batch * seq_len * timer.steps_per_s()
+    return fit_tokens_per_s(LlamaModule("llama_tiny"), strategy, devices=world_size, steps=steps, seq_len=seq_len,
+                            micro_batch=micro_batch, data_ranks=world_size)  # fmt: skip
+
+
+def _measure(kind: str, world: int, steps: int, seq_len: int, micro_batch: int) -> float:
+    return run_workers(speed_worker, world, kind, world, steps, seq_len, micro_batch, timeout_s=600)[0]
 
 
 def main() -> None:
@@ -97,7 +101,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seq_len, micro_batch = (32, 2) if args.quick else (256, 8)
-    steps, repeats = (4, 1) if args.quick else (30, 3)
+    steps = 4 if args.quick else 20
+    rounds = (
+        {"min_rounds": 1, "max_rounds": 1} if args.quick else {"min_rounds": 8, "max_rounds": 40, "max_seconds": 540}
+    )
 
     comm_rows = []
     for n in (2,) if args.quick else (2, 4):
@@ -119,18 +126,19 @@ def main() -> None:
         )
 
     world = 2
-    speeds: dict[str, list[float]] = {"ultrascale": [], "ddp": []}
-    for _ in range(repeats):  # alternate, so drift on a noisy machine hits both alike
-        for kind in speeds:
-            speeds[kind].append(run_workers(speed_worker, world, kind, world, steps, seq_len, micro_batch)[0])
-    ours, theirs = statistics.median(speeds["ultrascale"]), statistics.median(speeds["ddp"])
+    arms = {kind: partial(_measure, kind, world, steps, seq_len, micro_batch) for kind in ("ddp", "ultrascale")}
+    alternation = Alternation(arms, baseline="ddp", **rounds)
+    ratio = alternation.run()["ultrascale"]
+    ours, theirs = (statistics.median(alternation.samples[k]) for k in ("ultrascale", "ddp"))
     speed = {
         "world_size": world,
         "tokens_per_step": world * micro_batch * seq_len,
+        "steps_per_run": steps,
         "ultrascale_tokens_per_s": ours,
         "ddp_tokens_per_s": theirs,
-        "ratio_ultrascale_over_ddp": ours / theirs,
-        "samples": speeds,
+        "ratio_ultrascale_over_ddp": ratio.median,
+        "paired_ratio": ratio.as_dict(),
+        "samples": alternation.samples,
     }
 
     print("Gradient all-reduce per optimizer step (fp32, llama_tiny), traced on rank 0")
@@ -140,11 +148,11 @@ def main() -> None:
             f"{c['N']:>2} {c['params']:>9,} {c['all_reduce_calls']:>5} {c['all_reduce_payload_bytes']:>10,} "
             f"{c['wire_bytes_per_rank']:>12,.0f} {c['formula_2psi_(n-1)/n']:>12,.0f} {c['ratio']:>7.4f}"
         )
-    print(f"\nTokens/s, {world} CPU processes, median of {repeats} alternated runs of {steps} steps")
+    print(f"\nTokens/s, {world} CPU processes, {len(ratio.ratios)} alternated pairs of runs of {steps} steps (medians)")
     print(f"{'strategy':<24} {'tokens/s':>10}")
     print(f"{'UltraScaleStrategy (DP)':<24} {ours:>10,.0f}")
     print(f"{'Lightning ddp':<24} {theirs:>10,.0f}")
-    print(f"{'ratio':<24} {ours / theirs:>10.3f}")
+    print(ratio.describe())
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "dp", "quick": args.quick, "device": "cpu", "comm": comm_rows, "speed": speed}

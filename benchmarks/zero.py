@@ -11,11 +11,12 @@ Prints tables and writes ``benchmarks/results/zero.json``:
    twice): 2Ψ for stages 0-2, 3Ψ for stage 3 (all-gather in forward and again in backward, plus a
    reduce-scatter).
 3. Tokens/s of our ZeRO-3 and Lightning's ``ModelParallelStrategy`` with FSDP2 applied the
-   documented way (``configure_model``), same model, data and processes, alternated in one run;
-   and of our ZeRO-2 beside Lightning's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` where
-   Lightning allows it.
+   documented way (``configure_model``), same model, data and processes, as alternated pairs
+   (``testing.timing.Alternation``: the median of the paired ratios with its 95% bootstrap interval,
+   pairs added until it is within ±1.5% or the time budget is spent); and of our ZeRO-2 beside
+   Lightning's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` where Lightning allows it (GPUs only).
 
-    python benchmarks/zero.py            # ~3 minutes on 2 CPU cores
+    python benchmarks/zero.py            # ~12 minutes on 2 CPU cores
     python benchmarks/zero.py --quick    # a smoke run for the test suite: stage 3 at N=2, ZeRO-3 vs FSDP2, 4 steps
 """
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ torch.set_num_threads(1)
 from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, PairedRatio, fit_tokens_per_s  # noqa: E402
 from lightning_ultrascale.testing.tracing import StepStateAndTraffic  # noqa: E402
 from lightning_ultrascale.utils.memory import playbook_model_state_bytes  # noqa: E402
 
@@ -83,7 +85,6 @@ class FSDP2ByHand(LlamaModule):
 def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float | str:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    timer = StepTimer()
     module: LlamaModule = LlamaModule("llama_tiny", optim=ADAMW)
     if kind == "ultrascale_zero3":
         strategy: Any = UltraScaleStrategy(ZeRO(stage=3))
@@ -97,18 +98,42 @@ def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_bat
     else:
         strategy = FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")
     try:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=world_size,
-            strategy=strategy,
-            max_steps=steps,
-            callbacks=[timer],
-            **QUIET_TRAINER,
-        )
-    except Exception as err:  # Lightning refuses some strategies on CPU: report it, measure nothing
+        return fit_tokens_per_s(module, strategy, devices=world_size, steps=steps, seq_len=seq_len,
+                                micro_batch=micro_batch, data_ranks=world_size)  # fmt: skip
+    except ValueError as err:  # Lightning refuses some strategies on CPU: report it, measure nothing
+        if "requires a GPU accelerator" not in str(err):
+            raise
         return f"not measured: {type(err).__name__}: {err}"
-    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
-    return world_size * micro_batch * seq_len * timer.steps_per_s()
+
+
+def _measure(kind: str, world: int, steps: int, seq_len: int) -> float | str:
+    return run_workers(speed_worker, world, kind, world, steps, seq_len, 4, timeout_s=600)[0]
+
+
+#: (ours, Lightning's) pairs timed side by side: the ratio is ours over Lightning's.
+PAIRS = {
+    "zero3_over_lightning_fsdp2": ("ultrascale_zero3", "lightning_model_parallel_fsdp2"),
+    "zero2_over_lightning_shard_grad_op": ("ultrascale_zero2", "lightning_fsdp_shard_grad_op"),
+}
+
+
+def _speed(quick: bool, world: int, seq_len: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Per pair: its paired ratio (or why it measured nothing); per strategy: median tokens/s, and samples."""
+    steps = 4 if quick else 20
+    rounds = {"min_rounds": 1, "max_rounds": 1} if quick else {"min_rounds": 8, "max_rounds": 40, "max_seconds": 270}
+    ratios: dict[str, Any] = {}
+    speed: dict[str, Any] = {}
+    samples: dict[str, Any] = {}
+    for name, (ours, theirs) in PAIRS.items():
+        arms = {kind: partial(_measure, kind, world, steps, seq_len) for kind in (theirs, ours)}
+        alternation = Alternation(arms, baseline=theirs, **rounds)
+        paired = alternation.run().get(ours)
+        ratios[name] = paired if paired is not None else f"{name}: {alternation.not_measured[theirs]}"
+        for kind in (ours, theirs):
+            values = alternation.samples.get(kind)
+            speed[kind] = statistics.median(values) if values else alternation.not_measured.get(kind, "not measured")
+            samples[kind] = values or []
+    return ratios, speed, samples
 
 
 def main() -> None:
@@ -119,7 +144,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seq_len = 32 if args.quick else 128
-    steps, repeats = (4, 1) if args.quick else (30, 3)
     cells = [(3, 2)] if args.quick else [(stage, n) for stage in (0, 1, 2, 3) for n in (1, 2, 4)]
 
     rows = []
@@ -153,19 +177,7 @@ def main() -> None:
         )
 
     world = 2
-    kinds = ["ultrascale_zero3", "lightning_model_parallel_fsdp2", "ultrascale_zero2", "lightning_fsdp_shard_grad_op"]
-    kinds = kinds[:2] if args.quick else kinds
-    samples: dict[str, list[Any]] = {k: [] for k in kinds}
-    for _ in range(repeats):  # alternate so drift on a noisy machine hits every strategy alike
-        for kind in kinds:
-            samples[kind].append(run_workers(speed_worker, world, kind, world, steps, seq_len, 4, timeout_s=600)[0])
-    speed: dict[str, Any] = {}
-    for kind, values in samples.items():
-        numbers = [v for v in values if isinstance(v, float)]
-        speed[kind] = statistics.median(numbers) if numbers else values[0]
-
-    def ratio(a: str, b: str) -> float | None:
-        return speed[a] / speed[b] if isinstance(speed.get(a), float) and isinstance(speed.get(b), float) else None
+    ratios, speed, samples = _speed(args.quick, world, seq_len)
 
     print("Model state per rank after an AdamW step, fp32, llama_tiny (measured / playbook formula)")
     header = f"{'stage':>5} {'N':>2} {'params B':>11} {'grads B':>11} {'optim B':>11} {'total B':>11}"
@@ -177,13 +189,11 @@ def main() -> None:
             f"{row['stage']:>5} {row['N']:>2} {m['params']:>11,} {m['grads']:>11,} {m['optimizer_states']:>11,} "
             f"{row['measured_total']:>11,} {row['formula_total']:>11,.0f} {row['memory_ratio']:>6.3f}  {comm:>6}"
         )
-    print(f"\nTokens/s, {world} CPU processes, median of {repeats} alternated runs of {steps} steps")
-    for kind in kinds:
-        value = speed[kind]
+    print(f"\nTokens/s, {world} CPU processes, medians of the alternated runs")
+    for kind, value in speed.items():
         print(f"{kind:<34} {value:>10,.0f}" if isinstance(value, float) else f"{kind:<34} {value[:90]}")
-    speed["ratio_zero3_over_lightning_fsdp2"] = ratio("ultrascale_zero3", "lightning_model_parallel_fsdp2")
-    speed["ratio_zero2_over_lightning_shard_grad_op"] = ratio("ultrascale_zero2", "lightning_fsdp_shard_grad_op")
-    print(f"ratio ZeRO-3 / Lightning FSDP2: {speed['ratio_zero3_over_lightning_fsdp2']}")
+    for paired in ratios.values():
+        print(paired.describe() if isinstance(paired, PairedRatio) else paired[:120])
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -192,6 +202,7 @@ def main() -> None:
         "device": "cpu",
         "memory_and_comm": rows,
         "speed": speed,
+        "ratios": {k: v.as_dict() if isinstance(v, PairedRatio) else v for k, v in ratios.items()},
         "samples": samples,
     }
     args.out.write_text(json.dumps(payload, indent=2, default=str))
