@@ -34,10 +34,11 @@ of 2 experts, 2 groups per token, 1 shared expert; fp32) on the bundled corpus
    same bytes at every ep.
 3. Tokens/s of ep=1 (plain data parallel, ``UltraScaleStrategy()``) and ep=2
    (``UltraScaleStrategy(ExpertParallel(2))``), both on 2 forked processes with the same
-   micro-batch per rank (so the same global batch), alternated in one run, median of the
-   repeats. Two CPU cores and gloo: these timings say little about GPUs, where the all-to-alls
-   cross NVLink or InfiniBand and the experts' GEMMs are the bulk of the work; here a tiny model's
-   dispatch bookkeeping and gloo's latency dominate.
+   micro-batch per rank (so the same global batch), in alternated rounds: the median of the paired
+   ratios with a 95% bootstrap interval (``testing.timing.Alternation``). Two CPU cores and gloo:
+   these timings say little about GPUs, where the all-to-alls cross NVLink or InfiniBand and the
+   experts' GEMMs are the bulk of the work; here a tiny model's dispatch bookkeeping and gloo's
+   latency dominate.
 4. Grouped GEMM (``torch._grouped_mm``, ``expert_kernel="grouped_mm"``) against the per-expert
    loop (``"loop"``): forward + backward time of ``GroupedExperts`` alone on one process for a
    few (experts, rows, dim, hidden) shapes, the rows split over the experts by a random top-2
@@ -72,7 +73,7 @@ of 2 experts, 2 groups per token, 1 shared expert; fp32) on the bundled corpus
    single spike breaks), and the share of per-step values below 1.3 and their maximum from the
    "stays" step on.
 
-    python benchmarks/expert.py            # ~4 minutes on 2 CPU cores
+    python benchmarks/expert.py            # ~10 minutes on 2 CPU cores
     python benchmarks/expert.py --quick    # a smoke run for the test suite: ep=2, a few steps, one of each table
 """
 
@@ -84,6 +85,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +119,7 @@ from lightning_ultrascale.parallel.layout import Layout  # noqa: E402
 from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, PairedRatio, fit_tokens_per_s  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "expert.json"
@@ -394,33 +396,32 @@ def measure_bytes(eps: tuple[int, ...], seq_len: int, micro_batch: int) -> tuple
 
 # ----------------------------------------------------------------------------- 3: speed
 def speed_worker(ep: int, steps: int, seq_len: int, micro_batch: int) -> float:
-    timer = StepTimer()
-    plugins = [ExpertParallel(ep)] if ep > 1 else []
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=UltraScaleStrategy(*plugins), max_steps=steps, callbacks=[timer],
-        **QUIET_TRAINER,
-    )  # fmt: skip
-    data = UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch)
-    trainer.fit(LlamaModule(MODEL, optim=ADAMW), datamodule=data)
-    return 2 * micro_batch * seq_len * timer.steps_per_s()
+    strategy = UltraScaleStrategy(*([ExpertParallel(ep)] if ep > 1 else []))
+    return fit_tokens_per_s(LlamaModule(MODEL, optim=ADAMW), strategy, devices=2, steps=steps, seq_len=seq_len,
+                            micro_batch=micro_batch, data_ranks=2)  # fmt: skip
 
 
-def measure_speed(steps: int, repeats: int, seq_len: int, micro_batch: int) -> dict[str, Any]:
-    samples: dict[str, list[float]] = {"ep=1": [], "ep=2": []}
-    for _ in range(repeats):  # alternate, so drift on a noisy machine hits both alike
-        for ep in (1, 2):
-            samples[f"ep={ep}"].append(run_workers(speed_worker, 2, ep, steps, seq_len, micro_batch, timeout_s=600)[0])
-    tokens_per_s = {label: statistics.median(v) for label, v in samples.items()}
+def _measure(ep: int, steps: int, seq_len: int, micro_batch: int) -> float:
+    return run_workers(speed_worker, 2, ep, steps, seq_len, micro_batch, timeout_s=600)[0]
+
+
+def measure_speed(steps: int, rounds: dict[str, Any], seq_len: int, micro_batch: int) -> dict[str, Any]:
+    """ep=2 against ep=1 in alternated rounds (``testing.timing.Alternation``)."""
+    arms = {f"ep={ep}": partial(_measure, ep, steps, seq_len, micro_batch) for ep in (1, 2)}
+    alternation = Alternation(arms, baseline="ep=1", **rounds)
+    paired = alternation.run()["ep=2"]
+    tokens_per_s = {label: statistics.median(v) for label, v in alternation.samples.items()}
     return {
         "processes": 2,
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "global_batch_tokens": 2 * micro_batch * seq_len,
         "steps": steps,
-        "repeats": repeats,
+        "rounds": len(paired.ratios),
         "tokens_per_s": tokens_per_s,
-        "ratio_ep2_over_ep1": tokens_per_s["ep=2"] / tokens_per_s["ep=1"],
-        "samples": samples,
+        "ratio_ep2_over_ep1": paired.median,
+        "paired_ratio": paired.as_dict(),
+        "samples": alternation.samples,
     }
 
 
@@ -662,11 +663,13 @@ def print_params(params: list[dict[str, Any]]) -> None:
 
 def print_speed(speed: dict[str, Any]) -> None:
     print(
-        f"\nTokens/s, 2 processes, b={speed['micro_batch']} per rank, s={speed['seq_len']}, median of "
-        f"{speed['repeats']} alternated runs of {speed['steps']} steps (CPU, gloo: says little about GPUs)"
+        f"\nTokens/s, 2 processes, b={speed['micro_batch']} per rank, s={speed['seq_len']}, medians of "
+        f"{speed['rounds']} alternated rounds of {speed['steps']} steps (CPU, gloo: says little about GPUs)"
     )
     for label, value in speed["tokens_per_s"].items():
-        print(f"{label:<5} {value:>10,.0f} {value / speed['tokens_per_s']['ep=1']:>7.3f} x ep=1")
+        print(f"{label:<5} {value:>10,.0f}")
+    paired = speed["paired_ratio"]
+    print(PairedRatio.of("ep=2/ep=1", paired["ratios"], paired["ci_level"]).describe())
 
 
 def print_gemm(gemm: list[dict[str, Any]], repeats: int) -> None:
@@ -729,7 +732,8 @@ def main() -> None:
     quick = args.quick
     eps = (2,) if quick else (2, 4)
     comm_seq, comm_batch = (32, 2) if quick else (128, 4)
-    steps, repeats, speed_seq, speed_batch = (4, 1, 32, 2) if quick else (30, 3, 128, 8)
+    steps, speed_seq, speed_batch = (4, 32, 2) if quick else (20, 128, 8)
+    rounds = {"min_rounds": 1, "max_rounds": 1} if quick else {"min_rounds": 6, "max_rounds": 30, "max_seconds": 360}
     gemm_shapes = (
         [(8, 512, 64, 64)]
         if quick
@@ -740,7 +744,7 @@ def main() -> None:
     aux_coeff, bias_rate = (0.1, 0.01) if quick else (0.1, 0.003)
 
     comm, params = measure_bytes(eps, comm_seq, comm_batch)
-    speed = measure_speed(steps, repeats, speed_seq, speed_batch)
+    speed = measure_speed(steps, rounds, speed_seq, speed_batch)
     gemm = run_workers(gemm_worker, 1, gemm_shapes, gemm_repeats, timeout_s=900)[0]
     balancing = measure_balancing(quick, bal_steps, bal_seq, bal_batch, aux_coeff, bias_rate)
     print_comm(comm)

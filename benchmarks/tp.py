@@ -19,10 +19,11 @@ tp=4 divides them; the variant the TP parity tests use) on tp = 1, 2, 4 forked g
    autograd keeps for backward), not parameters, buffers or the logits, by the module that made
    them. SP divides the norm and residual part by tp; the all-gathered inputs of the column-parallel
    projections are kept whole (DTensor saves them; Megatron-SP would save the shard and re-gather).
-4. Tokens/s of one process against tp=2 with and without SP, alternated in one run.
+4. Tokens/s of one process against tp=2 with and without SP, in alternated rounds: the median of the
+   paired ratios to tp=1 with a 95% bootstrap interval (``testing.timing.Alternation``).
 
-    python benchmarks/tp.py            # ~2 minutes on 2 CPU cores
-    python benchmarks/tp.py --quick    # a smoke run for the test suite: tp=1 (tp=2+SP for the traffic), 4 steps
+    python benchmarks/tp.py            # ~9 minutes on 2 CPU cores
+    python benchmarks/tp.py --quick    # a smoke run for the test suite: tp=1 and tp=2+SP, one round of 4 steps
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import gc
 import json
 import os
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,7 @@ from lightning_ultrascale.parallel.mesh import build_mesh  # noqa: E402
 from lightning_ultrascale.parallel.plugin import apply_all  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, fit_tokens_per_s  # noqa: E402
 from lightning_ultrascale.utils.comm import CommTracer, wire_bytes  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tp.json"
@@ -256,14 +258,10 @@ def activation_worker(tp: int, sp: bool, seq_len: int, micro_batch: int) -> dict
 
 
 def speed_worker(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) -> float:
-    timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=tp, strategy=UltraScaleStrategy(TensorParallel(tp, sequence_parallel=sp)),
-        max_steps=steps, callbacks=[timer], **QUIET_TRAINER,
-    )  # fmt: skip
-    trainer.fit(LlamaModule(MODEL), datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
     # Every tp rank works on the same micro-batch: tokens per step do not grow with tp.
-    return micro_batch * seq_len * timer.steps_per_s()
+    strategy = UltraScaleStrategy(TensorParallel(tp, sequence_parallel=sp))
+    return fit_tokens_per_s(LlamaModule(MODEL), strategy, devices=tp, steps=steps, seq_len=seq_len,
+                            micro_batch=micro_batch, data_ranks=1)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- main
@@ -388,33 +386,39 @@ def print_activations(activations: list[dict[str, Any]], seq_len: int, micro_bat
     print("(by the module whose forward created the storage; with SP the all-gathered inputs count in attn+MLP)")
 
 
-def measure_speed(
-    layouts: list[tuple[int, bool]], steps: int, repeats: int, seq_len: int, micro_batch: int
-) -> dict[str, Any]:
-    samples: dict[str, list[float]] = {_label(*layout): [] for layout in layouts}
-    for _ in range(repeats):  # alternate, so drift on a noisy machine hits every layout alike
-        for tp, sp in layouts:
-            result = run_workers(speed_worker, tp, tp, sp, steps, seq_len, micro_batch, timeout_s=300)[0]
-            samples[_label(tp, sp)].append(result)
-    tokens_per_s = {label: statistics.median(values) for label, values in samples.items()}
+def _measure(tp: int, sp: bool, steps: int, seq_len: int, micro_batch: int) -> float:
+    return run_workers(speed_worker, tp, tp, sp, steps, seq_len, micro_batch, timeout_s=300)[0]
+
+
+def measure_speed(layouts: list[tuple[int, bool]], steps: int, rounds: dict[str, Any], seq_len: int,
+                  micro_batch: int) -> dict[str, Any]:  # fmt: skip
+    """Every layout against tp=1 in alternated rounds (``testing.timing.Alternation``)."""
+    arms = {_label(tp, sp): partial(_measure, tp, sp, steps, seq_len, micro_batch) for tp, sp in layouts}
+    alternation = Alternation(arms, baseline="tp=1", **rounds)
+    ratios = alternation.run()
+    tokens_per_s = {label: statistics.median(values) for label, values in alternation.samples.items()}
     return {
         "micro_batch": micro_batch,
         "seq_len": seq_len,
         "steps": steps,
-        "repeats": repeats,
+        "rounds": len(alternation.samples["tp=1"]),
         "tokens_per_s": tokens_per_s,
-        "ratio_to_tp1": {label: v / tokens_per_s["tp=1"] for label, v in tokens_per_s.items()},
-        "samples": samples,
+        "ratio_to_tp1": {label: r.median for label, r in ratios.items()},
+        "paired_ratios": {label: r.as_dict() for label, r in ratios.items()},
+        "samples": alternation.samples,
     }
 
 
 def print_speed(speed: dict[str, Any]) -> None:
     print(
-        f"\nTokens/s (b={speed['micro_batch']}, s={speed['seq_len']}), one thread per process, median of "
-        f"{speed['repeats']} alternated runs of {speed['steps']} steps"
+        f"\nTokens/s (b={speed['micro_batch']}, s={speed['seq_len']}), one thread per process, medians of "
+        f"{speed['rounds']} alternated rounds of {speed['steps']} steps; ratios paired within a round"
     )
     for label, value in speed["tokens_per_s"].items():
-        print(f"{label:<9} {value:>10,.0f} {speed['ratio_to_tp1'][label]:>7.3f} x tp=1")
+        paired = speed["paired_ratios"].get(label)
+        interval = f"  (95% CI {paired['ci_low']:.3f}-{paired['ci_high']:.3f})" if paired and paired["ci_low"] else ""
+        ratio = speed["ratio_to_tp1"].get(label, 1.0)
+        print(f"{label:<9} {value:>10,.0f} {ratio:>7.3f} x tp=1{interval}")
 
 
 def main() -> None:
@@ -425,13 +429,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     seq_len, micro_batch = (32, 2) if args.quick else (64, 4)
-    steps, repeats, speed_seq_len, speed_batch = (4, 1, 32, 2) if args.quick else (20, 3, 256, 8)
+    steps, speed_seq_len, speed_batch = (4, 32, 2) if args.quick else (20, 256, 8)
+    rounds = (
+        {"min_rounds": 1, "max_rounds": 1} if args.quick else {"min_rounds": 6, "max_rounds": 30, "max_seconds": 420}
+    )
     layouts = QUICK_LAYOUTS if args.quick else LAYOUTS
 
     params, comm = measure_params_and_comm(layouts, seq_len, micro_batch)
     # --quick: the traffic needs tp=2; the other tables run their first row.
     activations = measure_activations(layouts[:1] if args.quick else layouts, seq_len, micro_batch)
-    speed = measure_speed(layouts[:1] if args.quick else LAYOUTS[:3], steps, repeats, speed_seq_len, speed_batch)
+    speed = measure_speed(layouts if args.quick else LAYOUTS[:3], steps, rounds, speed_seq_len, speed_batch)
     print_params(params)
     print_comm(comm, seq_len, micro_batch)
     print_activations(activations, seq_len, micro_batch)

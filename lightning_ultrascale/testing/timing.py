@@ -37,6 +37,10 @@ class StepTimer(L.Callback):
         return (len(warm) - 1) / (warm[-1] - warm[0])
 
 
+#: The fewest values :func:`median_interval` gives an interval for.
+MIN_VALUES = 6
+
+
 @dataclass(frozen=True)
 class PairedRatio:
     """How much faster one arm ran than the baseline: the median of the per-round ratios (arm / baseline,
@@ -74,7 +78,7 @@ class PairedRatio:
         verdict = "straddles 1.0: no difference resolved" if self.straddles_one else "excludes 1.0"
         return (
             f"{self.name} = {self.median:.3f} ({self.level:.0%} CI {self.low:.3f}-{self.high:.3f}, "
-            f"{len(self.ratios)} pairs; {verdict})"
+            f"{len(self.ratios)} pair{'' if len(self.ratios) == 1 else 's'}; {verdict})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,15 +95,16 @@ class PairedRatio:
 
 def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 10_000) -> tuple[float, float]:
     """A percentile-bootstrap interval of the median of ``values`` (seeded: the same values give the same
-    interval). Fewer than 2 values give no interval: ``(-inf, inf)``. At few values it is a little narrow:
-    a nominal 95% held the true median 91-92% of the time at 8 to 30 normal values (``tests/unit/test_timing.py``).
+    interval). At few values it is a little narrow: a nominal 95% held the true median 91-92% of the time
+    at 8 to 30 normal values (``tests/unit/test_timing.py``); below :data:`MIN_VALUES` it would be the
+    range of a handful of values (2 values: the true median inside half the time), so there is none: ``(-inf, inf)``.
 
     Example:
         >>> low, high = median_interval([0.9, 1.0, 1.1, 1.0, 0.95, 1.05])
         >>> 0.9 <= low <= 1.0 <= high <= 1.1
         True
     """
-    if len(values) < 2:
+    if len(values) < MIN_VALUES:
         return -math.inf, math.inf
     rng = np.random.default_rng(0)
     data = np.asarray(values, dtype=np.float64)
@@ -121,16 +126,15 @@ class Alternation:
     measured nothing ends it with no ratios.
 
     Example:
-        >>> alternation = Alternation({"ddp": lambda: 100.0, "ours": lambda: 102.0}, baseline="ddp",
-        ...                           min_rounds=3, log=None)
+        >>> alternation = Alternation({"ddp": lambda: 100.0, "ours": lambda: 102.0}, baseline="ddp", log=None)
         >>> ratio = alternation.run()["ours"]  # a steady 2%: the interval is narrow after the fewest rounds
         >>> round(ratio.median, 3), len(ratio.ratios), ratio.straddles_one
-        (1.02, 3, False)
+        (1.02, 6, False)
     """
 
     arms: Mapping[str, Callable[[], float | str]]
     baseline: str
-    min_rounds: int = 5
+    min_rounds: int = MIN_VALUES
     max_rounds: int = 30
     halfwidth: float = 0.015
     max_seconds: float = math.inf

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import runpy
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,9 +68,18 @@ def _paths(value: Any, data_keyed: frozenset[str], path: str) -> set[str]:
 
 
 #: tp's speed columns are the layouts measured; its traffic's keys the phases and collectives traced.
-_TP_KEYED = ("speed.tokens_per_s", "speed.ratio_to_tp1", "speed.samples", "comm[].block_forward_backward",
-             "comm[].block_formula", "comm[].block_by_phase", "comm[].block_by_phase.*",
-             "comm[].outside_blocks_by_phase", "comm[].outside_blocks_by_phase.*")  # fmt: skip
+_TP_KEYED = (
+    "speed.tokens_per_s",
+    "speed.ratio_to_tp1",
+    "speed.paired_ratios",
+    "speed.samples",
+    "comm[].block_forward_backward",
+    "comm[].block_formula",
+    "comm[].block_by_phase",
+    "comm[].block_by_phase.*",
+    "comm[].outside_blocks_by_phase",
+    "comm[].outside_blocks_by_phase.*",
+)
 #: pipeline: the op kinds a schedule runs (F, B, W, BW) on the stages it has.
 _PIPELINE_OPS = ("schedules[].op_ms", "schedules[].op_ms_per_stage", "schedules[].op_ms_per_stage.*")
 _PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predicted_comm_by_dim", "comm_errors")
@@ -349,3 +359,24 @@ def test_the_chaos_run_finished_bit_identical_after_every_kill():
         assert start < kill["step"] or (kill["during"] == "step" and start == kill["step"]), (kill, start)
     assert result["steps_computed_twice"] > 0 and result["bit_identical"] and not result["mismatches"]
     assert result["left_behind"] == 0
+
+
+def _paired_ratios(value: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    if isinstance(value, dict):
+        if {"median", "ci_low", "ci_high", "straddles_1", "ratios"} <= set(value):
+            return [(path, value)]
+        return [pair for k, v in value.items() for pair in _paired_ratios(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [pair for i, v in enumerate(value) for pair in _paired_ratios(v, f"{path}[{i}]")]
+    return []
+
+
+def test_every_committed_side_by_side_ratio_says_what_its_pairs_and_interval_say():
+    found = {name: _paired_ratios(_committed(name)) for name in ("dp", "zero", "tp", "expert")}
+    for name, pairs in found.items():
+        assert pairs, f"{name}.json holds no paired ratio (testing.timing.PairedRatio.as_dict)"
+        for where, r in pairs:
+            assert r["pairs"] == len(r["ratios"]) >= 6, (name, where, r["pairs"])
+            assert r["median"] == pytest.approx(statistics.median(r["ratios"])), (name, where)
+            assert r["ci_low"] <= r["median"] <= r["ci_high"], (name, where)
+            assert r["straddles_1"] == (r["ci_low"] <= 1.0 <= r["ci_high"]), (name, where)

@@ -28,12 +28,12 @@ def test_each_round_runs_every_arm_once_starting_with_the_baseline_then_rotated(
     assert calls == ["ddp", "ours", "other", "ours", "other", "ddp", "other", "ddp", "ours"]
 
 
-def test_a_steady_ratio_stops_after_the_fewest_rounds_and_excludes_one():
+def test_a_steady_ratio_stops_at_the_fewest_pairs_that_give_an_interval_and_excludes_one():
     calls: list[str] = []
     alternation = Alternation(_arms({"ours": [102.0] * 40, "ddp": [100.0] * 40}, calls), baseline="ddp",
-                              min_rounds=4, max_rounds=40, log=None)  # fmt: skip
+                              min_rounds=2, max_rounds=40, log=None)  # fmt: skip
     ratio = alternation.run()["ours"]
-    assert len(ratio.ratios) == 4 and ratio.median == pytest.approx(1.02) and not ratio.straddles_one
+    assert len(ratio.ratios) == 6 and ratio.median == pytest.approx(1.02) and not ratio.straddles_one
     assert "excludes 1.0" in ratio.describe()
 
 
@@ -66,7 +66,7 @@ def test_the_bootstrap_interval_of_the_median_has_the_width_the_theory_gives():
     low, high = median_interval(values)
     assert low < float(np.median(values)) < high
     assert 0.006 < high - low < 0.025
-    assert median_interval([1.0]) == (float("-inf"), float("inf"))
+    assert median_interval([1.0, 1.01, 1.02, 1.03, 1.04]) == (float("-inf"), float("inf"))  # 5 values: no interval
     assert PairedRatio.of("a/b", [1.1]).as_dict()["ci_low"] is None  # JSON has no infinity
 
 
