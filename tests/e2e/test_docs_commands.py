@@ -53,7 +53,6 @@ SETUP = {
     "python3 -m venv .venv": ".ci/run",
     ".venv/bin/pip install -q torch==2.13.0 -e '.[dev]'": ".ci/run",
     ".venv/bin/pip install -q torch==2.13.0 -e .": ".ci/run installs this and the dev extra on top",
-    ".venv/bin/python -m pytest": ".ci/run runs the same tests through tests/run_suite.py",
     ".venv/bin/python tests/run_suite.py": ".ci/run: the suite this test is part of",
     "pip install torch==2.13.0 .": "tests/e2e/test_packaging.py installs the wheel pip builds from the checkout",
     "pip install -e '.[dev]'": ".ci/run",
