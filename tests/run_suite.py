@@ -5,7 +5,7 @@
     .venv/bin/python tests/run_suite.py -- -x -k zero       # options after -- go to every lane
     .venv/bin/python tests/run_suite.py --record            # also rewrite tests/data/durations.json
 
-`python -m pytest` runs the same tests in one process (about 20 minutes on 2 cores; this, about 12).
+`python -m pytest` runs the same tests in one process (about 20 minutes on 2 cores; this, 12 to 14).
 
 Why not pytest-xdist: its workers run execnet's I/O threads, and a rank that a test forks from a
 process with threads in it can die in glibc with SIGABRT (it did, in every fresh-clone run of the suite
