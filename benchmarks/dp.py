@@ -11,7 +11,7 @@ Prints two tables and writes ``benchmarks/results/dp.json``:
    ratios with its 95% bootstrap interval, pairs added until the interval is within ±1.5% or the
    time budget is spent; the table says when the interval straddles 1.0.
 
-    python benchmarks/dp.py            # full run (~10 minutes on 2 CPU cores)
+    python benchmarks/dp.py            # full run (~3 minutes on 2 CPU cores)
     python benchmarks/dp.py --quick    # a smoke run for the test suite: N=2 only, 4 steps (figures mean nothing)
 """
 

@@ -73,7 +73,7 @@ of 2 experts, 2 groups per token, 1 shared expert; fp32) on the bundled corpus
    single spike breaks), and the share of per-step values below 1.3 and their maximum from the
    "stays" step on.
 
-    python benchmarks/expert.py            # ~10 minutes on 2 CPU cores
+    python benchmarks/expert.py            # ~6 minutes on 2 CPU cores
     python benchmarks/expert.py --quick    # a smoke run for the test suite: ep=2, a few steps, one of each table
 """
 

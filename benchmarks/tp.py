@@ -22,7 +22,7 @@ tp=4 divides them; the variant the TP parity tests use) on tp = 1, 2, 4 forked g
 4. Tokens/s of one process against tp=2 with and without SP, in alternated rounds: the median of the
    paired ratios to tp=1 with a 95% bootstrap interval (``testing.timing.Alternation``).
 
-    python benchmarks/tp.py            # ~9 minutes on 2 CPU cores
+    python benchmarks/tp.py            # ~7 minutes on 2 CPU cores
     python benchmarks/tp.py --quick    # a smoke run for the test suite: tp=1 and tp=2+SP, one round of 4 steps
 """
 
@@ -415,8 +415,8 @@ def print_speed(speed: dict[str, Any]) -> None:
         f"{speed['rounds']} alternated rounds of {speed['steps']} steps; ratios paired within a round"
     )
     for label, value in speed["tokens_per_s"].items():
-        paired = speed["paired_ratios"].get(label)
-        interval = f"  (95% CI {paired['ci_low']:.3f}-{paired['ci_high']:.3f})" if paired and paired["ci_low"] else ""
+        paired = speed["paired_ratios"].get(label) or {"ci_low": None}
+        interval = "" if paired["ci_low"] is None else f"  (95% CI {paired['ci_low']:.3f}-{paired['ci_high']:.3f})"
         ratio = speed["ratio_to_tp1"].get(label, 1.0)
         print(f"{label:<9} {value:>10,.0f} {ratio:>7.3f} x tp=1{interval}")
 

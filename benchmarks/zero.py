@@ -16,7 +16,7 @@ Prints tables and writes ``benchmarks/results/zero.json``:
    pairs added until it is within ±1.5% or the time budget is spent); and of our ZeRO-2 beside
    Lightning's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` where Lightning allows it (GPUs only).
 
-    python benchmarks/zero.py            # ~12 minutes on 2 CPU cores
+    python benchmarks/zero.py            # ~4 minutes on 2 CPU cores
     python benchmarks/zero.py --quick    # a smoke run for the test suite: stage 3 at N=2, ZeRO-3 vs FSDP2, 4 steps
 """
 
