@@ -21,6 +21,7 @@ from lightning_ultrascale.data import UltraScaleDataModule
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.fp8.precision import FP8Precision
 from lightning_ultrascale.models import LlamaConfig, build_model, get_model_config
+from lightning_ultrascale.parallel.compile import Compile
 from lightning_ultrascale.parallel.context import ContextParallel
 from lightning_ultrascale.parallel.data import DataParallel, ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
@@ -37,6 +38,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path, never insta
     __version__ = "0+unknown"
 
 __all__ = [
+    "Compile",
     "ConfigError",
     "ContextParallel",
     "DataParallel",

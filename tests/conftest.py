@@ -156,3 +156,27 @@ def _fresh_workers_under_monkeypatch(request):  # type: ignore[no-untyped-def]
 
     with fresh_workers() if "monkeypatch" in request.fixturenames else contextlib.nullcontext():
         yield
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A byte-level token file of 600 short documents (3 to 40 bytes): ~3 per 64-token window."""
+    import json
+    from pydoc_data.topics import topics
+
+    import torch
+
+    from lightning_ultrascale.data.prepare import tokenize_corpus
+    from lightning_ultrascale.data.tokenizer import load_tokenizer
+
+    text = " ".join(topics[k] for k in sorted(topics))[:60_000]
+    gen = torch.Generator().manual_seed(0)
+    folder = tmp_path_factory.mktemp("short_documents")
+    lines, start = [], 0
+    for _ in range(600):
+        n = int(torch.randint(3, 41, (1,), generator=gen))
+        lines.append(json.dumps({"text": text[start : start + n]}))
+        start += n
+    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    tokenize_corpus([folder / "docs.jsonl"], folder / "docs.bin", load_tokenizer("byte"))
+    return str(folder / "docs.bin")

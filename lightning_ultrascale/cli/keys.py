@@ -26,6 +26,7 @@ LEGACY: dict[str, str] = {
     "parallel.sequence_parallel": "parallel.tp.sequence_parallel",
     "parallel.loss_parallel": "parallel.tp.loss_parallel",
     "parallel.recompute": "parallel.recompute.mode",
+    "parallel.compile": "parallel.compile.enabled",
     "checkpoint_every_n_steps": "checkpoint.every_n_steps",
 }
 _SHORT = {full: short for short, full in LEGACY.items()}

@@ -20,6 +20,7 @@ from the same plan: one plan, never a second one per precision.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -235,41 +236,41 @@ class _AttentionErrors:
 
     A model written for one device reshapes by the whole model's head count or width, or splits a
     fused q/k/v projection, and under TP fails with a raw shape or unpack error from its own code.
-    A pre-hook notes which attention a forward entered, the forward hook that it left: an error
-    leaves the note set. The hooks go once a step has run.
+    The traceback names the attention that raised: the frame of its ``forward`` (its ``self``).
+    No hooks: a hook with a per-block constant would make a compiled block recompile once per block.
     """
 
     def __init__(self, plugin: TensorParallel, model: nn.Module, spec: ModelSpec) -> None:
-        self.plugin, self.inside = plugin, None
-        self.handles = []
-        for name, block in model.get_submodule(spec.layers).named_children():
-            attention = block.get_submodule(spec.attention)
-            where = f"{spec.layers}.{name}.{spec.attention}"
-            self.handles += [
-                attention.register_forward_pre_hook(lambda *_, where=where: setattr(self, "inside", where)),
-                attention.register_forward_hook(lambda *_: setattr(self, "inside", None)),
-            ]
+        self.plugin, self.armed = plugin, True
+        blocks = model.get_submodule(spec.layers).named_children()
+        self.names = {
+            id(block.get_submodule(spec.attention)): f"{spec.layers}.{name}.{spec.attention}" for name, block in blocks
+        }
+
+    def _raised_in(self, err: BaseException) -> str | None:
+        where = None
+        for frame, _ in traceback.walk_tb(err.__traceback__):
+            where = self.names.get(id(frame.f_locals.get("self")), where)
+        return where
 
     @contextlib.contextmanager
     def explained(self) -> Iterator[None]:
-        if not self.handles:
+        if not self.armed:
             yield
             return
-        self.inside = None
         try:
             yield
         except (RuntimeError, ValueError) as err:
-            if self.inside is None:
+            inside = self._raised_in(err)
+            if inside is None:
                 raise
             tp = self.plugin.size
             raise ContractError(
-                f"{self.inside} raised under {self.plugin!r}: {type(err).__name__}: {str(err).splitlines()[0]}. "
+                f"{inside} raised under {self.plugin!r}: {type(err).__name__}: {str(err).splitlines()[0]}. "
                 f"Each of the tp={tp} ranks holds 1/{tp} of the heads: its q, k and v projections give "
                 f"1/{tp} of their width. Reshape by the projections' outputs (view(b, s, -1, head_dim)) or keep "
                 "the counts as n_heads / n_kv_heads attributes (set to each rank's own), never by the model's "
                 "width or head count; and split a fused q/k/v projection into three Linears (a column shard of "
                 "one fused matrix holds parts of q and of k). docs/models.md, 'Your own model'"
             ) from err
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self.armed = False

@@ -1,6 +1,5 @@
 """Packed documents stay apart: positions restart, attention never crosses a document, in every attention path."""
 
-import json
 from typing import Any
 
 import pytest
@@ -10,8 +9,6 @@ import torch.nn.functional as F
 from llama_runs import DEEPSEEK_V3_TINY, MOE_TINY, SGD, run_tiny_llama
 
 from lightning_ultrascale import ContextParallel, ExpertParallel, PipelineParallel, Recompute, TensorParallel, ZeRO
-from lightning_ultrascale.data.prepare import tokenize_corpus
-from lightning_ultrascale.data.tokenizer import load_tokenizer
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.models.common import documents
 from lightning_ultrascale.models.common.documents import document_attention, document_mask, document_tiles, memo
@@ -186,22 +183,7 @@ def test_a_block_shrinks_to_the_rows_and_keys_of_the_document_it_shares():
 
 
 # ----------------------------------------------------------------------------- training parity
-@pytest.fixture(scope="module")
-def short_documents(tmp_path_factory):
-    """A byte-level token file of 600 short documents (3 to 40 bytes): ~3 per 64-token window."""
-    from pydoc_data.topics import topics
-
-    text = " ".join(topics[k] for k in sorted(topics))[:60_000]
-    gen = torch.Generator().manual_seed(0)
-    folder = tmp_path_factory.mktemp("short_documents")
-    lines, start = [], 0
-    for _ in range(600):
-        n = int(torch.randint(3, 41, (1,), generator=gen))
-        lines.append(json.dumps({"text": text[start : start + n]}))
-        start += n
-    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    tokenize_corpus([folder / "docs.jsonl"], folder / "docs.bin", load_tokenizer("byte"))
-    return str(folder / "docs.bin")
+# (short_documents: tests/conftest.py)
 
 
 def _masked(source: str) -> dict[str, Any]:

@@ -17,6 +17,8 @@ Kernels, one code path choosing by device (:func:`document_attention`):
   format of Megatron and TransformerEngine): the batch is flattened to one token stream and cut at
   every document start (``cu_seqlens``), so masked pairs are never computed. It needs a
   half-precision input; fp32 takes SDPA with a boolean mask (the memory-efficient kernel).
+* inside a compiled block (``parallel.compile=true``), on any device: SDPA with the window's
+  boolean mask, in one call (tiles and offsets are read on the host: no graph holds them).
 * elsewhere: SDPA with a boolean mask, tile by tile (:func:`document_tiles`: tiles cut at document
   starts, so the pairs between tiles, all masked, are never computed; FlexAttention has no CPU
   backward in torch 2.13).
@@ -149,6 +151,12 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor) ->
         >>> torch.allclose(document_attention(q, k, v, docs)[:, :, 2:], alone, atol=1e-6)
         True
     """
+    if torch.compiler.is_compiling():
+        # Inside a compiled block (lightning_ultrascale.Compile): one masked SDPA over the window.
+        # The tiles and the varlen kernel's offsets are read on the host, which a graph cannot
+        # hold (a graph break, or a new graph for every batch's document boundaries).
+        k, v = _expand_kv(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(document_ids, document_ids, True))
     if uses_varlen(q):
         return _varlen_attention(q, k, v, document_ids)
     k, v = _expand_kv(q, k, v)

@@ -584,7 +584,9 @@ def _(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     documents: Tensor | None, group_name: str, method: str, kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as the real op returns them: q, k, v may be transposed views, and a compiled
+    # backward traced with their strides would view the real gradients wrongly.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:

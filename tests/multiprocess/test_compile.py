@@ -1,0 +1,184 @@
+"""Regional compilation: every layout trains as it does eagerly, and a block compiles once.
+
+The layout matrix compiles with ``aot_eager``: dynamo traces each block (DTensor redistributions,
+ring attention's op, the checkpoint, FSDP's unsharded parameters) and AOT autograd partitions
+forward and backward, as for inductor, but eager kernels run the graphs: seconds per layout
+instead of inductor's cold C++ build (~15 s per distinct graph on this 2-core machine; every
+layout of the matrix through inductor is ``benchmarks/compile.py``, its JSON checked in
+``tests/e2e/test_benchmarks.py``). Inductor itself is held to one process in the layouts whose
+graphs differ: one process (ZeRO-3's graph is the same), tensor + sequence parallel.
+"""
+
+import copy
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from llama_runs import MOE_TINY, SEQ_LEN, SGD, run_tiny_llama
+
+from lightning_ultrascale import (
+    Compile,
+    ConfigError,
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    FP8Precision,
+    LlamaModule,
+    PipelineParallel,
+    Recompute,
+    TensorParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.models import build_model
+from lightning_ultrascale.testing import run_pooled
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
+
+# (plugins, world size, data-parallel ranks, model); ``None`` model: llama_tiny.
+LAYOUTS: dict[str, tuple[Any, int, int, Any]] = {
+    "one-process": (lambda: [], 1, 1, None),
+    "dp2": (lambda: [DataParallel()], 2, 2, None),
+    "zero1": (lambda: [ZeRO(stage=1)], 2, 2, None),
+    "zero2": (lambda: [ZeRO(stage=2)], 2, 2, None),
+    "zero3": (lambda: [ZeRO(stage=3)], 2, 2, None),
+    "tp2": (lambda: [TensorParallel(2)], 2, 1, None),
+    "tp2-sp": (lambda: [TensorParallel(2, sequence_parallel=True)], 2, 1, None),
+    "zero3xtp2-sp": (lambda: [ZeRO(stage=3), TensorParallel(2, sequence_parallel=True)], 4, 2, None),
+    "cp2-ring": (lambda: [ContextParallel(2, method="ring")], 2, 1, None),
+    "cp2-zigzag": (lambda: [ContextParallel(2, method="zigzag_ring")], 2, 1, None),
+    "cp2-all_to_all": (lambda: [ContextParallel(2, method="all_to_all")], 2, 1, None),
+    "pp2-afab": (lambda: [PipelineParallel(2, schedule="afab")], 2, 1, None),
+    "pp2-1f1b": (lambda: [PipelineParallel(2, schedule="1f1b")], 2, 1, None),
+    "pp2-interleaved": (lambda: [PipelineParallel(2, schedule="interleaved_1f1b")], 2, 1, None),
+    "pp2-looped_bfs": (lambda: [PipelineParallel(2, schedule="looped_bfs")], 2, 1, None),
+    "recompute-full": (lambda: [Recompute("full")], 1, 1, None),
+    "recompute-selective": (lambda: [Recompute("selective", every=2)], 1, 1, None),
+    "recompute-selective_op-zero3": (lambda: [Recompute("selective_op"), ZeRO(stage=3)], 2, 2, None),
+    "moe-one-process": (lambda: [], 1, 1, MOE_TINY),
+    "moe-ep2": (lambda: [ExpertParallel(2)], 2, 2, MOE_TINY),
+    "moe-ep2xtp2": (lambda: [ExpertParallel(2), TensorParallel(2)], 4, 2, MOE_TINY),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {model: run_tiny_llama(SGD, model=model or "llama_tiny") for model in (None, MOE_TINY)}
+
+
+def _compiled(plugins, backend: str):
+    return lambda: [*plugins(), Compile(backend=backend)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_blocks_train_like_one_process_in_every_layout(layout, references):
+    plugins, world_size, dp, model = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, _compiled(plugins, "aot_eager"), world_size, dp=dp, model=model or "llama_tiny")
+    assert_parity(run, references[model])
+
+
+@pytest.mark.parametrize("layout", ["one-process", "zero3", "tp2-sp"])
+def test_inductor_compiled_blocks_train_like_one_process(layout, references):
+    # Inductor's fused kernels sum in other orders than eager's: gradients measured within 1.1e-6
+    # of eager (llama_small, one process), inside the suite's 1e-5.
+    plugins, world_size, dp, model = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, _compiled(plugins, "inductor"), world_size, dp=dp, model=model or "llama_tiny")
+    assert_parity(run, references[model])
+
+
+def test_compiled_fp8_blocks_train_like_eager_fp8(request):
+    # FP8's scales and casts inside the compiled block (tensorwise: the amax of each tensor).
+    def fp8(plugins):
+        precision = FP8Precision("tensorwise", "32-true")
+        return run_tiny_llama(SGD, plugins, 1, model="llama_small", precision_plugin=precision)
+
+    assert_parity(fp8(_compiled(lambda: [], "aot_eager")), fp8(lambda: []))
+
+
+def test_compiled_blocks_keep_documents_apart(short_documents):
+    data = {"source": short_documents, "documents": "mask", "mask_eos_loss": True, "val_fraction": 0.0}
+    reference = run_tiny_llama(SGD, data_kwargs=data)
+    for plugins, world_size in ((lambda: [], 1), (lambda: [ContextParallel(2, method="zigzag_ring")], 2)):
+        run = run_tiny_llama(SGD, _compiled(plugins, "aot_eager"), world_size, dp=1, data_kwargs=data)
+        assert_parity(run, reference)
+
+
+class _Graphs(L.Callback):
+    """The graphs compiled per region kind after the first step (its validation included) and at the end."""
+
+    def __init__(self, plugin: Compile) -> None:
+        self.plugin, self.seen = plugin, []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.seen.append(dict(self.plugin.stats.graphs))
+
+    def on_train_end(self, trainer, pl_module):
+        self.seen.append(dict(self.plugin.stats.graphs))
+
+
+def _graphs_per_step() -> tuple[list[dict[str, int]], float]:
+    plugin = Compile()
+    graphs = _Graphs(plugin)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=UltraScaleStrategy(plugin),
+        max_steps=4,
+        callbacks=[graphs],
+        **{**QUIET_TRAINER, "limit_val_batches": 1, "val_check_interval": 1},
+    )
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=2, seed=0, val_fraction=0.1)
+    trainer.fit(LlamaModule("llama_tiny", optim=SGD), datamodule=data)
+    return graphs.seen, plugin.stats.seconds
+
+
+def test_a_block_compiles_once_for_training_and_once_for_validation_then_never_again():
+    # Four blocks, one graph for all of them (parameters are inputs, not constants); validation
+    # (no grad, eval mode) is a second graph; the steps after the first compile nothing.
+    seen, seconds = run_pooled(_graphs_per_step, 1, timeout_s=300)[0]
+    assert seen[0] == {"TransformerBlock.forward": 2}, seen
+    assert all(graphs == seen[0] for graphs in seen), seen
+    assert seconds > 0
+
+
+def test_an_moe_block_compiles_its_dense_parts_and_leaves_the_routed_experts_eager():
+    model = Compile().apply(build_model(MOE_TINY, seed=0))
+    dense, moe = model.layers["0"], model.layers["1"]
+    assert type(dense.forward).__name__ == "_CompiledForward"
+    assert type(moe.feed_forward.router.forward).__name__ == "_CompiledForward"
+    assert type(moe.attention.forward).__name__ == "_CompiledForward"
+    assert "forward" not in vars(moe) and "forward" not in vars(moe.feed_forward.experts)
+
+
+def test_a_deep_copy_runs_its_own_weights():
+    # SWA and EMA callbacks deep-copy the module: the copy's compiled forward must read the copy.
+    model = Compile(backend="eager").apply(build_model("llama_tiny", seed=0))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    tokens = torch.randint(0, 320, (1, 8))
+    assert not torch.equal(model(tokens), twin(tokens))
+    assert twin.layers["0"].forward.forward.__self__ is twin.layers["0"]
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
+def test_a_schedule_that_splits_backward_is_refused_before_any_process(schedule):
+    strategy = UltraScaleStrategy(PipelineParallel(2, schedule=schedule), Compile())
+    with pytest.raises(
+        ConfigError, match=rf"Compile\(enabled=True\) cannot run under .*{schedule}.*torch issue 161904"
+    ):
+        strategy.validate(build_model("llama_tiny", device="meta").spec, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "tvm"}, r"Compile\(backend='tvm'\) is unknown; valid: inductor, aot_eager, eager"),
+        ({"enabled": "yes"}, r"Compile\(enabled='yes'\) must be true or false"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Compile(**kwargs)
