@@ -10,61 +10,31 @@ graphs differ: one process (ZeRO-3's graph is the same), tensor + sequence paral
 """
 
 import copy
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from llama_runs import MOE_TINY, SEQ_LEN, SGD, run_tiny_llama
+from llama_runs import SEQ_LEN, SGD, run_tiny_llama
 
 from lightning_ultrascale import (
     Compile,
     ConfigError,
     ContextParallel,
-    DataParallel,
-    ExpertParallel,
     FP8Precision,
     LlamaModule,
     PipelineParallel,
-    Recompute,
-    TensorParallel,
     UltraScaleDataModule,
     UltraScaleStrategy,
-    ZeRO,
 )
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.testing import run_pooled
+from lightning_ultrascale.testing.layouts import LAYOUTS
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
-
-# (plugins, world size, data-parallel ranks, model); ``None`` model: llama_tiny.
-LAYOUTS: dict[str, tuple[Any, int, int, Any]] = {
-    "one-process": (lambda: [], 1, 1, None),
-    "dp2": (lambda: [DataParallel()], 2, 2, None),
-    "zero1": (lambda: [ZeRO(stage=1)], 2, 2, None),
-    "zero2": (lambda: [ZeRO(stage=2)], 2, 2, None),
-    "zero3": (lambda: [ZeRO(stage=3)], 2, 2, None),
-    "tp2": (lambda: [TensorParallel(2)], 2, 1, None),
-    "tp2-sp": (lambda: [TensorParallel(2, sequence_parallel=True)], 2, 1, None),
-    "zero3xtp2-sp": (lambda: [ZeRO(stage=3), TensorParallel(2, sequence_parallel=True)], 4, 2, None),
-    "cp2-ring": (lambda: [ContextParallel(2, method="ring")], 2, 1, None),
-    "cp2-zigzag": (lambda: [ContextParallel(2, method="zigzag_ring")], 2, 1, None),
-    "cp2-all_to_all": (lambda: [ContextParallel(2, method="all_to_all")], 2, 1, None),
-    "pp2-afab": (lambda: [PipelineParallel(2, schedule="afab")], 2, 1, None),
-    "pp2-1f1b": (lambda: [PipelineParallel(2, schedule="1f1b")], 2, 1, None),
-    "pp2-interleaved": (lambda: [PipelineParallel(2, schedule="interleaved_1f1b")], 2, 1, None),
-    "pp2-looped_bfs": (lambda: [PipelineParallel(2, schedule="looped_bfs")], 2, 1, None),
-    "recompute-full": (lambda: [Recompute("full")], 1, 1, None),
-    "recompute-selective": (lambda: [Recompute("selective", every=2)], 1, 1, None),
-    "recompute-selective_op-zero3": (lambda: [Recompute("selective_op"), ZeRO(stage=3)], 2, 2, None),
-    "moe-one-process": (lambda: [], 1, 1, MOE_TINY),
-    "moe-ep2": (lambda: [ExpertParallel(2)], 2, 2, MOE_TINY),
-    "moe-ep2xtp2": (lambda: [ExpertParallel(2), TensorParallel(2)], 4, 2, MOE_TINY),
-}
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {model: run_tiny_llama(SGD, model=model or "llama_tiny") for model in (None, MOE_TINY)}
+    return {model: run_tiny_llama(SGD, model=model) for model in ("llama_tiny", "moe_tiny")}
 
 
 def _compiled(plugins, backend: str):
@@ -73,18 +43,18 @@ def _compiled(plugins, backend: str):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_compiled_blocks_train_like_one_process_in_every_layout(layout, references):
-    plugins, world_size, dp, model = LAYOUTS[layout]
-    run = run_tiny_llama(SGD, _compiled(plugins, "aot_eager"), world_size, dp=dp, model=model or "llama_tiny")
-    assert_parity(run, references[model])
+    named = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, _compiled(named.plugins, "aot_eager"), named.world_size, dp=named.dp, model=named.model)
+    assert_parity(run, references[named.model])
 
 
 @pytest.mark.parametrize("layout", ["one-process", "zero3", "tp2-sp"])
 def test_inductor_compiled_blocks_train_like_one_process(layout, references):
     # Inductor's fused kernels sum in other orders than eager's: gradients measured within 1.1e-6
     # of eager (llama_small, one process), inside the suite's 1e-5.
-    plugins, world_size, dp, model = LAYOUTS[layout]
-    run = run_tiny_llama(SGD, _compiled(plugins, "inductor"), world_size, dp=dp, model=model or "llama_tiny")
-    assert_parity(run, references[model])
+    named = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, _compiled(named.plugins, "inductor"), named.world_size, dp=named.dp, model=named.model)
+    assert_parity(run, references[named.model])
 
 
 def test_compiled_fp8_blocks_train_like_eager_fp8(request):
@@ -143,7 +113,7 @@ def test_a_block_compiles_once_for_training_and_once_for_validation_then_never_a
 
 
 def test_an_moe_block_compiles_its_dense_parts_and_leaves_the_routed_experts_eager():
-    model = Compile().apply(build_model(MOE_TINY, seed=0))
+    model = Compile().apply(build_model("moe_tiny", seed=0))
     dense, moe = model.layers["0"], model.layers["1"]
     assert type(dense.forward).__name__ == "_CompiledForward"
     assert type(moe.feed_forward.router.forward).__name__ == "_CompiledForward"
