@@ -1,6 +1,6 @@
 """Compiled transformer blocks (``parallel.compile=true``): speed against eager, and parity in every layout.
 
-Prints two tables and writes ``benchmarks/results/compile.json``:
+Prints three tables and writes ``benchmarks/results/compile.json``:
 
 1. Tokens/s of inductor-compiled blocks against eager ones, on ``llama_tiny`` and ``llama_small``,
    one process and ZeRO-3 over 2 processes, as alternated pairs (``testing.timing.Alternation``):
@@ -8,12 +8,15 @@ Prints two tables and writes ``benchmarks/results/compile.json``:
    fresh process: it traces again and loads the compiled code from inductor's cache (the first run
    builds it); the warm-up steps it leaves out hold the compile. Compile seconds and graphs come
    from ``Compile.stats``.
-2. Every layout of ``lightning_ultrascale.testing.layouts`` trained 3 SGD steps with inductor-compiled
+2. Where an eager and a compiled step's time goes, on one process (``torch.profiler``): the GEMMs and
+   the attention kernels, which compiling does not change, and the rest (the element-wise work that
+   inductor fuses, and eager mode's per-op overhead), as the step's wall time minus those two.
+3. Every layout of ``lightning_ultrascale.testing.layouts`` trained 3 SGD steps with inductor-compiled
    blocks against one eager process: the worst relative error of the losses, the gradients of every
    step and the final parameters. (The suite trains the same matrix through ``aot_eager``, and
    through inductor the layouts whose graphs differ most, at 1e-5.)
 
-    python benchmarks/compile.py            # full run (~20 minutes on 2 CPU cores)
+    python benchmarks/compile.py            # full run (~25 minutes on 2 CPU cores)
     python benchmarks/compile.py --quick    # a smoke run for the test suite: 2 layouts through aot_eager, no speed
 """
 
@@ -35,6 +38,7 @@ import torch
 torch.set_num_threads(1)
 
 from lightning_ultrascale import Compile, LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO  # noqa: E402
+from lightning_ultrascale.models import build_model  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.layouts import LAYOUTS  # noqa: E402
 from lightning_ultrascale.testing.parity import RunRecord, record_run, relative_error  # noqa: E402
@@ -89,6 +93,55 @@ def _speed(steps: int, max_seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
+
+
+def _step_fn(model: str, compiled: bool) -> Any:
+    seq_len, micro = SHAPES[model]
+    net = build_model(model, seed=0)
+    if compiled:
+        Compile().apply(net)
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, net.config.vocab_size, (micro, seq_len), generator=gen) for _ in range(2))
+
+    def step() -> None:
+        net.zero_grad(set_to_none=True)
+        net(tokens, labels=labels).backward()
+
+    for _ in range(3):  # warm-up: the compile
+        step()
+    return step
+
+
+def _kernel_ms(step: Any, steps: int = 5) -> tuple[float, float]:
+    """Milliseconds per step in GEMMs and in attention kernels (their own time, forward and backward)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key)
+    return gemm / 1e3 / steps, attention / 1e3 / steps
+
+
+def _profile(model: str, rounds: int = 10, steps: int = 5) -> dict[str, Any]:
+    """An eager and a compiled step of ``model`` on one process: wall time (alternated rounds), GEMMs, attention."""
+    fns = {kind: _step_fn(model, kind == "compiled") for kind in ("eager", "compiled")}
+    walls: dict[str, list[float]] = {kind: [] for kind in fns}
+    for _ in range(rounds):
+        for kind, step in fns.items():
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            walls[kind].append((time.perf_counter() - began) * 1e3 / steps)
+    row: dict[str, Any] = {"model": model, "tokens_per_step": SHAPES[model][0] * SHAPES[model][1]}
+    for kind, step in fns.items():
+        wall = statistics.median(walls[kind])
+        gemm, attention = _kernel_ms(step)
+        row[kind] = {"step_ms": wall, "gemm_ms": gemm, "attention_ms": attention, "other_ms": wall - gemm - attention}
+    return row
+
+
 def _run(name: str, backend: str | None, steps: int) -> RunRecord:
     layout = LAYOUTS[name]
     seq_len, micro = 64, 8 // layout.dp
@@ -133,8 +186,10 @@ def main() -> None:
     if args.quick:
         parity = _parity(["one-process", "tp2-sp"], "aot_eager", 2)
         speed: Any = "not measured (--quick: cold compiles take most of a minute on CPU)"
+        profile = [_profile("llama_tiny", rounds=1, steps=1)]
     else:
         parity = _parity(list(LAYOUTS), "inductor", 3)
+        profile = [_profile(model) for model in SHAPES]
         speed = _speed(steps=12, max_seconds=240)
 
     print(f"\nCompiled blocks against one eager process ({parity[0]['backend']}, {parity[0]['steps']} SGD steps)")
@@ -142,6 +197,13 @@ def main() -> None:
     for r in parity:
         print(f"{r['layout']:<30} {r['world_size']:>5} {r['loss_error']:>8.1e} {r['grad_error']:>8.1e} "
               f"{r['param_error']:>8.1e} {r['seconds']:>8.0f}")  # fmt: skip
+    print("\nWhere a step's time goes, one process (ms per step; other = wall - GEMMs - attention)")
+    print(f"{'model':<12} {'':<9} {'step':>7} {'GEMMs':>7} {'attention':>9} {'other':>7}")
+    for r in profile:
+        for kind in ("eager", "compiled"):
+            t = r[kind]
+            figures = f"{t['step_ms']:>7.1f} {t['gemm_ms']:>7.1f} {t['attention_ms']:>9.1f} {t['other_ms']:>7.1f}"
+            print(f"{r['model']:<12} {kind:<9} {figures}")
     if isinstance(speed, str):
         print(f"\nSpeed: {speed}")
     else:
@@ -158,7 +220,14 @@ def main() -> None:
             )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "compile", "quick": args.quick, "device": "cpu", "parity": parity, "speed": speed}
+    payload = {
+        "benchmark": "compile",
+        "quick": args.quick,
+        "device": "cpu",
+        "parity": parity,
+        "profile": profile,
+        "speed": speed,
+    }
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -91,6 +91,8 @@ SMOKE = {
     "context": ("Longest sequence", (), ()),
     "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
     "expert": ("Load imbalance", (), ()),
+    # Cold inductor compiles take most of a minute per graph: --quick traces through aot_eager, times nothing.
+    "compile": ("Compiled blocks against one eager process", (), ("speed",)),
     "fp8": ("not measured", (), ()),
     # torch.compile's cold compiles take most of a minute on CPU.
     "kernels": ("not measured", (), ("cpu_speed",)),
@@ -292,6 +294,22 @@ def test_kernels_match_the_reference_and_save_more_than_the_logits_at_llama3s_vo
     assert result["gpu"] == "not measured"
 
 
+def test_inductor_compiled_blocks_train_like_one_process_in_every_layout_and_faster():
+    from lightning_ultrascale.testing.layouts import LAYOUTS
+
+    result = _committed("compile")
+    assert not result["quick"] and [row["layout"] for row in result["parity"]] == list(LAYOUTS)
+    for row in result["parity"]:
+        assert row["backend"] == "inductor" and row["steps"] == 3, row
+        assert max(row["loss_error"], row["grad_error"], row["param_error"]) < 1e-5, row
+    measured = {(row["model"], row["layout"]) for row in result["speed"]}
+    assert measured == {(m, layout) for m in ("llama_tiny", "llama_small") for layout in ("one process", "zero3 dp2")}
+    for row in result["speed"]:
+        # What docs/techniques/compile.md says: compiled blocks are faster in every cell (the interval
+        # above 1.0), one graph per run (training only: no validation in these runs).
+        assert row["paired_ratio"]["ci_low"] > 1.0 and row["graphs_per_run"] == [1], row
+
+
 def test_init_draws_a_64th_of_llama3_8b_in_constant_extra_memory():
     result = _committed("init")
     assert not result["quick"] and [row["world_size"] for row in result["layouts"]] == [64, 64]
@@ -372,7 +390,7 @@ def _paired_ratios(value: Any, path: str = "") -> list[tuple[str, dict[str, Any]
 
 
 def test_every_committed_side_by_side_ratio_says_what_its_pairs_and_interval_say():
-    found = {name: _paired_ratios(_committed(name)) for name in ("dp", "zero", "tp", "expert")}
+    found = {name: _paired_ratios(_committed(name)) for name in ("dp", "zero", "tp", "expert", "compile")}
     for name, pairs in found.items():
         assert pairs, f"{name}.json holds no paired ratio (testing.timing.PairedRatio.as_dict)"
         for where, r in pairs:
