@@ -14,6 +14,7 @@ import copy
 import lightning as L
 import pytest
 import torch
+from hf_models import HFModule
 from llama_runs import SEQ_LEN, SGD, run_tiny_llama
 
 from lightning_ultrascale import (
@@ -23,13 +24,14 @@ from lightning_ultrascale import (
     FP8Precision,
     LlamaModule,
     PipelineParallel,
+    TensorParallel,
     UltraScaleDataModule,
     UltraScaleStrategy,
 )
 from lightning_ultrascale.models import build_model
 from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.layouts import LAYOUTS
-from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity, record_run
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +154,17 @@ def test_a_schedule_that_splits_backward_is_refused_before_any_process(schedule)
 def test_bad_settings_are_refused_by_name(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         Compile(**kwargs)
+
+
+def _hf_run(family: str, plugins=None, world_size: int = 1):
+    strategy = (lambda: UltraScaleStrategy(*plugins())) if plugins is not None else None
+    data = lambda: UltraScaleDataModule(seq_len=32, micro_batch_size=4, seed=0)  # noqa: E731
+    return record_run(lambda: HFModule(family), data, steps=3, strategy=strategy, world_size=world_size)
+
+
+@pytest.mark.parametrize(("family", "world_size"), [("llama", 2), ("mixtral", 1)])
+def test_compiled_hugging_face_blocks_train_like_one_process(family, world_size):
+    # transformers' own decoder layers, as they are: Llama's under tp2, Mixtral's MoE blocks.
+    tp = [TensorParallel] if world_size > 1 else []
+    run = _hf_run(family, lambda: [*(style(2) for style in tp), Compile(backend="aot_eager")], world_size)
+    assert_parity(run, _hf_run(family))
