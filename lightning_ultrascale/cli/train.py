@@ -340,16 +340,23 @@ def _auto_layout(cfg: DictConfig) -> list[Any] | None:
     if "auto" not in cfg.parallel:
         return None
     from lightning_ultrascale.cli.auto import choose_layout, world_size_of
+    from lightning_ultrascale.parallel.plugin import searched_techniques
 
-    others = [name for name, node in cfg.parallel.items() if name != "auto" and "_target_" in node]
-    if others:
+    # The planner chooses every technique it searches; the others (compiled blocks) stay as set.
+    kept = {
+        name: instantiate(node, f"parallel.{name}")
+        for name, node in cfg.parallel.items()
+        if name != "auto" and "_target_" in node
+    }
+    searched = [name for name, plugin in kept.items() if isinstance(plugin, searched_techniques())]
+    if searched:
         raise ConfigError(
-            f"parallel=auto chooses every plugin, but parallel.{others[0]} is set too; valid: parallel=auto alone "
+            f"parallel=auto chooses every plugin, but parallel.{searched[0]} is set too; valid: parallel=auto alone "
             "(pin a size with parallel.auto.space, e.g. 'parallel.auto.space={tp: [2]}')"
         )
     chosen, micro_batch_size = choose_layout(cfg, world_size_of(cfg.trainer), workload(cfg))
     cfg.data.micro_batch_size = micro_batch_size
-    return chosen
+    return [*chosen, *(plugin for plugin in kept.values() if plugin.active)]
 
 
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:

@@ -177,6 +177,8 @@ class Compile(ParallelPlugin):
         module.forward = _CompiledForward(module.forward, backend=backend, fullgraph=self.fullgraph, dynamic=False)
 
     def settings(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {"enabled": False}
         return {"backend": repr(self.backend), **({} if self.fullgraph else {"fullgraph": False})}
 
 

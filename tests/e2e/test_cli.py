@@ -827,6 +827,9 @@ def test_parallel_auto_builds_the_search_s_plugins_and_batch(tmp_path, monkeypat
         sorted(best.plugins, key=lambda p: APPLY_ORDER.index(p.applies_at))
     )
     assert data.micro_batch_size == best.batch_per_rank and best.tp == 2
+    # Compiled blocks are not a layout choice: they stay as set.
+    trainer, _, _ = build(_compose("parallel=auto", "parallel.auto.space={tp: [2]}", "parallel.compile=true"))
+    assert "Compile" in [type(p).__name__ for p in trainer.strategy.applied_plugins()]
     with pytest.raises(ConfigError, match=r"parallel=auto chooses every plugin, but parallel\.tp is set too"):
         build(_compose("parallel=auto", "+parallel/tp=default"))
     with pytest.raises(ConfigError, match=r"trainer\.devices='auto': parallel=auto plans for a known number"):
