@@ -20,6 +20,7 @@ module is never split: its warm worker pool and module fixtures are set up once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -97,14 +98,38 @@ class Lane:
             sys.stdout.flush()
 
     def wait(self) -> int:
+        """The lane's exit code, once pytest has exited; what it left running is killed.
+
+        A process a test forked and never reaped would hold the lane's output pipe open (the printer
+        would wait for it forever: a CI run that never ends), so the lane's session is killed here
+        and the leak is named.
+        """
         assert self.process is not None and self.printer is not None
         code = self.process.wait()
-        self.printer.join()
+        left = _session_members(self.process.pid)
+        if left:
+            print(f"run_suite: lane {self.number} left {len(left)} processes running after pytest exited "
+                  f"(pids {sorted(left)}): killed; a test leaks processes", flush=True)  # fmt: skip
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+        self.printer.join(timeout=30)
         return code
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 15)
+
+
+def _session_members(session: int) -> list[int]:
+    """The processes still in ``session`` (a lane starts one of its own), read from /proc where there is one."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session and fields[0] != "Z":  # (state, ppid, pgrp, session, ...)
+                members.append(int(entry.parent.name))
+    return members
 
 
 def read_reports(junits: list[Path]) -> tuple[dict[str, int], dict[str, float]]:

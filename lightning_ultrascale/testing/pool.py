@@ -43,6 +43,17 @@ from lightning_ultrascale.testing.spawn import _collect, become_rank, before_for
 #: The pools of the innermost :func:`worker_pools`, by world size; None outside one.
 _pools: dict[int, _Pool] | None = None
 
+
+def _forget_pools_in_child() -> None:
+    # A forked process (a command's rank, a pooled worker) is a program of its own: the parent's pools
+    # are not its to use (their pipes are the parent's) and the pools it would start must not outlive
+    # it (it ends in ``os._exit``, past the exit of the ``worker_pools`` that would close them).
+    global _pools
+    _pools = None
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
+
 #: A worker reports its open file descriptors after each job; its pool is replaced beyond this many.
 #: Every job's process groups (a mesh's dimensions) stay open: the warm sharding caches refer to them.
 MAX_OPEN_FILES = 1000

@@ -57,3 +57,34 @@ def test_the_reports_pytest_writes_give_the_counts_and_seconds_per_module(tmp_pa
     counts, seconds = run_suite.read_reports([junit, tmp_path / "missing.xml"])
     assert counts == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1}
     assert list(seconds) == ["test_tiny.py"] and seconds["test_tiny.py"] >= 0.0
+
+
+def test_a_lane_whose_test_leaves_a_process_running_still_ends_and_names_the_leak(tmp_path, capsys):
+    # A forked process that outlives pytest holds the lane's output pipe: before, the runner waited for
+    # it forever (a CI run cut at its time limit). Now the lane's session is killed once pytest exits.
+    module = tmp_path / "test_leak.py"
+    module.write_text(
+        "import subprocess, sys\n"
+        "def test_leaves_a_sleeper():\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    )
+    lane = run_suite.Lane(1, [str(module)], tmp_path / "lane1.xml")
+    lane.start(["-q"], 1)
+    assert lane.wait() == 0
+    out = capsys.readouterr().out
+    assert "left 1 processes running after pytest exited" in out and "killed; a test leaks processes" in out
+
+
+def test_a_forked_process_does_not_inherit_the_parent_s_worker_pools():
+    import os
+
+    from lightning_ultrascale.testing import pool
+
+    with pool.worker_pools():
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.write(write, b"none" if pool._pools is None else b"pools")
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert os.read(read, 8) == b"none" and pool._pools == {}
