@@ -13,7 +13,8 @@ Prints three tables and writes ``benchmarks/results/compile.json``:
    inductor fuses, and eager mode's per-op overhead), as the step's wall time minus those two.
 3. Every layout of ``lightning_ultrascale.testing.layouts`` trained 3 SGD steps with inductor-compiled
    blocks against one eager process: the worst relative error of the losses, the gradients of every
-   step and the final parameters. (The suite trains the same matrix through ``aot_eager``, and
+   step and the final parameters, and the graphs each region kind compiled (one each: a block
+   compiled once, reused by every block and step). (The suite trains the same matrix through ``aot_eager``, and
    through inductor the layouts whose graphs differ most, at 1e-5.)
 
     python benchmarks/compile.py            # full run (~25 minutes on 2 CPU cores)
@@ -177,6 +178,7 @@ def _parity(names: list[str], backend: str, steps: int) -> list[dict[str, Any]]:
             "loss_error": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses)),
             "grad_error": max(grads),
             "param_error": max(relative_error(run.params[n], ref.params[n]) for n in ref.params),
+            "graphs": run.compiled_graphs,
             "seconds": time.perf_counter() - began,
         })  # fmt: skip
         print(f"  {name}: {rows[-1]['grad_error']:.1e} ({rows[-1]['seconds']:.0f} s)", flush=True)
@@ -199,10 +201,11 @@ def main() -> None:
         speed = _speed(steps=12, max_seconds=240)
 
     print(f"\nCompiled blocks against one eager process ({parity[0]['backend']}, {parity[0]['steps']} SGD steps)")
-    print(f"{'layout':<30} {'ranks':>5} {'loss':>8} {'grads':>8} {'params':>8} {'seconds':>8}")
+    print(f"{'layout':<30} {'ranks':>5} {'loss':>8} {'grads':>8} {'params':>8} {'graphs':>6} {'seconds':>8}")
     for r in parity:
+        graphs = "+".join(str(n) for n in r["graphs"].values())
         print(f"{r['layout']:<30} {r['world_size']:>5} {r['loss_error']:>8.1e} {r['grad_error']:>8.1e} "
-              f"{r['param_error']:>8.1e} {r['seconds']:>8.0f}")  # fmt: skip
+              f"{r['param_error']:>8.1e} {graphs:>6} {r['seconds']:>8.0f}")  # fmt: skip
     print("\nWhere a step's time goes, one process (ms per step; other = wall - GEMMs - attention)")
     print(f"{'model':<12} {'':<9} {'step':>7} {'GEMMs':>7} {'attention':>9} {'other':>7}")
     for r in profile:

@@ -22,13 +22,16 @@ What is compiled:
 
 A region compiles a new graph when a guard fails (a new shape, dtype, or training versus
 evaluation): expect one graph per region kind for training and one for validation. Every compile
-is logged with its seconds (:attr:`Compile.stats`); a region kind past two graphs is warned about
-(``TORCH_LOGS=recompiles`` names the guard that failed).
+is logged with its seconds (:attr:`Compile.stats`); a second graph of a region kind in the same mode
+(training or evaluation, grad on or off) is warned about (``TORCH_LOGS=recompiles`` names the guard
+that failed). A hook that runs inside a region must read the same Python values for every block:
+the sharded optimizer (ZeRO-1/2) waits for its gathers on the region, not on its linears.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections import Counter
@@ -47,9 +50,6 @@ from lightning_ultrascale.parallel.plugin import ParallelPlugin
 
 log = logging.getLogger(__name__)
 
-#: Graphs a region kind compiles in a healthy run: one for training, one for validation.
-EXPECTED_GRAPHS = 2
-
 
 @dataclass
 class CompileStats:
@@ -64,11 +64,19 @@ class CompileStats:
 
 
 class _CountingBackend:
-    """The backend dynamo calls once per graph it captures: times it and counts it for ``region``."""
+    """The backend dynamo calls once per graph it captures: times it and counts it for ``region``.
+
+    ``mode`` is set by the compiled forward before each call (training or evaluation, grad on or
+    off): a second graph in the same mode is a recompilation, warned about at once (a graph per
+    block would otherwise pass for the expected two of a four-block model, and past dynamo's cache
+    limit the blocks would fall back to eager without a word).
+    """
 
     def __init__(self, backend: str, stats: CompileStats, region: str) -> None:
         self.inner = torch._dynamo.lookup_backend(backend)
         self.stats, self.region = stats, region
+        self.mode = "training"
+        self._per_mode: Counter[str] = Counter()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -76,14 +84,16 @@ class _CountingBackend:
         seconds = time.perf_counter() - start
         self.stats.seconds += seconds
         self.stats.graphs[self.region] += 1
-        count = self.stats.graphs[self.region]
-        log.info("compiled graph %d of %s in %.1f s", count, self.region, seconds)
-        if count > EXPECTED_GRAPHS:
+        self._per_mode[self.mode] += 1
+        count = self._per_mode[self.mode]
+        log.info("compiled graph %d of %s (%s) in %.1f s", count, self.region, self.mode, seconds)
+        if count > 1:
             log.warning(
-                "%s compiled its graph number %d: each new graph is a recompilation (a guard failed: a shape, a "
-                "dtype or a Python value changed between calls); TORCH_LOGS=recompiles names the guard",
+                "%s compiled graph number %d for %s: a recompilation (a guard failed: a shape, a dtype or a Python "
+                "value changed between calls, or differs between blocks); TORCH_LOGS=recompiles names the guard",
                 self.region,
                 count,
+                self.mode,
             )
         return compiled
 
@@ -96,6 +106,13 @@ class _CompiledForward:
         self.compiled = torch.compile(forward, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        backend = self.options.get("backend")
+        if isinstance(backend, _CountingBackend):
+            module = _owner(self.forward)
+            training = module.training if module is not None else True
+            backend.mode = (
+                f"{'training' if training else 'evaluation'}, grad {'on' if torch.is_grad_enabled() else 'off'}"
+            )
         return self.compiled(*map(_settled, args), **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CompiledForward:
@@ -168,6 +185,8 @@ class Compile(ParallelPlugin):
 
     def _compile(self, module: nn.Module) -> None:
         kind = f"{type(module).__name__}.forward"
+        if isinstance(module.forward, functools.partial):  # a wrapper around it (recomputation): its own code
+            kind += f" via {module.forward.func.__name__}"
         # One backend object per region kind: dynamo guards on the backend, and a block compiled
         # with a backend of its own would miss the graph of the block before it.
         if kind not in self._backends:
@@ -180,6 +199,24 @@ class Compile(ParallelPlugin):
         if not self.enabled:
             return {"enabled": False}
         return {"backend": repr(self.backend), **({} if self.fullgraph else {"fullgraph": False})}
+
+
+def _owner(forward: Callable[..., Any]) -> nn.Module | None:
+    """The module whose forward ``forward`` is (through a ``functools.partial`` wrapper too)."""
+    while isinstance(forward, functools.partial):
+        forward = forward.args[0] if forward.args else forward.func
+    owner = getattr(forward, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :class:`Compile` compiled ``module``'s forward: a region whose inside dynamo traces.
+
+    A forward pre-hook registered inside a region runs in its graph, and every Python value it
+    reads is guarded: one that differs between blocks (a dict keyed by the module) makes each block
+    a graph of its own. Hooks that do bookkeeping belong on the region itself.
+    """
+    return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
 def _settled(x: Any) -> Any:

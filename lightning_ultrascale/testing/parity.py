@@ -109,6 +109,8 @@ class RunRecord:
     #: Final persistent buffers (e.g. MoE routing biases), and how far apart the ranks' copies are.
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     buffer_spread: dict[str, float] = field(default_factory=dict)
+    #: Graphs each compiled region kind compiled on rank 0 (``Compile.stats``); empty when nothing compiled.
+    compiled_graphs: dict[str, int] = field(default_factory=dict)
 
 
 class ParityRecorder(L.Callback):
@@ -176,6 +178,8 @@ class ParityRecorder(L.Callback):
         record.initial = _whole_model([r["initial"] for r in ranks], copies=copies)
         record.params = _whole_model([r["params"] for r in ranks], copies=copies)
         record.buffers = _whole_model([r["buffers"] for r in ranks], record.buffer_spread)
+        for plugin in getattr(trainer.strategy, "plugins", ()):
+            record.compiled_graphs.update(getattr(getattr(plugin, "stats", None), "graphs", {}))
 
 
 def _stepped(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, _Piece]:

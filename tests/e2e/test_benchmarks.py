@@ -302,6 +302,7 @@ def test_inductor_compiled_blocks_train_like_one_process_in_every_layout_and_fas
     for row in result["parity"]:
         assert row["backend"] == "inductor" and row["steps"] == 3, row
         assert max(row["loss_error"], row["grad_error"], row["param_error"]) < 1e-5, row
+        assert row["graphs"] and set(row["graphs"].values()) == {1}, row  # compiled once, in every layout
     measured = {(row["model"], row["layout"]) for row in result["speed"]}
     assert measured == {(m, layout) for m in ("llama_tiny", "llama_small") for layout in ("one process", "zero3 dp2")}
     for row in result["speed"]:

@@ -48,6 +48,9 @@ def test_compiled_blocks_train_like_one_process_in_every_layout(layout, referenc
     named = LAYOUTS[layout]
     run = run_tiny_llama(SGD, _compiled(named.plugins, "aot_eager"), named.world_size, dp=named.dp, model=named.model)
     assert_parity(run, references[named.model])
+    # One graph per region kind for every block of the model and every step: a hook inside a block
+    # that read a value differing between blocks (ZeRO-1/2's waits did) made a graph per block.
+    assert run.compiled_graphs and set(run.compiled_graphs.values()) == {1}, run.compiled_graphs
 
 
 @pytest.mark.parametrize("layout", ["one-process", "zero3", "tp2-sp"])
@@ -133,6 +136,26 @@ def test_a_deep_copy_runs_its_own_weights():
     tokens = torch.randint(0, 320, (1, 8))
     assert not torch.equal(model(tokens), twin(tokens))
     assert twin.layers["0"].forward.forward.__self__ is twin.layers["0"]
+
+
+def test_a_second_graph_in_the_same_mode_is_warned_about_at_once(caplog):
+    # A new sequence length is a new graph for training: a recompilation, named at its first
+    # occurrence (counting only past two graphs let a graph per block of a 4-block model pass).
+    plugin = Compile(backend="eager")
+    model = plugin.apply(build_model("llama_tiny", seed=0))
+    with caplog.at_level("WARNING", logger="lightning_ultrascale.parallel.compile"):
+        model(torch.randint(0, 320, (1, 8)))
+        assert not caplog.records
+        with torch.no_grad():
+            model.eval()(torch.randint(0, 320, (1, 8)))  # evaluation: a graph of its own, expected
+        assert not caplog.records
+        model.train()(torch.randint(0, 320, (1, 16)))
+    assert plugin.stats.graphs == {"TransformerBlock.forward": 3}
+    assert [r.getMessage() for r in caplog.records] == [
+        "TransformerBlock.forward compiled graph number 2 for training, grad on: a recompilation (a guard failed: "
+        "a shape, a dtype or a Python value changed between calls, or differs between blocks); "
+        "TORCH_LOGS=recompiles names the guard"
+    ]
 
 
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])

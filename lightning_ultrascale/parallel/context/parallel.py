@@ -247,7 +247,9 @@ class ContextParallel(ParallelPlugin):
         """``fn``, telling the position handshake that a forward ran (its RoPE came before)."""
 
         def attention(*args: Any, **kwargs: Any) -> Any:
-            if self._probe is not None and not self._probed:
+            # No read of ``_probed``: it flips after the first step, and inside a compiled block
+            # a Python value that changes is a guard that fails (a recompilation).
+            if self._probe is not None:
                 self._probe.forward_seen = True
             return fn(*args, **kwargs)
 

@@ -64,7 +64,7 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,6 +77,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.hooks import RemovableHandle
 
 from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.parallel.compile import is_compiled
 from lightning_ultrascale.parallel.data.buckets import GradBucket, GradientBuckets, _grad_in, plan_buckets
 from lightning_ultrascale.parallel.data.flat_chunks import flat_chunks
 from lightning_ultrascale.utils.optim import initialize_state
@@ -401,9 +402,8 @@ class ZeroEngine(GradientBuckets):
         Every module of ``parts`` that holds a parameter waits for its buckets before its forward
         and its ``state_dict``; every part, before its forward, for the buckets read without a holder.
         """
-        modules = dict.fromkeys(m for part in self.parts for m in part.modules())
-        for module in modules:
-            held = [self._slot[p][0] for p in module.parameters(recurse=False) if p in self._slot]
+        for module, params in _holders(self.parts).items():
+            held = [self._slot[p][0] for p in params if p in self._slot]
             if held:
                 self._held[module] = list({id(b): b for b in held}.values())  # buckets compare by value
         # Until a forward has shown which holders run, every bucket waits at the start.
@@ -459,7 +459,7 @@ class ZeroEngine(GradientBuckets):
         if self._ran:
             # A parameter none of whose holders ran was read elsewhere in the forward (or not at
             # all): its bucket waits at the start of the next one.
-            covered = {p for m in self._ran for p in m.parameters(recurse=False)}
+            covered = {p for m in self._ran for p in _held_params(m)}
             self._late = [b for b in self.buckets if not all(p in covered for p in b.params)]
             self._ran = set()
 
@@ -662,3 +662,28 @@ class ZeroEngine(GradientBuckets):
         for handle in self._waits:
             handle.remove()
         self._waits.clear()
+
+
+def _holders(parts: Sequence[nn.Module]) -> dict[nn.Module, list[nn.Parameter]]:
+    """The modules whose forward pre-hook waits for the buckets of ``params`` (in the order they run).
+
+    A module holding parameters waits for its own; a compiled region (``Compile``) waits for every
+    parameter inside it, before its compiled forward: a hook inside would run in the graph, and
+    its lookup keyed by the module would make each block a graph of its own.
+    """
+    holders: dict[nn.Module, list[nn.Parameter]] = {}
+    inside: set[nn.Module] = set()
+    for part in parts:
+        for module in part.modules():
+            if module in inside or module in holders:
+                continue
+            if is_compiled(module):
+                inside.update(module.modules())
+                holders[module] = list(module.parameters())
+            else:
+                holders[module] = list(module.parameters(recurse=False))
+    return {m: params for m, params in holders.items() if params}
+
+
+def _held_params(module: nn.Module) -> Iterator[nn.Parameter]:
+    return module.parameters(recurse=is_compiled(module))
