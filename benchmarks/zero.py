@@ -11,12 +11,14 @@ Prints tables and writes ``benchmarks/results/zero.json``:
    twice): 2Ψ for stages 0-2, 3Ψ for stage 3 (all-gather in forward and again in backward, plus a
    reduce-scatter).
 3. Tokens/s of our ZeRO-3 and Lightning's ``ModelParallelStrategy`` with FSDP2 applied the
-   documented way (``configure_model``), same model, data and processes, as alternated pairs
+   documented way (``configure_model``), same model, data and processes, on ``llama_tiny`` and
+   ``llama_small``, eager and with compiled blocks (ours: the ``Compile`` plugin; Lightning's: the
+   same ``Compile().apply`` before ``fully_shard``), as alternated pairs
    (``testing.timing.Alternation``: the median of the paired ratios with its 95% bootstrap interval,
-   pairs added until it is within ±1.5% or the time budget is spent); and of our ZeRO-2 beside
+   pairs added until it is within ±1.5% or the cell's time budget is spent); and of our ZeRO-2 beside
    Lightning's ``FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")`` where Lightning allows it (GPUs only).
 
-    python benchmarks/zero.py            # ~4 minutes on 2 CPU cores
+    python benchmarks/zero.py            # ~16 minutes on 2 CPU cores
     python benchmarks/zero.py --quick    # a smoke run for the test suite: stage 3 at N=2, ZeRO-3 vs FSDP2, 4 steps
 """
 
@@ -37,10 +39,17 @@ import torch
 
 torch.set_num_threads(1)
 
-from lightning_ultrascale import LlamaModule, OptimConfig, UltraScaleDataModule, UltraScaleStrategy, ZeRO  # noqa: E402
+from lightning_ultrascale import (  # noqa: E402
+    Compile,
+    LlamaModule,
+    OptimConfig,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import Alternation, PairedRatio, fit_tokens_per_s  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, fit_tokens_per_s  # noqa: E402
 from lightning_ultrascale.testing.tracing import StepStateAndTraffic  # noqa: E402
 from lightning_ultrascale.utils.memory import playbook_model_state_bytes  # noqa: E402
 
@@ -68,7 +77,12 @@ def measure_worker(stage: int, world_size: int, seq_len: int) -> dict[str, Any]:
 
 
 class FSDP2ByHand(LlamaModule):
-    """FSDP2 applied the way Lightning documents it for ModelParallelStrategy: in configure_model."""
+    """FSDP2 applied the way Lightning documents it for ModelParallelStrategy: in configure_model
+    (``compiled``: the blocks ``Compile`` would compile, compiled first, as our strategy orders it)."""
+
+    def __init__(self, *args: Any, compiled: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compiled = compiled
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -76,38 +90,44 @@ class FSDP2ByHand(LlamaModule):
         if self.model is not None:
             return
         super().configure_model()
+        if self.compiled:
+            Compile().apply(self.model)
         mesh = self.device_mesh["data_parallel"]
         for block in self.model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
 
 
-def speed_worker(kind: str, world_size: int, steps: int, seq_len: int, micro_batch: int) -> float | str:
+#: model -> (sequence length, micro-batch per rank, steps per run) of the speed cells.
+SHAPES = {"llama_tiny": (128, 4, 20), "llama_small": (128, 4, 12)}
+
+
+def speed_worker(
+    kind: str, model: str, compiled: bool, world_size: int, steps: int, seq_len: int, micro: int
+) -> float | str:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-    module: LlamaModule = LlamaModule("llama_tiny", optim=ADAMW)
-    if kind == "ultrascale_zero3":
-        strategy: Any = UltraScaleStrategy(ZeRO(stage=3))
-    elif kind == "ultrascale_zero2":
-        strategy = UltraScaleStrategy(ZeRO(stage=2))
+    module: LlamaModule = LlamaModule(model, optim=ADAMW)
+    if kind in ("ultrascale_zero3", "ultrascale_zero2"):
+        zero = ZeRO(stage=3 if kind == "ultrascale_zero3" else 2)
+        strategy: Any = UltraScaleStrategy(zero, Compile()) if compiled else UltraScaleStrategy(zero)
     elif kind == "lightning_model_parallel_fsdp2":
-        strategy, module = (
-            ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
-            FSDP2ByHand("llama_tiny", optim=ADAMW),
-        )
+        strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        module = FSDP2ByHand(model, optim=ADAMW, compiled=compiled)
     else:
         strategy = FSDPStrategy(sharding_strategy="SHARD_GRAD_OP")
     try:
         return fit_tokens_per_s(module, strategy, devices=world_size, steps=steps, seq_len=seq_len,
-                                micro_batch=micro_batch, data_ranks=world_size)  # fmt: skip
+                                micro_batch=micro, data_ranks=world_size)  # fmt: skip
     except ValueError as err:  # Lightning refuses some strategies on CPU: report it, measure nothing
         if "requires a GPU accelerator" not in str(err):
             raise
         return f"not measured: {type(err).__name__}: {err}"
 
 
-def _measure(kind: str, world: int, steps: int, seq_len: int) -> float | str:
-    return run_workers(speed_worker, world, kind, world, steps, seq_len, 4, timeout_s=600)[0]
+def _measure(kind: str, model: str, compiled: bool, world: int, shape: tuple[int, int, int]) -> float | str:
+    seq_len, micro, steps = shape
+    return run_workers(speed_worker, world, kind, model, compiled, world, steps, seq_len, micro, timeout_s=600)[0]
 
 
 #: (ours, Lightning's) pairs timed side by side: the ratio is ours over Lightning's.
@@ -117,23 +137,37 @@ PAIRS = {
 }
 
 
-def _speed(quick: bool, world: int, seq_len: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Per pair: its paired ratio (or why it measured nothing); per strategy: median tokens/s, and samples."""
-    steps = 4 if quick else 20
-    rounds = {"min_rounds": 1, "max_rounds": 1} if quick else {"min_rounds": 8, "max_rounds": 40, "max_seconds": 270}
-    ratios: dict[str, Any] = {}
-    speed: dict[str, Any] = {}
-    samples: dict[str, Any] = {}
-    for name, (ours, theirs) in PAIRS.items():
-        arms = {kind: partial(_measure, kind, world, steps, seq_len) for kind in (theirs, ours)}
+def _cells(quick: bool) -> list[tuple[str, str, bool, tuple[int, int, int]]]:
+    """(pair, model, compiled, shape) of each comparison: ZeRO-2's only once (Lightning refuses it on CPU)."""
+    if quick:
+        return [(pair, "llama_tiny", False, (32, 4, 4)) for pair in PAIRS]
+    zero3 = [("zero3_over_lightning_fsdp2", m, c, SHAPES[m]) for m in SHAPES for c in (False, True)]
+    return [*zero3, ("zero2_over_lightning_shard_grad_op", "llama_tiny", False, SHAPES["llama_tiny"])]
+
+
+def _speed(quick: bool, world: int) -> list[dict[str, Any]]:
+    """One row per cell: each strategy's median tokens/s (or why it measured nothing) and the paired ratio."""
+    rounds = {"min_rounds": 1, "max_rounds": 1} if quick else {"min_rounds": 8, "max_rounds": 30, "max_seconds": 200}
+    rows = []
+    for pair, model, compiled, shape in _cells(quick):
+        ours, theirs = PAIRS[pair]
+        print(f"{pair}, {model}, {'compiled' if compiled else 'eager'}:", flush=True)
+        arms = {kind: partial(_measure, kind, model, compiled, world, shape) for kind in (theirs, ours)}
         alternation = Alternation(arms, baseline=theirs, **rounds)
         paired = alternation.run().get(ours)
-        ratios[name] = paired if paired is not None else f"{name}: {alternation.not_measured[theirs]}"
-        for kind in (ours, theirs):
-            values = alternation.samples.get(kind)
-            speed[kind] = statistics.median(values) if values else alternation.not_measured.get(kind, "not measured")
-            samples[kind] = values or []
-    return ratios, speed, samples
+        tokens = {
+            kind: statistics.median(alternation.samples[kind])
+            if alternation.samples.get(kind)
+            else alternation.not_measured.get(kind, "not measured")
+            for kind in (ours, theirs)
+        }
+        rows.append({
+            "pair": pair, "model": model, "compiled": compiled, "world_size": world,
+            "tokens_per_step": world * shape[1] * shape[0], "steps_per_run": shape[2], "tokens_per_s": tokens,
+            "paired_ratio": paired.as_dict() if paired is not None else alternation.not_measured[theirs],
+            "samples": {kind: alternation.samples.get(kind, []) for kind in (ours, theirs)},
+        })  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -177,7 +211,7 @@ def main() -> None:
         )
 
     world = 2
-    ratios, speed, samples = _speed(args.quick, world, seq_len)
+    speed = _speed(args.quick, world)
 
     print("Model state per rank after an AdamW step, fp32, llama_tiny (measured / playbook formula)")
     header = f"{'stage':>5} {'N':>2} {'params B':>11} {'grads B':>11} {'optim B':>11} {'total B':>11}"
@@ -189,11 +223,21 @@ def main() -> None:
             f"{row['stage']:>5} {row['N']:>2} {m['params']:>11,} {m['grads']:>11,} {m['optimizer_states']:>11,} "
             f"{row['measured_total']:>11,} {row['formula_total']:>11,.0f} {row['memory_ratio']:>6.3f}  {comm:>6}"
         )
-    print(f"\nTokens/s, {world} CPU processes, medians of the alternated runs")
-    for kind, value in speed.items():
-        print(f"{kind:<34} {value:>10,.0f}" if isinstance(value, float) else f"{kind:<34} {value[:90]}")
-    for paired in ratios.values():
-        print(paired.describe() if isinstance(paired, PairedRatio) else paired[:120])
+    print(f"\nTokens/s, {world} CPU processes, alternated pairs of runs (medians); ratio = ours / Lightning's")
+    print(
+        f"{'pair':<36} {'model':<12} {'blocks':<9} {'ours':>9} {'theirs':>9} {'ratio':>6} {'95% CI':>13} {'pairs':>5}"
+    )
+    for r in speed:
+        ours, theirs = (r["tokens_per_s"][kind] for kind in PAIRS[r["pair"]])
+        blocks = "compiled" if r["compiled"] else "eager"
+        head = f"{r['pair']:<36} {r['model']:<12} {blocks:<9}"
+        p = r["paired_ratio"]
+        if isinstance(p, str):
+            print(f"{head} {p[:100]}")
+            continue
+        ci = "-" if p["ci_low"] is None else f"{p['ci_low']:.3f}-{p['ci_high']:.3f}"
+        verdict = "  (straddles 1.0)" if p["straddles_1"] else ""
+        print(f"{head} {ours:>9,.0f} {theirs:>9,.0f} {p['median']:>6.3f} {ci:>13} {p['pairs']:>5}{verdict}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -202,8 +246,6 @@ def main() -> None:
         "device": "cpu",
         "memory_and_comm": rows,
         "speed": speed,
-        "ratios": {k: v.as_dict() if isinstance(v, PairedRatio) else v for k, v in ratios.items()},
-        "samples": samples,
     }
     args.out.write_text(json.dumps(payload, indent=2, default=str))
     print(f"\nwrote {args.out}")

@@ -66,6 +66,7 @@ class NonFiniteGuard:
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         return output
 
+    @torch.no_grad()  # (a DTensor's to_local outside grad mode is its local tensor: no autograd node per gradient)
     def status(self, optimizer: Optimizer) -> torch.Tensor:
         """This rank's status of the step as a device scalar (loss, else gradient, else fine); nothing read back."""
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -124,11 +125,12 @@ def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: to
     """This rank's status as a device scalar: loss, else gradient, else fine."""
     # One fused pass over the gradients: a tensor's largest magnitude is NaN or inf exactly when it
     # holds one, and no gradient-sized mask is allocated (isfinite would be one per parameter).
-    grad_bad = (
-        ~torch.stack([n.float().to(device) for n in torch._foreach_norm(grads, float("inf"))]).isfinite().all()
-        if grads
-        else torch.zeros((), dtype=torch.bool, device=device)
-    )
+    grad_bad = torch.zeros((), dtype=torch.bool, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for tensors in groups.values():  # (one stack per device and dtype, not an op per gradient)
+        grad_bad |= ~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all().to(device)
     loss = torch.zeros((), dtype=torch.bool, device=device) if loss_bad is None else loss_bad.to(device)
     return torch.where(loss, float(_LOSS), torch.where(grad_bad, float(_GRADIENT), float(_FINE)))
 

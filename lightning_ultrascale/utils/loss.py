@@ -66,9 +66,14 @@ class TokenNormaliser:
     def scale(grads: Iterable[torch.Tensor], totals: torch.Tensor, accumulate: int) -> None:
         """Scale ``grads`` (local shards fine) by ``accumulate x slots / labelled`` of the step's ``totals``."""
         factor = accumulate * totals[1] / totals[0].clamp(min=1)
-        for grad in grads:
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            local.mul_(factor.to(device=local.device, dtype=local.dtype))
+        with torch.no_grad():  # (to_local without grad mode is the local tensor itself: no autograd node)
+            locals_ = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
+            # One multi-tensor kernel per device and dtype instead of a dispatched op per gradient.
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for local in locals_:
+                groups.setdefault((local.device, local.dtype), []).append(local)
+            for (device, dtype), tensors in groups.items():
+                torch._foreach_mul_(tensors, factor.to(device=device, dtype=dtype))
 
     def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:
         """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token.

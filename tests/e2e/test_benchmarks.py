@@ -86,7 +86,7 @@ _PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predic
 #: script -> (a line its tables print, the JSON paths whose dict keys are data, parts --quick does not measure)
 SMOKE = {
     "dp": ("Tokens/s", (), ()),
-    "zero": ("Model state per rank", ("speed", "samples"), ()),  # the strategies timed
+    "zero": ("Model state per rank", ("speed[].tokens_per_s", "speed[].samples"), ()),  # the strategies timed
     "tp": ("Parameter bytes per rank", _TP_KEYED, ()),
     "context": ("Longest sequence", (), ()),
     "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
@@ -105,6 +105,8 @@ SMOKE = {
     # plan: the traffic's keys are the mesh dims and collectives the layout uses.
     "plan": ("Planner vs measured", tuple(f"layouts[].ranks[].{key}" for key in _PLAN_COMM), ()),
     "published_runs": ("Planner vs published runs", (), ()),
+    # step_profile: the hooks timed and the collectives issued are data (hook and op names).
+    "step_profile": ("Milliseconds per step", ("rows[].hooks_ms", "rows[].collectives"), ()),
 }
 
 
@@ -130,7 +132,10 @@ def test_dp_gradient_traffic_matches_the_ring_formula():
         # The traced gradient payload is every parameter's fp32 gradient, once.
         assert row["all_reduce_payload_bytes"] == row["grad_bytes"]
         assert abs(row["ratio"] - 1) < 0.01
-    assert result["speed"]["ultrascale_tokens_per_s"] > 0 and result["speed"]["ddp_tokens_per_s"] > 0
+    cells = {(row["model"], row["compiled"]) for row in result["speed"]}
+    assert cells == {(m, c) for m in ("llama_tiny", "llama_small") for c in (False, True)}
+    for row in result["speed"]:
+        assert row["ultrascale_tokens_per_s"] > 0 and row["ddp_tokens_per_s"] > 0, row
 
 
 def test_zero_model_state_and_traffic_match_the_playbook_formulas():
@@ -143,7 +148,11 @@ def test_zero_model_state_and_traffic_match_the_playbook_formulas():
         assert abs(row["memory_ratio"] - 1) < 0.02, f"{where}: model state {row['memory_ratio']:.3f} x formula"
         if row["comm_ratio"] is not None:
             assert abs(row["comm_ratio"] - 1) < 0.01, f"{where}: traffic {row['comm_ratio']:.3f} x formula"
-    assert isinstance(result["speed"]["ultrascale_zero3"], float)
+    zero3 = [row for row in result["speed"] if row["pair"] == "zero3_over_lightning_fsdp2"]
+    assert {(row["model"], row["compiled"]) for row in zero3} == {
+        (m, c) for m in ("llama_tiny", "llama_small") for c in (False, True)
+    }
+    assert all(isinstance(v, float) for row in zero3 for v in row["tokens_per_s"].values())
 
 
 def test_tp_shards_params_and_matches_the_playbook_traffic():
