@@ -66,7 +66,7 @@ from zero import FSDP2ByHand  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_profile.json"
 ADAMW = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)
-SEQ_LEN, MICRO, WORLD = 128, 4, 2
+MODEL, SEQ_LEN, MICRO, WORLD = os.environ.get("STEP_PROFILE_MODEL", "llama_small"), 128, 4, 2
 #: layout -> (ours, Lightning's or None): the arms profiled side by side.
 LAYOUTS = {"dp2": ("ultrascale_dp", "lightning_ddp"), "zero3 dp2": ("ultrascale_zero3", "lightning_fsdp2"),
            "tp2": ("ultrascale_tp2", None)}  # fmt: skip
@@ -109,14 +109,14 @@ def _arm(kind: str) -> tuple[L.LightningModule, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if kind == "lightning_fsdp2":
-        return FSDP2ByHand("llama_tiny", optim=ADAMW), ModelParallelStrategy(data_parallel_size=WORLD)
+        return FSDP2ByHand(MODEL, optim=ADAMW), ModelParallelStrategy(data_parallel_size=WORLD)
     strategies = {
         "ultrascale_dp": lambda: UltraScaleStrategy(DataParallel()),
         "ultrascale_zero3": lambda: UltraScaleStrategy(ZeRO(stage=3)),
         "ultrascale_tp2": lambda: UltraScaleStrategy(TensorParallel(2)),
         "lightning_ddp": lambda: "ddp",
     }
-    return LlamaModule("llama_tiny", optim=ADAMW), strategies[kind]()
+    return LlamaModule(MODEL, optim=ADAMW), strategies[kind]()
 
 
 def _fit(kind: str, steps: int, callbacks: list[L.Callback], profiler: Any = None) -> None:
@@ -220,7 +220,7 @@ def main() -> None:
         print(f"{row['layout']:<10} {row['arm']:<18} {hooks}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "step_profile", "quick": args.quick, "device": "cpu", "model": "llama_tiny", "rows": rows}
+    payload = {"benchmark": "step_profile", "quick": args.quick, "device": "cpu", "model": MODEL, "rows": rows}
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {args.out}")
 

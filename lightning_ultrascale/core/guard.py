@@ -123,16 +123,34 @@ class NonFiniteGuard:
 
 def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """This rank's status as a device scalar: loss, else gradient, else fine."""
-    # One fused pass over the gradients: a tensor's largest magnitude is NaN or inf exactly when it
-    # holds one, and no gradient-sized mask is allocated (isfinite would be one per parameter).
     grad_bad = torch.zeros((), dtype=torch.bool, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    for tensors in groups.values():  # (one stack per device and dtype, not an op per gradient)
-        grad_bad |= ~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all().to(device)
+    for (where, _), tensors in groups.items():
+        grad_bad |= _any_non_finite(tensors, fused=where.type != "cpu").to(device)
     loss = torch.zeros((), dtype=torch.bool, device=device) if loss_bad is None else loss_bad.to(device)
     return torch.where(loss, float(_LOSS), torch.where(grad_bad, float(_GRADIENT), float(_FINE)))
+
+
+def _any_non_finite(tensors: list[torch.Tensor], fused: bool) -> torch.Tensor:
+    """Whether any of ``tensors`` (one device and dtype) holds a NaN or an inf, as a device bool; one pass
+    over them, no mask as large as a gradient (``isfinite`` would allocate one per parameter).
+
+    ``fused``: one multi-tensor kernel of the largest magnitudes, which are NaN or inf exactly when the
+    tensor holds one (GPUs). Otherwise each tensor's sum in fp32: NaN when it holds a NaN or both
+    infinities, inf when it holds one; a finite gradient flags only if its elements sum past 3.4e38,
+    where Adam's squared gradient overflowed long before. On CPU the largest-magnitude reduction is
+    a scalar loop: 9.6 ms for llama_small's 3.6M gradients against 0.4 ms for the sums, on one thread.
+
+    Example:
+        >>> t = [torch.ones(3), torch.tensor([1.0, float("inf"), -float("inf")])]
+        >>> [bool(_any_non_finite(t, fused)) for fused in (False, True)], bool(_any_non_finite(t[:1], False))
+        ([True, True], False)
+    """
+    if fused:
+        return ~torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all()
+    return ~torch.stack([t.sum(dtype=torch.float32) for t in tensors]).isfinite().all()
 
 
 def _first_non_finite(params: list[torch.Tensor]) -> tuple[torch.Tensor, int] | None:
