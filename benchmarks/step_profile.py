@@ -1,8 +1,8 @@
 """Where a training step's time goes: ours against Lightning's own strategies, phase by phase.
 
-Prints a table and writes ``benchmarks/results/step_profile.json``. Each layout trains ``llama_tiny``
-(AdamW, seq 128, 4 sequences per rank) on 2 CPU processes; rank 0 reports the median over the
-steps after the warm-up of:
+Prints a table and writes ``benchmarks/results/step_profile.json``. Each layout trains ``llama_tiny`` and
+``llama_small`` (AdamW, seq 128, 8 sequences per step) on 2 CPU processes; rank 0 reports the median
+over the steps after the warm-up of:
 
 - the phases, as Lightning times them (its ``SimpleProfiler``, wall clock): ``step`` (one batch
   start to the next), ``forward`` (the
@@ -66,7 +66,7 @@ from zero import FSDP2ByHand  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_profile.json"
 ADAMW = OptimConfig(name="adamw", lr=1e-3, warmup_steps=0)
-MODEL, SEQ_LEN, MICRO, WORLD = os.environ.get("STEP_PROFILE_MODEL", "llama_small"), 128, 4, 2
+MODELS, SEQ_LEN, MICRO, WORLD = ("llama_tiny", "llama_small"), 128, 4, 2
 #: layout -> (ours, Lightning's or None): the arms profiled side by side.
 LAYOUTS = {"dp2": ("ultrascale_dp", "lightning_ddp"), "zero3 dp2": ("ultrascale_zero3", "lightning_fsdp2"),
            "tp2": ("ultrascale_tp2", None)}  # fmt: skip
@@ -105,32 +105,32 @@ class _Window(L.Callback):
             self.profile.__exit__(None, None, None)
 
 
-def _arm(kind: str) -> tuple[L.LightningModule, Any]:
+def _arm(kind: str, model: str) -> tuple[L.LightningModule, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     if kind == "lightning_fsdp2":
-        return FSDP2ByHand(MODEL, optim=ADAMW), ModelParallelStrategy(data_parallel_size=WORLD)
+        return FSDP2ByHand(model, optim=ADAMW), ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     strategies = {
         "ultrascale_dp": lambda: UltraScaleStrategy(DataParallel()),
         "ultrascale_zero3": lambda: UltraScaleStrategy(ZeRO(stage=3)),
         "ultrascale_tp2": lambda: UltraScaleStrategy(TensorParallel(2)),
         "lightning_ddp": lambda: "ddp",
     }
-    return LlamaModule(MODEL, optim=ADAMW), strategies[kind]()
+    return LlamaModule(model, optim=ADAMW), strategies[kind]()
 
 
-def _fit(kind: str, steps: int, callbacks: list[L.Callback], profiler: Any = None) -> None:
-    module, strategy = _arm(kind)
+def _fit(kind: str, model: str, steps: int, callbacks: list[L.Callback], profiler: Any = None) -> None:
+    module, strategy = _arm(kind, model)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, callbacks=callbacks,
                         profiler=profiler, **QUIET_TRAINER)  # fmt: skip
     data_ranks = 1 if kind == "ultrascale_tp2" else WORLD
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=MICRO * WORLD // data_ranks))
 
 
-def phases_worker(kind: str, steps: int, warmup: int) -> dict[str, Any]:
+def phases_worker(kind: str, model: str, steps: int, warmup: int) -> dict[str, Any]:
     """Median milliseconds per step of each phase and of each hook of the batch loop, after ``warmup`` steps."""
     profiler, starts = _Durations(), _BatchStarts()
-    _fit(kind, steps, [starts], profiler)
+    _fit(kind, model, steps, [starts], profiler)
     per_step = {
         action: [1e3 * d for d in durations[warmup:]]
         for action, durations in profiler.recorded_durations.items()
@@ -158,10 +158,10 @@ def phases_worker(kind: str, steps: int, warmup: int) -> dict[str, Any]:
     return {"phases": {k: statistics.median(v) for k, v in phases.items()}, "hooks": hooks}
 
 
-def comm_worker(kind: str, steps: int, warmup: int) -> dict[str, Any]:
+def comm_worker(kind: str, model: str, steps: int, warmup: int) -> dict[str, Any]:
     """Per step, on this rank's main thread: each collective op's count and milliseconds."""
     window = _Window(warmup, steps - 2)
-    _fit(kind, steps, [window])
+    _fit(kind, model, steps, [window])
     assert window.profile is not None
     profiled = steps - 1 - warmup
     ops: dict[str, dict[str, float]] = {}
@@ -174,17 +174,17 @@ def comm_worker(kind: str, steps: int, warmup: int) -> dict[str, Any]:
     return ops
 
 
-def _rounds(arms: list[str], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+def _rounds(arms: list[str], model: str, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     """Each arm's phases (median over ``rounds`` alternated runs), hooks and collectives."""
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for r in range(rounds):
         for kind in arms if r % 2 == 0 else arms[::-1]:
-            runs[kind].append(run_workers(phases_worker, WORLD, kind, steps, warmup, timeout_s=600)[0])
+            runs[kind].append(run_workers(phases_worker, WORLD, kind, model, steps, warmup, timeout_s=600)[0])
     out: dict[str, Any] = {}
     for kind, results in runs.items():
         phases = {k: statistics.median(r["phases"][k] for r in results) for k in results[0]["phases"]}
         hooks = {k: statistics.median(r["hooks"].get(k, 0.0) for r in results) for k in results[-1]["hooks"]}
-        comm = run_workers(comm_worker, WORLD, kind, steps, warmup, timeout_s=600)[0]
+        comm = run_workers(comm_worker, WORLD, kind, model, steps, warmup, timeout_s=600)[0]
         out[kind] = {"phases_ms": phases, "hooks_ms": hooks, "collectives": comm}
     return out
 
@@ -199,28 +199,30 @@ def main() -> None:
     # --quick: our dp2 arm only (the JSON's schema, in seconds)
     layouts = {"dp2": ["ultrascale_dp"]} if args.quick else {k: [a for a in v if a] for k, v in LAYOUTS.items()}
     rows = []
-    for layout, arms in layouts.items():
-        print(f"{layout}:", flush=True)
-        for kind, result in _rounds(arms, rounds, steps, warmup).items():
-            rows.append({"layout": layout, "arm": kind, "rounds": rounds, "steps": steps, "warmup": warmup, **result})
+    for model in MODELS[:1] if args.quick else MODELS:
+        for layout, arms in layouts.items():
+            print(f"{model}, {layout}:", flush=True)
+            for kind, result in _rounds(arms, model, rounds, steps, warmup).items():
+                rows.append({"model": model, "layout": layout, "arm": kind, "rounds": rounds, "steps": steps,
+                             "warmup": warmup, **result})  # fmt: skip
 
-    print(f"\nMilliseconds per step, llama_tiny, {WORLD} CPU processes, median of {rounds} rounds (phases: Lightning's")
+    print(f"\nMilliseconds per step, {WORLD} CPU processes, median of {rounds} rounds (phases: Lightning's")
     print("SimpleProfiler; collectives: torch.profiler, this rank's main thread, in a run of their own)")
-    head = ("layout", "arm", "step", "forward", "backward", "optimizer", "loop", "collectives (per step, ms)")
-    print("{:<10} {:<18} {:>7} {:>8} {:>8} {:>9} {:>6}  {}".format(*head))
+    head = ("model", "layout", "arm", "step", "forward", "backward", "optimizer", "loop", "collectives (per step, ms)")
+    print("{:<12} {:<10} {:<18} {:>7} {:>8} {:>8} {:>9} {:>6}  {}".format(*head))
     for row in rows:
         p = row["phases_ms"]
         comm = ", ".join(f"{k.removeprefix('c10d::')} {v['per_step']:.1f} {v['ms_per_step']:.1f}"
                          for k, v in sorted(row["collectives"].items()))  # fmt: skip
-        print(f"{row['layout']:<10} {row['arm']:<18} {p['step']:>7.1f} {p['forward']:>8.1f} {p['backward']:>8.1f} "
-              f"{p['optimizer']:>9.1f} {p['loop']:>6.1f}  {comm}")  # fmt: skip
+        print(f"{row['model']:<12} {row['layout']:<10} {row['arm']:<18} {p['step']:>7.1f} {p['forward']:>8.1f} "
+              f"{p['backward']:>8.1f} {p['optimizer']:>9.1f} {p['loop']:>6.1f}  {comm}")  # fmt: skip
     print("\nHooks of the batch loop above 0.1 ms per step")
     for row in rows:
         hooks = ", ".join(f"{k} {v:.1f}" for k, v in sorted(row["hooks_ms"].items(), key=lambda kv: -kv[1]))
-        print(f"{row['layout']:<10} {row['arm']:<18} {hooks}")
+        print(f"{row['model']:<12} {row['layout']:<10} {row['arm']:<18} {hooks}")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "step_profile", "quick": args.quick, "device": "cpu", "model": MODEL, "rows": rows}
+    payload = {"benchmark": "step_profile", "quick": args.quick, "device": "cpu", "rows": rows}
     args.out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {args.out}")
 
