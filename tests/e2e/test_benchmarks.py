@@ -92,7 +92,8 @@ SMOKE = {
     "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
     "expert": ("Load imbalance", (), ()),
     # Cold inductor compiles take most of a minute per graph: --quick traces through aot_eager, times nothing.
-    "compile": ("Compiled blocks against one eager process", (), ("speed",)),
+    # (the graphs' keys are the region kinds a layout compiles)
+    "compile": ("Compiled blocks against one eager process", ("parity[].graphs",), ("speed",)),
     "fp8": ("not measured", (), ()),
     # torch.compile's cold compiles take most of a minute on CPU.
     "kernels": ("not measured", (), ("cpu_speed",)),
