@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_ultrascale.core.agreement import LABELLED, STATUS, SUMS, StepAgreement
 from lightning_ultrascale.models.spec import StepSums, declares
 from lightning_ultrascale.utils.comm import collective_device, sum_rows
-from lightning_ultrascale.utils.tensors import local_tensor
+from lightning_ultrascale.utils.tensors import by_device_and_dtype, local_tensor
 
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
@@ -124,10 +124,7 @@ class NonFiniteGuard:
 def _status(loss_bad: torch.Tensor | None, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """This rank's status as a device scalar: loss, else gradient, else fine."""
     grad_bad = torch.zeros((), dtype=torch.bool, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (where, _), tensors in groups.items():
+    for (where, _), tensors in by_device_and_dtype(grads).items():
         grad_bad |= _any_non_finite(tensors, fused=where.type != "cpu").to(device)
     loss = torch.zeros((), dtype=torch.bool, device=device) if loss_bad is None else loss_bad.to(device)
     return torch.where(loss, float(_LOSS), torch.where(grad_bad, float(_GRADIENT), float(_FINE)))

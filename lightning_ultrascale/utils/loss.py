@@ -22,6 +22,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_ultrascale.utils.tensors import by_device_and_dtype
+
 IGNORE_INDEX = -100
 
 
@@ -69,10 +71,7 @@ class TokenNormaliser:
         with torch.no_grad():  # (to_local without grad mode is the local tensor itself: no autograd node)
             locals_ = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
             # One multi-tensor kernel per device and dtype instead of a dispatched op per gradient.
-            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-            for local in locals_:
-                groups.setdefault((local.device, local.dtype), []).append(local)
-            for (device, dtype), tensors in groups.items():
+            for (device, dtype), tensors in by_device_and_dtype(locals_).items():
                 torch._foreach_mul_(tensors, factor.to(device=device, dtype=dtype))
 
     def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local_tensor"]
+__all__ = ["by_device_and_dtype", "local_tensor"]
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -18,3 +21,18 @@ def local_tensor(t: Tensor) -> Tensor:
         True
     """
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def by_device_and_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """``tensors`` grouped by device and dtype, in order: one multi-tensor (``torch._foreach_*``) call each.
+
+    Example:
+        >>> import torch
+        >>> groups = by_device_and_dtype([torch.ones(2), torch.ones(1, dtype=torch.bfloat16), torch.zeros(3)])
+        >>> {dtype: len(ts) for (_, dtype), ts in groups.items()}
+        {torch.float32: 2, torch.bfloat16: 1}
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
