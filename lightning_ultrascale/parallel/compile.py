@@ -75,8 +75,8 @@ class _CountingBackend:
     def __init__(self, backend: str, stats: CompileStats, region: str) -> None:
         self.inner = torch._dynamo.lookup_backend(backend)
         self.stats, self.region = stats, region
-        self.mode = "training"
-        self._per_mode: Counter[str] = Counter()
+        self.mode = (True, True)  # (training, grad enabled) of the call being compiled
+        self._per_mode: Counter[tuple[bool, bool]] = Counter()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         start = time.perf_counter()
@@ -86,14 +86,16 @@ class _CountingBackend:
         self.stats.graphs[self.region] += 1
         self._per_mode[self.mode] += 1
         count = self._per_mode[self.mode]
-        log.info("compiled graph %d of %s (%s) in %.1f s", count, self.region, self.mode, seconds)
+        training, grad = self.mode
+        mode = f"{'training' if training else 'evaluation'}, grad {'on' if grad else 'off'}"
+        log.info("compiled graph %d of %s (%s) in %.1f s", count, self.region, mode, seconds)
         if count > 1:
             log.warning(
                 "%s compiled graph number %d for %s: a recompilation (a guard failed: a shape, a dtype or a Python "
                 "value changed between calls, or differs between blocks); TORCH_LOGS=recompiles names the guard",
                 self.region,
                 count,
-                self.mode,
+                mode,
             )
         return compiled
 
@@ -104,15 +106,13 @@ class _CompiledForward:
     def __init__(self, forward: Callable[..., Any], **options: Any) -> None:
         self.forward, self.options = forward, options
         self.compiled = torch.compile(forward, **options)
+        backend = options.get("backend")
+        self.backend = backend if isinstance(backend, _CountingBackend) else None
+        self.owner = _owner(forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        backend = self.options.get("backend")
-        if isinstance(backend, _CountingBackend):
-            module = _owner(self.forward)
-            training = module.training if module is not None else True
-            backend.mode = (
-                f"{'training' if training else 'evaluation'}, grad {'on' if torch.is_grad_enabled() else 'off'}"
-            )
+        if self.backend is not None:  # (what a graph compiled now would be for)
+            self.backend.mode = (self.owner is None or self.owner.training, torch.is_grad_enabled())
         return self.compiled(*map(_settled, args), **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CompiledForward:

@@ -64,7 +64,7 @@ Muon's orthogonalisation) would be computed over the wrong tensors.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -203,6 +203,7 @@ class ZeroEngine(GradientBuckets):
         self.optimizer: torch.optim.Optimizer | None = None
         self._waits: list[RemovableHandle] = []
         self._held: dict[nn.Module, list[_Bucket]] = {}  # module -> buckets of the parameters it holds
+        self._covers: dict[nn.Module, list[nn.Parameter]] = {}  # holder -> the parameters it waits for
         self._ran: set[nn.Module] = set()  # holders whose forward ran since the last update
         self._late: list[_Bucket] = []  # buckets waited for at the start of the forward
         self.masters = masters
@@ -402,7 +403,8 @@ class ZeroEngine(GradientBuckets):
         Every module of ``parts`` that holds a parameter waits for its buckets before its forward
         and its ``state_dict``; every part, before its forward, for the buckets read without a holder.
         """
-        for module, params in _holders(self.parts).items():
+        self._covers = _holders(self.parts)
+        for module, params in self._covers.items():
             held = [self._slot[p][0] for p in params if p in self._slot]
             if held:
                 self._held[module] = list({id(b): b for b in held}.values())  # buckets compare by value
@@ -459,7 +461,7 @@ class ZeroEngine(GradientBuckets):
         if self._ran:
             # A parameter none of whose holders ran was read elsewhere in the forward (or not at
             # all): its bucket waits at the start of the next one.
-            covered = {p for m in self._ran for p in _held_params(m)}
+            covered = {p for m in self._ran for p in self._covers[m]}
             self._late = [b for b in self.buckets if not all(p in covered for p in b.params)]
             self._ran = set()
 
@@ -683,7 +685,3 @@ def _holders(parts: Sequence[nn.Module]) -> dict[nn.Module, list[nn.Parameter]]:
             else:
                 holders[module] = list(module.parameters(recurse=False))
     return {m: params for m, params in holders.items() if params}
-
-
-def _held_params(module: nn.Module) -> Iterator[nn.Parameter]:
-    return module.parameters(recurse=is_compiled(module))
