@@ -21,8 +21,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_ultrascale.core.agreement import LABELLED, STATUS, SUMS, StepAgreement
-from lightning_ultrascale.models.spec import StepSums, declares
-from lightning_ultrascale.utils.comm import collective_device, sum_rows
+from lightning_ultrascale.models.spec import StepMaxima, StepSums, declares
+from lightning_ultrascale.utils.comm import collective_device, max_rows, sum_rows
 from lightning_ultrascale.utils.tensors import by_device_and_dtype, local_tensor
 
 if TYPE_CHECKING:
@@ -177,16 +177,28 @@ class GuardedSteps(ModelParallelStrategy):
             trainer = self.lightning_module.trainer
             module = self.lightning_module
             sums = module.step_sums() if declares(module, StepSums) else None
+            maxima = module.step_maxima() if declares(module, StepMaxima) else None
             # (the status before token weighting: a finite positive factor keeps finite what it scales)
-            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts(), sums)
+            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts(), sums, maxima)
             self.step.scale_step(optimizer, rows[:, LABELLED:SUMS], trainer.accumulate_grad_batches)
-            if sums is not None:
-                total = sum_rows(rows[:, SUMS:], self.batch_group())
-                module.agree_step_sums(total.to(device=sums.device, dtype=sums.dtype).view_as(sums))
+            self._agree_module_columns(module, rows[:, SUMS:], sums, maxima)
             self.guard.act(rows, worst, optimizer, trainer.global_step, self._name_of)
             return result
 
         return super().optimizer_step(optimizer, guarded, model, **kwargs)
+
+    def _agree_module_columns(
+        self, module: Any, columns: torch.Tensor, sums: torch.Tensor | None, maxima: torch.Tensor | None
+    ) -> None:
+        """Hand the module its sums and maxima over the ranks that see different tokens, from the agreed rows."""
+        group = self.batch_group()
+        k = 0 if sums is None else sums.numel()
+        if sums is not None:
+            total = sum_rows(columns[:, :k], group)
+            module.agree_step_sums(total.to(device=sums.device, dtype=sums.dtype).view_as(sums))
+        if maxima is not None:
+            peak = max_rows(columns[:, k:], group)
+            module.agree_step_maxima(peak.to(device=maxima.device, dtype=maxima.dtype).view_as(maxima))
 
     def _name_of(self, tensor: torch.Tensor, index: int) -> str:
         assert self.lightning_module is not None

@@ -1,6 +1,6 @@
 """What metrics and tests read of a layout, as a part of :class:`~lightning_ultrascale.UltraScaleStrategy`.
 
-Sums over the ranks that see different tokens (each counted once), maxima over pipeline stages,
+Sums over the ranks that see different tokens (each counted once),
 the averaged gradients a sharded optimizer keeps away from ``param.grad``, the playbook's
 model-state bytes of this layout, and Lightning's ``reduce`` (``self.log(..., sync_dist=True)``)
 of a DTensor.
@@ -48,14 +48,6 @@ class LayoutStatistics(ModelParallelStrategy):
     def batch_group(self) -> Any:
         """The ranks that see different tokens (and the pipeline stages): every rank but its tensor-parallel peers."""
         return self.layout.mesh.over(("pp", "dp_replicate", "dp_shard", "cp")).get_group()
-
-    def max_over_stages(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise maximum over the pipeline stages (each holds its blocks' values, zeros elsewhere)."""
-        if self.parallel_dims.pp > 1:
-            torch.distributed.all_reduce(
-                tensor, torch.distributed.ReduceOp.MAX, group=self.layout.mesh["pp"].get_group()
-            )
-        return tensor
 
     def reduced_gradients(self) -> dict[nn.Parameter, torch.Tensor] | None:
         """Averaged gradients where an engine keeps them away from ``param.grad`` (a sharded optimizer), else None."""

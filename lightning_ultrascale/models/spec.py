@@ -179,6 +179,19 @@ class StepSums(Protocol):
 
 
 @runtime_checkable
+class StepMaxima(Protocol):
+    """Optional beside :class:`StepSums`: non-negative values of a training step the strategy takes the
+    maximum of over the ranks that see different tokens and the pipeline stages, in the same one control
+    collective (a stage reports its own blocks' values and zeros for the others): ``step_maxima`` this
+    rank's (the same length on every rank), ``agree_step_maxima`` the maxima back, before
+    ``optimizer_step`` returns. ``LlamaModule``'s: each MoE block's selection-bias range."""
+
+    def step_maxima(self) -> Tensor: ...
+
+    def agree_step_maxima(self, maxima: Tensor) -> None: ...
+
+
+@runtime_checkable
 class AuxLossModel(Protocol):
     """Optional beside :class:`StagedModel`: a model whose blocks add an auxiliary loss (MoE balancing)
     hands a pipeline stage the sum its ``blocks`` recorded in the last forward, or None."""

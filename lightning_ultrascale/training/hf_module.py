@@ -155,6 +155,9 @@ class HFCausalLMModule(LlamaModule):
     def step_sums(self) -> torch.Tensor:
         return self._local_sums("train")
 
+    def step_maxima(self) -> torch.Tensor:
+        return torch.zeros(0, device=self.device)  # (no selection bias in transformers' routers)
+
     @torch.no_grad()
     def _step_end(self) -> dict[str, torch.Tensor]:
         sums = self._train_sums()

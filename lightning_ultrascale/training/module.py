@@ -138,6 +138,7 @@ class LlamaModule(L.LightningModule):
         self._loss_sums: dict[str, torch.Tensor] = {}
         self._step_metrics: dict[str, torch.Tensor] = {}
         self._agreed_sums: torch.Tensor | None = None
+        self._agreed_maxima: torch.Tensor | None = None
         self.save_hyperparameters(
             {
                 "model": self.config.name,
@@ -263,6 +264,18 @@ class LlamaModule(L.LightningModule):
         """The step's :meth:`step_sums` over the global batch (each token counted once), from the strategy."""
         self._agreed_sums = sums
 
+    @torch.no_grad()
+    def step_maxima(self) -> torch.Tensor:
+        """This rank's ``max - min`` of each MoE block's selection bias, as the step routed with it (0 for a
+        block another pipeline stage holds; none for a dense model): ``models.spec.StepMaxima``."""
+        if self.model is None or self.config.moe is None:
+            return torch.zeros(0, device=self.device)
+        return self.model.expert_bias_ranges()
+
+    def agree_step_maxima(self, maxima: torch.Tensor) -> None:
+        """The step's :meth:`step_maxima` over the pipeline stages, from the strategy's agreement."""
+        self._agreed_maxima = maxima
+
     def _train_sums(self) -> torch.Tensor:
         """The step's training sums over the global batch: as the strategy's agreement handed them, else
         reduced here (another strategy)."""
@@ -296,17 +309,20 @@ class LlamaModule(L.LightningModule):
         return metrics
 
     def _balance_experts(self, loads: torch.Tensor, dropped: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The aux-loss-free bias update from the step's global tokens per expert, and the balance metrics."""
+        """The aux-loss-free bias update from the step's global tokens per expert, and the balance metrics.
+
+        The bias ranges are those the step routed with (before this update): under
+        ``UltraScaleStrategy`` every pipeline stage's, from the step's one agreement; another strategy
+        holds every block (no pipeline), so its own ranges are every block's.
+        """
         assert self.model is not None and self.config.moe is not None
+        ranges, self._agreed_maxima = self._agreed_maxima, None
+        ranges = self.model.expert_bias_ranges() if ranges is None else ranges
         if self.config.moe.bias_update_rate > 0:
             self.model.update_expert_bias(loads)
         imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
         metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}
-        # The selection bias's spread per MoE block; a pipeline stage holds some blocks only.
-        ranges = self.model.expert_bias_ranges()
-        max_over_stages = getattr(self.trainer.strategy, "max_over_stages", None)
-        ranges = max_over_stages(ranges) if max_over_stages else ranges
         metrics["moe/bias_range"] = ranges.max()
         metrics |= {f"moe/layer{b}/bias_range": v for b, v in zip(self.config.moe_blocks(), ranges)}
         return metrics

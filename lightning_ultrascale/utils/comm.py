@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale.utils.memory import format_bytes
 
-__all__ = ["CommRecord", "CommTracer", "collective_device", "sum_rows", "wire_bytes"]
+__all__ = ["CommRecord", "CommTracer", "collective_device", "max_rows", "sum_rows", "wire_bytes"]
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -60,12 +60,26 @@ def sum_rows(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
         >>> sum_rows(torch.tensor([[1.0, 2.0]]), None).tolist()
         [1.0, 2.0]
     """
+    return _rows_of(rows, group).sum(dim=0)
+
+
+def max_rows(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The element-wise maximum of ``rows`` over the ranks of ``group`` (global ranks index the rows).
+
+    Example:
+        >>> max_rows(torch.tensor([[1.0, 5.0], [3.0, 2.0]]), None).tolist()
+        [3.0, 5.0]
+    """
+    return _rows_of(rows, group).amax(dim=0)
+
+
+def _rows_of(rows: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is None or not dist.is_initialized():
-        return rows.sum(dim=0)
+        return rows
     key = (tuple(dist.get_process_group_ranks(group)), rows.device)
     if key not in _RANKS:
         _RANKS[key] = torch.tensor(key[0], dtype=torch.long, device=rows.device)
-    return rows.index_select(0, _RANKS[key]).sum(dim=0)
+    return rows.index_select(0, _RANKS[key])
 
 
 @dataclass(frozen=True)

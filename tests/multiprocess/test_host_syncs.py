@@ -36,6 +36,8 @@ LAYOUTS = {
     "zero1-dp2": ("llama_tiny", lambda: [ZeRO(stage=1)], 0),
     "zero3-dp2": ("llama_tiny", lambda: [ZeRO(stage=3)], 0),
     "pp2": ("llama_tiny", lambda: [PipelineParallel(2, "1f1b", 2)], 0),
+    # (stage 0 holds MoE block 1, stage 1 blocks 2 and 3: the bias ranges are a maximum over the stages)
+    "pp2-moe": (MOE_TINY, lambda: [PipelineParallel(2, "1f1b", 2)], 0),
     "dp2-moe-capacity": (CAPPED, lambda: [ZeRO(stage=0)], 0),
     "ep2-moe-capacity": (CAPPED, lambda: [ExpertParallel(2)], 3),
 }
@@ -97,14 +99,14 @@ class _CountControl(_Count):
 
 
 def _count_control(layout: str, accumulate: int) -> dict[str, dict[str, int]]:
-    _, plugins, _ = LAYOUTS[layout]
+    model, plugins, _ = LAYOUTS[layout]
     count = _CountControl()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=UltraScaleStrategy(*plugins()), max_steps=5,
         accumulate_grad_batches=accumulate, callbacks=[count, Preemption()],
         **{**QUIET_TRAINER, "log_every_n_steps": 1000},
     )  # fmt: skip
-    module = LlamaModule("llama_tiny", optim=SGD)
+    module = LlamaModule(model, optim=SGD)
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=64, micro_batch_size=4, mask_eos_loss=True))
     return count.counts
 
@@ -113,12 +115,13 @@ def _site(key: str) -> str:
     return key.rsplit(":", 1)[0]
 
 
-@pytest.mark.parametrize(("layout", "accumulate"), [("zero1-dp2", 2), ("zero3-dp2", 1), ("pp2", 1)])
+@pytest.mark.parametrize(("layout", "accumulate"), [("zero1-dp2", 2), ("zero3-dp2", 1), ("pp2", 1), ("pp2-moe", 1)])
 def test_a_healthy_step_agrees_in_one_control_collective_and_one_host_read(layout, accumulate):
     # The guard's status, the preemption flag, the token count and the logged loss's sums travel in one
     # all-reduce, read once (core/agreement.py), and Lightning's SIGTERM broadcast before each micro-batch
     # is off under Preemption. Before: four control all-reduces a step, three read back, plus one
-    # broadcast and read per micro-batch. Ignored labels (mask_eos_loss) make the token weighting work.
+    # broadcast and read per micro-batch (and a MAX over the stages for a pipelined MoE model's bias
+    # ranges). Ignored labels (mask_eos_loss) make the token weighting work.
     steps = 3
     for counts in run_workers(_count_control, 2, layout, accumulate):
         control: dict[str, int] = {}
