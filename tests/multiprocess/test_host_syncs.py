@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import lightning as L
 import pytest
+import torch
 from llama_runs import MOE_TINY, SGD
 
 from lightning_ultrascale import (
@@ -18,6 +19,9 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
+from lightning_ultrascale.core.fabric import FabricStrategy
+from lightning_ultrascale.data.sampler import DataParallelSampler, ResumableDataLoader
+from lightning_ultrascale.models import build_model
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 from lightning_ultrascale.testing.syncs import HostSyncCounter
@@ -132,3 +136,41 @@ def test_a_healthy_step_agrees_in_one_control_collective_and_one_host_read(layou
         assert control == {AGREEMENT: steps}, counts
         ours = {k: n for k, n in counts["reads"].items() if "lightning_ultrascale/" in k and "/data/" not in k}
         assert {_site(k): n for k, n in ours.items()} == {"tolist at lightning_ultrascale/core/agreement.py": steps}
+
+
+def _count_fabric_control() -> dict[str, dict[str, int]]:
+    # A Fabric loop on ZeRO-1 dp2 with ignored labels: the token weighting's count is its control traffic.
+    fabric = L.Fabric(strategy=FabricStrategy(ZeRO(stage=1)), accelerator="cpu", devices=2)
+    fabric.launch()
+    model = build_model("llama_tiny", seed=0)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=SGD.lr))
+    data = UltraScaleDataModule(seq_len=64, micro_batch_size=2, mask_eos_loss=True)
+    data.setup("fit")
+    dp = fabric.strategy.distributed_sampler_kwargs
+    sampler = DataParallelSampler(data.train_dataset, 2, dp["num_replicas"], dp["rank"], seed=0)
+    batches = iter(fabric.setup_dataloaders(ResumableDataLoader(data.train_dataset, sampler)))
+    counter = HostSyncCounter()
+    for step in range(5):
+        if step == 1:
+            counter.__enter__()
+        batch = next(batches)
+        fabric.backward(model(batch["input_ids"], labels=batch["labels"]))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 4:
+            counter.__exit__(None, None, None)
+    return {"reads": dict(counter.counts), "collectives": dict(counter.collectives)}
+
+
+def test_a_healthy_fabric_step_has_one_control_collective_and_no_host_read():
+    # Fabric's strategy has no guard or preemption agreement: the token count is its one control
+    # all-reduce, and it stays on the device (the scale factor is applied there).
+    steps = 4
+    for counts in run_workers(_count_fabric_control, 2):
+        control: dict[str, int] = {}
+        for key, n in counts["collectives"].items():
+            op, site = key.split(" at ")
+            if op.startswith(("allreduce", "broadcast")) and not site.startswith("lightning_ultrascale/parallel/"):
+                control[_site(key)] = control.get(_site(key), 0) + n
+        assert control == {"allreduce_ at lightning_ultrascale/utils/loss.py": steps}, counts
+        assert not [k for k in counts["reads"] if "lightning_ultrascale/" in k and "/data/" not in k], counts
