@@ -242,6 +242,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.accumulate, self._backwards = max(self._backwards, 1), 0
+        self.step.settle(_params_of(optimizer))
         self.step.finish_step(optimizer, self.accumulate)  # exact token weighting
         output = super().optimizer_step(optimizer, **kwargs)
         self.global_step += 1
@@ -262,6 +263,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
                 "each gradient counted once in any layout; valid: 2.0"
             )
         self.precision.unscale_gradients(optimizer)
+        self.step.settle(_params_of(optimizer))
         model, _ = find_model(module)
         norm = self.clip_grad_norm(model, self.precision.main_params(optimizer), float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
@@ -271,6 +273,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
+        self.step.settle(_params_of(optimizer))
         clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -339,6 +342,10 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
         parts.restore(meta, state, strict)
         self.global_step = int(meta.get("global_step", 0))
         return meta
+
+
+def _params_of(optimizer: Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _point_at(optimizer: Optimizer, names: dict[nn.Parameter, str], params: dict[str, nn.Parameter]) -> None:

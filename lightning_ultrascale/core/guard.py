@@ -176,6 +176,7 @@ class GuardedSteps(ModelParallelStrategy):
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             module = self.lightning_module
+            self.step.settle(module.parameters())
             sums = module.step_sums() if declares(module, StepSums) else None
             maxima = module.step_maxima() if declares(module, StepMaxima) else None
             # (the status before token weighting: a finite positive factor keeps finite what it scales)

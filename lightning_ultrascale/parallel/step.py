@@ -8,7 +8,11 @@ every path:
 - token weighting: each micro-step's loss is weighted by its labelled fraction and the step's
   gradients are rescaled after its last backward, so they are the mean over every labelled token
   of the global batch, across ``dp x cp`` ranks and accumulation micro-steps (``utils/loss.py``);
-- gradient synchronisation: the data-parallel engines' ``no_sync`` on accumulation micro-steps;
+- gradient synchronisation: the data-parallel engines' ``no_sync`` on accumulation micro-steps, and
+  after the last backward each DTensor gradient in its parameter's placements (:func:`settle_gradients`:
+  DTensor hands a sequence-parallel norm a ``Partial`` gradient and a vocabulary-parallel embedding a
+  ``Replicate`` one; left so, every op that met them redistributed them again, and AdamW's update
+  all-reduced a norm's gradient three times);
 - checkpoint options (a pipeline's stages keep parameters on some ranks only: sharded checkpoints).
 
 Under Lightning's step, Lightning zeroes gradients and runs backward (with the engines' hooks);
@@ -18,10 +22,14 @@ a pipeline runner does both itself.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from lightning_ultrascale.utils.comm import sum_rows
 from lightning_ultrascale.utils.loss import TokenNormaliser
@@ -96,6 +104,13 @@ class StepRunner:
             return None
         return self.tokens.weight(batch["labels"])
 
+    @staticmethod
+    def settle(params: Iterable[torch.nn.Parameter]) -> None:
+        """After the step's last backward: each DTensor gradient in its parameter's placements, the
+        sequence-parallel norms' partial sums in one all-reduce (:func:`settle_gradients`), before the
+        guard, clipping and the optimizer read them."""
+        settle_gradients(params)
+
     def finish_step(self, optimizer: torch.optim.Optimizer, accumulate: int) -> None:
         """After the step's last backward: gradients become the mean over every labelled token of the global batch."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -130,3 +145,47 @@ def batch_and_index(args: tuple, kwargs: dict) -> tuple[Any, int]:
     batch = kwargs.get("batch", args[0] if args else None)
     batch_idx = kwargs.get("batch_idx", args[1] if len(args) > 1 else 0)
     return batch, int(batch_idx)
+
+
+@torch.no_grad()
+def settle_gradients(parameters: Iterable[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's placements: the ``Partial`` sums over a 1-D mesh
+    (sequence-parallel norms) in one all-reduce per mesh and dtype, the rest redistributed (a vocabulary-
+    parallel embedding's ``Replicate`` gradient becomes its ``Shard(0)`` slice, no traffic).
+
+    Every rank of the gradients' meshes calls it, after the step's last backward; a gradient already
+    in its parameter's placements (every plain tensor) is left as it is.
+
+    Example:
+        >>> p = nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
+        >>> settle_gradients([p]); p.grad.tolist()  # (a plain gradient: nothing to do)
+        [1.0, 1.0]
+    """
+    sums: dict[tuple[object, torch.dtype], list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        grad = p.grad
+        if not isinstance(grad, DTensor) or not isinstance(p, DTensor) or grad.placements == p.placements:
+            continue
+        if _sums_into(grad, p):
+            sums[(grad.device_mesh, grad.dtype)].append(p)
+        else:
+            p.grad = grad.redistribute(p.device_mesh, p.placements)
+    for (mesh, _), params in sums.items():
+        pieces = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
+        flat = torch._utils._flatten_dense_tensors(pieces)
+        dist.all_reduce(flat, group=mesh.get_group())  # type: ignore[attr-defined]
+        for p, total in zip(params, torch._utils._unflatten_dense_tensors(flat, pieces)):
+            p.grad = DTensor.from_local(
+                total, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+
+
+def _sums_into(grad: DTensor, param: DTensor) -> bool:
+    """Whether ``grad`` is a sum of pieces over a 1-D mesh that ``param`` replicates."""
+    return (
+        grad.device_mesh == param.device_mesh
+        and grad.device_mesh.ndim == 1
+        and isinstance(grad.placements[0], Partial)
+        and grad.placements[0].reduce_op == "sum"
+        and param.placements[0].is_replicate()
+    )

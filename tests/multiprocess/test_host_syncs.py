@@ -15,6 +15,7 @@ from lightning_ultrascale import (
     ExpertParallel,
     LlamaModule,
     PipelineParallel,
+    TensorParallel,
     UltraScaleDataModule,
     UltraScaleStrategy,
     ZeRO,
@@ -102,8 +103,16 @@ class _CountControl(_Count):
             self.counts = {"reads": dict(self.counter.counts), "collectives": dict(self.counter.collectives)}
 
 
+#: Layouts whose control traffic is counted, beyond LAYOUTS. Under tensor parallelism torch's
+#: vocabulary-parallel embedding masks the other ranks' token ids with a boolean index_put (a host
+#: read per forward, torch's code, filed under our embedding call); the collectives are the point here:
+#: DTensor left the sequence-parallel norms' gradients Partial, and AdamW all-reduced each three times.
+CONTROL_LAYOUTS = {**LAYOUTS, "tp2": ("llama_tiny", lambda: [TensorParallel(2)], 0)}
+TORCH_READS = {"tp2": {"index_put_ at lightning_ultrascale/models/common/decoder.py"}}
+
+
 def _count_control(layout: str, accumulate: int) -> dict[str, dict[str, int]]:
-    model, plugins, _ = LAYOUTS[layout]
+    model, plugins, _ = CONTROL_LAYOUTS[layout]
     count = _CountControl()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=UltraScaleStrategy(*plugins()), max_steps=5,
@@ -119,7 +128,9 @@ def _site(key: str) -> str:
     return key.rsplit(":", 1)[0]
 
 
-@pytest.mark.parametrize(("layout", "accumulate"), [("zero1-dp2", 2), ("zero3-dp2", 1), ("pp2", 1), ("pp2-moe", 1)])
+@pytest.mark.parametrize(
+    ("layout", "accumulate"), [("zero1-dp2", 2), ("zero3-dp2", 1), ("pp2", 1), ("pp2-moe", 1), ("tp2", 1)]
+)
 def test_a_healthy_step_agrees_in_one_control_collective_and_one_host_read(layout, accumulate):
     # The guard's status, the preemption flag, the token count and the logged loss's sums travel in one
     # all-reduce, read once (core/agreement.py), and Lightning's SIGTERM broadcast before each micro-batch
@@ -135,7 +146,8 @@ def test_a_healthy_step_agrees_in_one_control_collective_and_one_host_read(layou
                 control[_site(key)] = control.get(_site(key), 0) + n
         assert control == {AGREEMENT: steps}, counts
         ours = {k: n for k, n in counts["reads"].items() if "lightning_ultrascale/" in k and "/data/" not in k}
-        assert {_site(k): n for k, n in ours.items()} == {"tolist at lightning_ultrascale/core/agreement.py": steps}
+        ours = {_site(k): n for k, n in ours.items() if _site(k) not in TORCH_READS.get(layout, ())}
+        assert ours == {"tolist at lightning_ultrascale/core/agreement.py": steps}
 
 
 def _count_fabric_control() -> dict[str, dict[str, int]]:
