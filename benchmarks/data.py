@@ -3,7 +3,9 @@
 Prints a table and writes ``benchmarks/results/data.json``. The corpus is generated English-like
 text (a fixed seed) written as JSON lines; each tokenizer (DeepSeek-V3's ``tokenizer.json`` and
 Mistral's SentencePiece model, from the test-only packages; the byte tokenizer) encodes it three
-ways, side by side in one run:
+ways, in alternated rounds (``testing.timing.Alternation``: each way once a round, the order rotated,
+at least 6 rounds): the JSON keeps each way's median tokens/s and the paired ratios to the loop, the
+median over the rounds with a 95% bootstrap interval:
 
 * ``loop``: ``for line: json.loads; tokenizer.encode`` into one list, the baseline anyone writes;
 * ``workers=1`` and ``workers=2``: :func:`~lightning_ultrascale.data.prepare.tokenize_corpus`,
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import Any
 
 from lightning_ultrascale.data.prepare import tokenize_corpus
 from lightning_ultrascale.data.tokenizer import load_tokenizer
+from lightning_ultrascale.testing.timing import Alternation
 
 RESULTS = Path(__file__).parent / "results" / "data.json"
 WORDS = (
@@ -72,7 +76,27 @@ def _loop(path: Path, tokenizer: Any) -> int:
     return len(tokens)
 
 
-def run(megabytes: float) -> dict[str, Any]:
+def _ways(corpus: Path, tmp: str, name: str, tokenizer: Any, tokens: dict[str, int]) -> dict[str, Any]:
+    """The three ways to tokenize ``corpus``, each a measurement returning tokens/s (``tokens`` records counts)."""
+
+    def loop() -> float:
+        start = time.perf_counter()
+        tokens["loop"] = _loop(corpus, tokenizer)
+        return tokens["loop"] / (time.perf_counter() - start)
+
+    def workers(n: int) -> Any:
+        def run() -> float:
+            start = time.perf_counter()
+            index = tokenize_corpus([corpus], Path(tmp) / f"{name}-{n}.bin", tokenizer, workers=n)
+            tokens[f"workers{n}"] = index.n_tokens
+            return index.n_tokens / (time.perf_counter() - start)
+
+        return run
+
+    return {"loop": loop, "workers1": workers(1), "workers2": workers(2)}
+
+
+def run(megabytes: float, rounds: dict[str, Any]) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"
@@ -80,17 +104,17 @@ def run(megabytes: float) -> dict[str, Any]:
         for name, spec in _tokenizers().items():
             tokenizer = load_tokenizer(spec)
             row: dict[str, Any] = {"tokenizer": name, "vocab_size": tokenizer.vocab_size, "documents": documents}
-            start = time.perf_counter()
-            row["tokens"] = _loop(corpus, tokenizer)
-            row["loop_tokens_per_s"] = row["tokens"] / (time.perf_counter() - start)
-            for workers in (1, 2):
-                start = time.perf_counter()
-                index = tokenize_corpus([corpus], Path(tmp) / f"{name}-{workers}.bin", tokenizer, workers=workers)
-                row[f"workers{workers}_tokens_per_s"] = index.n_tokens / (time.perf_counter() - start)
-                assert index.n_tokens == row["tokens"]
+            tokens: dict[str, int] = {}
+            alternation = Alternation(_ways(corpus, tmp, name, tokenizer, tokens), baseline="loop", **rounds)
+            ratios = alternation.run()
+            assert len(set(tokens.values())) == 1, f"the ways wrote different token counts: {tokens}"
             same = (Path(tmp) / f"{name}-1.bin").read_bytes() == (Path(tmp) / f"{name}-2.bin").read_bytes()
             assert same, "workers=2 wrote other tokens than workers=1"
-            row["speedup_workers2_over_loop"] = row["workers2_tokens_per_s"] / row["loop_tokens_per_s"]
+            row["tokens"] = tokens["loop"]
+            for way, samples in alternation.samples.items():
+                row[f"{way}_tokens_per_s"] = statistics.median(samples)
+            row["speedup_workers2_over_loop"] = ratios["workers2"].median
+            row["paired_ratios"] = {f"{way}_vs_loop": ratio.as_dict() for way, ratio in ratios.items()}
             rows.append(row)
     return {"corpus_mb": megabytes, "cores": os.cpu_count(), "rows": rows}
 
@@ -100,15 +124,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a 0.1 MB corpus (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    result = {"quick": args.quick, **run(0.1 if args.quick else 32.0)}
+    rounds = {"min_rounds": 1, "max_rounds": 1} if args.quick else {"max_rounds": 10, "max_seconds": 400, "log": None}
+    result = {"quick": args.quick, **run(0.1 if args.quick else 32.0, rounds)}
     print(f"Tokens/s on a {result['corpus_mb']:g} MB JSON-lines corpus ({result['cores']} cores)")
-    columns = ("vocab", "tokens", "loop", "workers=1", "workers=2", "2 vs loop")
-    print(f"{'tokenizer':<12} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 11, 10, 10, 10, 9))))
+    columns = ("vocab", "tokens", "loop", "workers=1", "workers=2", "2 vs loop", "95% interval")
+    print(f"{'tokenizer':<12} " + " ".join(f"{c:>{w}}" for c, w in zip(columns, (8, 11, 10, 10, 10, 9, 13))))
     for r in result["rows"]:
+        paired = r["paired_ratios"]["workers2_vs_loop"]
+        interval = "-" if paired["ci_low"] is None else f"{paired['ci_low']:.2f}-{paired['ci_high']:.2f}"
         print(
             f"{r['tokenizer']:<12} {r['vocab_size']:>8,} {r['tokens']:>11,} {r['loop_tokens_per_s']:>10,.0f} "
             f"{r['workers1_tokens_per_s']:>10,.0f} {r['workers2_tokens_per_s']:>10,.0f} "
-            f"{r['speedup_workers2_over_loop']:>8.2f}x"
+            f"{r['speedup_workers2_over_loop']:>8.2f}x {interval:>13} ({paired['pairs']} rounds)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -2,8 +2,10 @@
 
 Prints a table and writes ``benchmarks/results/pipeline.json``. For each of the seven schedules
 at pp=2 (one forked gloo process per CPU core), the same model, batch and m = 8 microbatches, run
-back to back in two alternated rounds (the 1-minute load average before and after is recorded:
-other processes sharing the cores inflate both compute and idle time):
+in alternated rounds (every schedule once a round, the order rotated: ``testing.timing.Alternation``)
+until each schedule's paired ratio to 1F1B is resolved to +-1.5% or the rounds run out (the 1-minute
+load average before and after is recorded: other processes sharing the cores inflate both compute
+and idle time):
 
 1. Measured bubble, the playbook's ``r_bubble = (step - compute) / compute`` of a rank. ``step`` is
    the wall time inside ``PipelineStep.run`` (the pipeline's step runner) (torch's ``schedule.step`` and the loss
@@ -15,8 +17,9 @@ other processes sharing the cores inflate both compute and idle time):
    op costs measured in the same run: ``F``, and ``B`` / ``W`` where the schedule splits the
    backward (otherwise the full backward ``BW``, halved into B and W: only their sum matters
    there). Both assume p2p = 0 and equal stages.
-3. Tokens/s (tokens per optimizer step over the mean step time, optimizer included) and the ratio
-   to 1F1B.
+3. Tokens/s (tokens per optimizer step over the mean step time, optimizer included; mean over the
+   rounds) and the ratio to 1F1B: the median of the rounds' paired ratios with its 95% bootstrap
+   interval (``vs_1f1b``; ``straddles_1`` where the rounds cannot tell the schedule from 1F1B).
 
 The model is llama_tiny widened (dim 384, ffn 1536; 64 and 128 in --quick) with ``2 pp`` blocks, split by explicit
 ``split_points`` so every stage has the same blocks: one per virtual stage at v=2, two per stage
@@ -25,7 +28,7 @@ head (vocabulary 320) cost a few percent of a block. On the first stage torch sk
 gradient (B ~ 0) and does the whole backward in W (``backward_weight_one_chunk``), so the mean
 ``B`` and ``W`` over stages are not each stage's: the JSON keeps the per-stage means.
 
-    python benchmarks/pipeline.py            # ~80 s on 2 idle CPU cores (longer on shared ones)
+    python benchmarks/pipeline.py            # 4-10 minutes on 2 idle CPU cores (6-12 rounds)
     python benchmarks/pipeline.py --quick    # a smoke run for the test suite: 1f1b and zbv, tiny, 3 steps
     python benchmarks/pipeline.py --pp 4     # more processes than cores: time-sliced, see the warning
 """
@@ -58,7 +61,7 @@ from lightning_ultrascale.parallel.pipeline.schedules import SCHEDULES, resolve_
 from lightning_ultrascale.parallel.pipeline.simulator import OpCosts, bubble_formula, simulate  # noqa: E402
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.timing import StepTimer  # noqa: E402
+from lightning_ultrascale.testing.timing import Alternation, StepTimer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 KIND_OF = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}
@@ -165,6 +168,12 @@ def summarise(schedule: str, pp: int, m: int, runs: list[list[dict[str, Any]]]) 
     }
 
 
+def _interval(paired: dict[str, Any] | None) -> str:
+    if paired is None or paired["ci_low"] is None:
+        return "-"
+    return f"{paired['ci_low']:.3f}-{paired['ci_high']:.3f}" + ("*" if paired["straddles_1"] else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1f1b and zbv, a tiny model, seq 32, 3 steps (smoke test)")
@@ -172,7 +181,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     pp, m = args.pp, 8
-    seq_len, dim, ffn, steps, repeats = (32, 64, 128, 3, 1) if args.quick else (128, 384, 1536, 8, 2)
+    seq_len, dim, ffn, steps = (32, 64, 128, 3) if args.quick else (128, 384, 1536, 8)
     cores = os.cpu_count() or 1
     machine = f"CPU, {cores} cores, gloo, one thread per process"
     if pp > cores:
@@ -189,28 +198,42 @@ def main() -> None:
     load_before = os.getloadavg()
     schedules = ("1f1b", "zbv") if args.quick else SCHEDULES
     runs: dict[str, list[Any]] = {schedule: [] for schedule in schedules}
-    for _ in range(repeats):  # alternate, so drift on a shared machine hits every schedule alike
-        for schedule in schedules:
-            runs[schedule].append(run_workers(worker, pp, schedule, pp, m, steps, seq_len, dim, ffn, timeout_s=300))
+
+    def arm(schedule: str) -> Callable[[], float]:
+        def run() -> float:
+            ranks = run_workers(worker, pp, schedule, pp, m, steps, seq_len, dim, ffn, timeout_s=300)
+            runs[schedule].append(ranks)
+            return statistics.mean(r["tokens_per_s"] for r in ranks)
+
+        return run
+
+    # Alternated rounds, so drift on a shared machine hits every schedule alike; --quick: one round, no interval.
+    rounds = {"min_rounds": 1, "max_rounds": 1} if args.quick else {"max_rounds": 12, "max_seconds": 600}
+    alternation = Alternation({s: arm(s) for s in schedules}, baseline="1f1b", **rounds)
+    ratios = alternation.run()
     rows = [summarise(schedule, pp, m, schedule_runs) for schedule, schedule_runs in runs.items()]
-    one_f_one_b = next(r["tokens_per_s"] for r in rows if r["schedule"] == "1f1b")
     for row in rows:
-        row["tokens_per_s_vs_1f1b"] = row["tokens_per_s"] / one_f_one_b
+        paired = ratios.get(row["schedule"])
+        row["tokens_per_s_vs_1f1b"] = paired.median if paired is not None else 1.0
+        row["vs_1f1b"] = paired.as_dict() if paired is not None else None
+    repeats = len(runs["1f1b"])
 
     load_after = os.getloadavg()
     config = model_config(pp, dim, ffn)
     print(
         f"Pipeline bubble r = idle / compute per rank, pp={pp}, {config.n_layers} blocks (dim {dim}, ffn {ffn}), "
-        f"seq {seq_len}, m={m} microbatches of 1 sample; {repeats} alternated run(s) of {steps} steps per schedule, "
+        f"seq {seq_len}, m={m} microbatches of 1 sample; {repeats} alternated round(s) of {steps} steps per schedule, "
         f"first step left out; {machine}; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
-    columns = ("measured", "simulator", "formula", "tokens/s", "vs 1f1b")
+    columns = ("measured", "simulator", "formula", "tokens/s", "vs 1f1b", "95% interval")
     print(f"{'schedule':<17} {'v':>2} {'m':>2} " + " ".join(f"{c:>9}" for c in columns))
     for r in rows:
         print(
             f"{r['schedule']:<17} {r['v']:>2} {r['m']:>2} {r['measured_bubble']:>9.3f} {r['simulator_bubble']:>9.3f} "
-            f"{r['formula_bubble']:>9.3f} {r['tokens_per_s']:>9,.0f} {r['tokens_per_s_vs_1f1b']:>9.3f}"
+            f"{r['formula_bubble']:>9.3f} {r['tokens_per_s']:>9,.0f} {r['tokens_per_s_vs_1f1b']:>9.3f} "
+            f"{_interval(r['vs_1f1b']):>12}"
         )
+    print("(* the interval holds 1.0: these rounds cannot tell the schedule's speed from 1F1B's)")
     print(caveat)
     print("\nMeasured op costs, ms (mean over stages; F forward, B input grad, W weight grad, BW both)")
     for r in rows:
