@@ -9,9 +9,10 @@ Prints tables and writes ``benchmarks/results/kernels.json``:
 2. Linear cross-entropy peak memory (``peak_bytes``: torch's ``MemTracker``, forward + backward) with the logits
    materialised against our chunked fused loss, at head shapes of a small and a Llama-3-vocabulary
    model. The bar: lower by at least the fp32 logits' bytes.
-3. CPU time of the reference ops eager against ``torch.compile``, side by side in one run (median
-   of repeats, forward + backward). Triton and Liger kernels' speed needs a GPU: not measured
-   (the issue's goal there: >= 1.5x eager).
+3. CPU time of the reference ops eager against ``torch.compile``, forward + backward, in alternated
+   rounds (``testing.timing.Alternation``; each arm the median of 5 calls a round): the speed-up is
+   the median of the rounds' paired ratios with its 95% bootstrap interval. Triton and Liger kernels'
+   speed needs a GPU: not measured (the issue's goal there: >= 1.5x eager).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ if not torch.cuda.is_available():
 from torch import Tensor
 
 from lightning_ultrascale.kernels import fused_linear_cross_entropy, get_kernels, reference
+from lightning_ultrascale.testing.timing import Alternation
 from lightning_ultrascale.utils.memory import peak_bytes
 
 RESULTS = Path(__file__).parent / "results" / "kernels.json"
@@ -121,24 +124,37 @@ def measure_loss_memory(shapes: list[tuple[int, int, int]]) -> list[dict[str, An
     return rows
 
 
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up (compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _calls_per_s(fn: Callable[[], Any], repeats: int) -> Callable[[], float]:
+    """A measurement for :class:`Alternation`: the median time of ``repeats`` calls of ``fn``, as calls per second."""
+
+    def measure() -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1.0 / statistics.median(times)
+
+    return measure
 
 
 def measure_cpu_speed(scale: int, repeats: int) -> list[dict[str, Any]]:
+    """Each op eager against compiled, in alternated rounds (each a median of ``repeats`` calls per arm)."""
     rows = []
-    eager, compiled = get_kernels("reference"), get_kernels("compile")
+    sets = {"eager": get_kernels("reference"), "compile": get_kernels("compile")}
     for op in ("rms_norm", "swiglu", "rope"):
         inputs, extra = _inputs(op, scale)
-        eager_s = _median_time(lambda: _run(eager, op, inputs, extra, torch.float32), repeats)  # noqa: B023
-        compile_s = _median_time(lambda: _run(compiled, op, inputs, extra, torch.float32), repeats)  # noqa: B023
-        rows.append({"op": op, "elements": inputs[0].numel(), "eager_s": eager_s, "compile_s": compile_s})
+        calls = {name: partial(_run, kernels, op, inputs, extra, torch.float32) for name, kernels in sets.items()}
+        for call in calls.values():
+            call()  # warm-up (compilation)
+        arms = {name: _calls_per_s(call, repeats) for name, call in calls.items()}
+        alternation = Alternation(arms, baseline="eager", max_rounds=30, log=None)
+        speedup = alternation.run()["compile"]
+        eager_s, compile_s = (1.0 / statistics.median(alternation.samples[k]) for k in ("eager", "compile"))
+        rows.append({
+            "op": op, "elements": inputs[0].numel(), "eager_s": eager_s, "compile_s": compile_s,
+            "speedup": speedup.as_dict(),
+        })  # fmt: skip
     return rows
 
 
@@ -170,14 +186,17 @@ def main() -> None:
             f"{r['fused_peak_bytes'] / 2**20:>10.0f}MB{r['saved_over_logits']:>13.2f}x"
         )
 
-    speed = [] if args.quick else measure_cpu_speed(scale=16, repeats=20)
-    title = "\nCPU time, forward + backward, fp32, one thread (median)"
+    speed = [] if args.quick else measure_cpu_speed(scale=16, repeats=5)
+    title = "\nCPU time, forward + backward, fp32, one thread (alternated rounds, median of paired ratios)"
     print(title + (": not run with --quick" if args.quick else ""))
     if speed:
-        print(f"{'op':<10}{'elements':>10}{'eager ms':>10}{'compile ms':>12}{'speed-up':>10}")
+        print(f"{'op':<10}{'elements':>10}{'eager ms':>10}{'compile ms':>12}{'speed-up':>10}{'95% interval':>15}")
     for r in speed:
-        ratio = r["eager_s"] / r["compile_s"]
-        print(f"{r['op']:<10}{r['elements']:>10}{r['eager_s'] * 1e3:>10.2f}{r['compile_s'] * 1e3:>12.2f}{ratio:>9.2f}x")
+        up = r["speedup"]
+        print(
+            f"{r['op']:<10}{r['elements']:>10}{r['eager_s'] * 1e3:>10.2f}{r['compile_s'] * 1e3:>12.2f}"
+            f"{up['median']:>9.2f}x{up['ci_low']:>9.2f}-{up['ci_high']:.2f} ({up['pairs']} rounds)"
+        )
     print("\nGPU speed of triton and liger kernels vs eager: not measured (no GPU)")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

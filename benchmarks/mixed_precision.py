@@ -12,9 +12,10 @@ Prints tables and writes ``benchmarks/results/mixed_precision.json``:
    (4 or 2), weights gathered in bf16 (2).
 3. Tokens/s of bf16 ZeRO-1 and ZeRO-2 on 2 CPU processes, this checkout against the code of
    ``--before`` (a git revision, checked out in a temporary worktree: fp32 weights under
-   autocast), alternated in one run so that drift hits both alike.
+   autocast), in alternated rounds (``testing.timing.Alternation``) so that drift hits both alike:
+   the median of the paired ratios with its 95% bootstrap interval.
 
-    python benchmarks/mixed_precision.py --before 39142d8   # ~4 minutes on 2 CPU cores
+    python benchmarks/mixed_precision.py --before 39142d8   # ~6-10 minutes on 2 CPU cores
     python benchmarks/mixed_precision.py --quick            # a smoke run for the test suite: 1 layout, no timing
 """
 
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,22 +133,30 @@ def _timed(code: Path, stage: int, steps: int, seq_len: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def step_times(before: str, steps: int, seq_len: int, repeats: int) -> dict[str, Any]:
+def step_times(before: str, steps: int, seq_len: int, rounds: dict[str, Any]) -> dict[str, Any]:
+    # (imported here: the time workers import this script with the code of --before, which predates it)
+    from lightning_ultrascale.testing.timing import Alternation
+
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), before], check=True,
                        capture_output=True)  # fmt: skip
         try:
             samples: dict[str, list[float]] = {}
-            for _ in range(repeats):  # alternated: drift on a noisy machine hits both alike
-                for stage in (1, 2):
-                    for label, code in (("before", old), ("after", ROOT)):
-                        samples.setdefault(f"zero{stage}_{label}", []).append(_timed(code, stage, steps, seq_len))
+            paired: dict[str, Any] = {}
+            for stage in (1, 2):  # alternated rounds: drift on a noisy machine hits both alike
+                arms = {
+                    label: partial(_timed, code, stage, steps, seq_len)
+                    for label, code in (("before", old), ("after", ROOT))
+                }
+                alternation = Alternation(arms, baseline="before", **rounds)
+                paired[f"zero{stage}_after_over_before"] = alternation.run()["after"].as_dict()
+                samples |= {f"zero{stage}_{label}": values for label, values in alternation.samples.items()}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
     medians = {k: statistics.median(v) for k, v in samples.items()}
-    ratios = {f"zero{s}_after_over_before": medians[f"zero{s}_after"] / medians[f"zero{s}_before"] for s in (1, 2)}
-    return {"before": before, "tokens_per_s": medians, "samples": samples, **ratios}
+    ratios = {key: ratio["median"] for key, ratio in paired.items()}
+    return {"before": before, "tokens_per_s": medians, "samples": samples, "paired_ratios": paired, **ratios}
 
 
 def main() -> None:
@@ -175,12 +185,15 @@ def main() -> None:
         )
     timing: dict[str, Any] | str = "not measured (--quick, or no --before revision given)"
     if args.before and not args.quick:
-        timing = step_times(args.before, steps=20, seq_len=seq_len, repeats=3)
-        print(f"\nTokens/s, bf16-mixed, 2 CPU processes, median of 3 alternated runs (before = {args.before})")
+        timing = step_times(args.before, steps=20, seq_len=seq_len, rounds={"max_rounds": 12, "max_seconds": 600})
+        print(f"\nTokens/s, bf16-mixed, 2 CPU processes, median of alternated rounds (before = {args.before})")
         for key, value in timing["tokens_per_s"].items():
             print(f"{key:<16} {value:>10,.0f}")
-        z1, z2 = timing["zero1_after_over_before"], timing["zero2_after_over_before"]
-        print(f"after/before: ZeRO-1 {z1:.3f}, ZeRO-2 {z2:.3f}")
+        for key, ratio in timing["paired_ratios"].items():
+            print(
+                f"{key}: {ratio['median']:.3f} "
+                f"(95% CI {ratio['ci_low']:.3f}-{ratio['ci_high']:.3f}, {ratio['pairs']} pairs)"
+            )
     payload = {
         "benchmark": "mixed_precision", "quick": args.quick, "device": "cpu", "memory_and_comm": rows,
         "step_time": timing, "gpu": "not measured (no GPU lent)",
