@@ -8,9 +8,11 @@ weighting), the ``k`` sums the LightningModule reports over the global batch (it
 over the pipeline stages (each MoE block's selection-bias range:
 :class:`~lightning_ultrascale.models.spec.StepMaxima`).
 One all-reduce (a sum: every other rank's row is zero) hands every rank every row; one host read
-of two numbers (the worst status, any stop) tells the host what to do. Everything else stays on the
-device: each rank reduces the rows of the group it needs there (the token counts over its
-``dp x cp`` group, then scales its gradients; sums and maxima over the ranks that see different tokens).
+of four numbers (the worst status, any stop, and the labelled tokens and label slots of its
+``dp x cp`` group) tells the host what to do: nothing, skip or stop, and the token weighting's factor,
+which is exactly 1 when every slot is labelled (packed data): then no gradient is touched. Everything
+else stays on the device: each rank reduces the rows of the group it needs there (sums and maxima over
+the ranks that see different tokens).
 
 Before this, a healthy step carried four such collectives (the guard's, the preemption agreement's,
 the token count's, the logged loss's; a fifth for the bias ranges of a pipelined MoE model) and
@@ -29,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.utils.comm import collective_device
+from lightning_ultrascale.utils.comm import collective_device, sum_rows
 
 #: The columns of a rank's row (the module's sums from ``SUMS`` on).
 STATUS, STOP, LABELLED, SLOTS, SUMS = range(5)
@@ -55,6 +57,8 @@ class StepAgreement:
         self.stop_requested: Callable[[], bool] | None = None
         #: Whether any rank asked to stop, as agreed at the last exchange.
         self.stop = False
+        #: ``(labelled tokens, label slots)`` over the count group at the last exchange (None: no counts).
+        self.token_totals: tuple[float, float] | None = None
 
     def exchange(
         self,
@@ -62,13 +66,16 @@ class StepAgreement:
         counts: torch.Tensor | None,
         sums: torch.Tensor | None = None,
         maxima: torch.Tensor | None = None,
+        count_group: dist.ProcessGroup | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Every rank's row (``world x (4 + k + m)``, on the collective device) and the worst status, read once.
 
         ``status``: this rank's non-finite status (a device scalar); ``counts``: its labelled tokens
         and label slots of the step (float64), or None where it weighted no tokens; ``sums``: the
         module's ``k`` sums, ``maxima`` its ``m`` values to take the maximum of (each as long on
-        every rank), or None: their columns follow one another from ``SUMS`` on.
+        every rank), or None: their columns follow one another from ``SUMS`` on. With ``counts``, the
+        token totals over ``count_group`` (the ranks whose tokens one step's gradient averages) are
+        read in the same host read: :attr:`token_totals`.
         """
         device = collective_device()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -82,6 +89,10 @@ class StepAgreement:
             rows[rank, SUMS:] = torch.cat(extra)
         if world > 1:
             dist.all_reduce(rows)  # the step's one control collective
-        worst, stop = rows[:, STATUS : STOP + 1].amax(dim=0).tolist()  # and its one host read
-        self.stop = stop > 0
-        return rows, int(worst)
+        read = rows[:, STATUS : STOP + 1].amax(dim=0)
+        if counts is not None:
+            read = torch.cat((read, sum_rows(rows[:, LABELLED:SUMS], count_group)))
+        values = read.tolist()  # and its one host read
+        self.stop = values[STOP] > 0
+        self.token_totals = (values[2], values[3]) if counts is not None else None
+        return rows, int(values[STATUS])

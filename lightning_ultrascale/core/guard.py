@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ultrascale.core.agreement import LABELLED, STATUS, SUMS, StepAgreement
+from lightning_ultrascale.core.agreement import STATUS, SUMS, StepAgreement
 from lightning_ultrascale.models.spec import StepMaxima, StepSums, declares
 from lightning_ultrascale.utils.comm import collective_device, max_rows, sum_rows
 from lightning_ultrascale.utils.tensors import by_device_and_dtype, local_tensor
@@ -180,8 +180,9 @@ class GuardedSteps(ModelParallelStrategy):
             sums = module.step_sums() if declares(module, StepSums) else None
             maxima = module.step_maxima() if declares(module, StepMaxima) else None
             # (the status before token weighting: a finite positive factor keeps finite what it scales)
-            rows, worst = self.agreement.exchange(self.guard.status(optimizer), self.step.take_counts(), sums, maxima)
-            self.step.scale_step(optimizer, rows[:, LABELLED:SUMS], trainer.accumulate_grad_batches)
+            status, counts = self.guard.status(optimizer), self.step.take_counts()
+            rows, worst = self.agreement.exchange(status, counts, sums, maxima, self.step.count_group())
+            self.step.scale_step(optimizer, self.agreement.token_totals, trainer.accumulate_grad_batches)
             self._agree_module_columns(module, rows[:, SUMS:], sums, maxima)
             self.guard.act(rows, worst, optimizer, trainer.global_step, self._name_of)
             return result

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
-from lightning_ultrascale.utils.comm import sum_rows
 from lightning_ultrascale.utils.loss import TokenNormaliser
 
 if TYPE_CHECKING:
@@ -122,13 +121,17 @@ class StepRunner:
         self._counted = counts is not None
         return counts
 
-    def scale_step(self, optimizer: torch.optim.Optimizer, counts: torch.Tensor, accumulate: int) -> None:
-        """:meth:`finish_step` from every rank's counts (``world x 2``, as the agreement gathered them): this
-        rank's ``dp x cp`` group's rows summed on the device, the gradients scaled."""
+    def count_group(self) -> Any:
+        """The ranks whose labelled tokens one step's gradient averages: the ``dp x cp`` group."""
+        return self.layout.mesh["dp_cp"].get_group()
+
+    def scale_step(self, optimizer: torch.optim.Optimizer, totals: tuple[float, float] | None, accumulate: int) -> None:
+        """:meth:`finish_step` from the step's token totals over :meth:`count_group` (as the agreement read
+        them): the gradients scaled, or left alone where every slot was labelled."""
         if not self._counted:
             return
         self._counted = False
-        totals = sum_rows(counts, self.layout.mesh["dp_cp"].get_group())
+        assert totals is not None, "the agreement read no token totals for a step that counted tokens"
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.tokens.scale(grads, totals, accumulate)
 

@@ -11,8 +11,9 @@ by its labelled fraction ``n / L`` (``L`` its label slots), which turns the aver
 ``sum of token gradients / (ranks x micro-steps x L)``; after the step's last backward the
 gradients are multiplied by ``ranks x micro-steps x L / N`` with ``N`` the step's labelled tokens
 over every rank and micro-step (two numbers per rank, summed over the ``dp x cp`` ranks once per
-optimizer step: in the step's one agreement, ``core/agreement.py``, under the Trainer). Both factors
-are exactly 1 when every token is labelled, so packed runs are bit for bit what they were.
+optimizer step: in the step's one agreement, ``core/agreement.py``, under the Trainer, whose host
+read brings the totals). Both factors are exactly 1 when every token is labelled, so packed runs are
+bit for bit what they were, and under the Trainer the gradients are then not touched at all.
 """
 
 from __future__ import annotations
@@ -65,14 +66,22 @@ class TokenNormaliser:
         return counts
 
     @staticmethod
-    def scale(grads: Iterable[torch.Tensor], totals: torch.Tensor, accumulate: int) -> None:
-        """Scale ``grads`` (local shards fine) by ``accumulate x slots / labelled`` of the step's ``totals``."""
-        factor = accumulate * totals[1] / totals[0].clamp(min=1)
+    def scale(grads: Iterable[torch.Tensor], totals: torch.Tensor | tuple[float, float], accumulate: int) -> None:
+        """Scale ``grads`` (local shards fine) by ``accumulate x slots / labelled`` of the step's ``totals``
+        (``[labelled, slots]`` on the device, or read on the host: then a factor of exactly 1, every slot
+        labelled, touches no gradient)."""
+        if isinstance(totals, tuple):
+            factor: torch.Tensor | float = accumulate * totals[1] / max(totals[0], 1.0)
+            if factor == 1.0:
+                return
+        else:
+            factor = accumulate * totals[1] / totals[0].clamp(min=1)
         with torch.no_grad():  # (to_local without grad mode is the local tensor itself: no autograd node)
             locals_ = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
             # One multi-tensor kernel per device and dtype instead of a dispatched op per gradient.
             for (device, dtype), tensors in by_device_and_dtype(locals_).items():
-                torch._foreach_mul_(tensors, factor.to(device=device, dtype=dtype))
+                scalar = factor.to(device=device, dtype=dtype) if isinstance(factor, torch.Tensor) else factor
+                torch._foreach_mul_(tensors, scalar)
 
     def finish(self, grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None, accumulate: int) -> None:
         """After the step's last backward: scale ``grads`` (local shards fine) so they average every labelled token.
