@@ -50,7 +50,6 @@ from lightning_ultrascale import (  # noqa: E402
 )
 from lightning_ultrascale.testing import run_workers  # noqa: E402
 from lightning_ultrascale.testing.parity import QUIET_TRAINER  # noqa: E402
-from lightning_ultrascale.testing.tracing import StepStateAndTraffic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_precision.json"
@@ -68,6 +67,9 @@ QUICK_LAYOUTS = [LAYOUTS[5]]  # zero2-dp2-bf16
 
 def measure_worker(stage: int, reduce_dtype: str, tp: int, pp: int, world: int, seq_len: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
+
+    # (imported here: the step-time workers import this script with the code of --before, which predates it)
+    from lightning_ultrascale.testing.tracing import StepStateAndTraffic
 
     measure = StepStateAndTraffic()
     plugins: list[Any] = [ZeRO(stage=stage, reduce_dtype=reduce_dtype)]
