@@ -21,6 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inductor's first compile on a cold cache (a fresh machine: /tmp/torchinductor_$USER empty) starts a
 # thread pool that stays; every later fork then failed the check for threads. One thread compiles here.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# transformers' from_pretrained loads weights on a thread pool it shuts down without waiting: a test that
+# loads a model and then forks ranks could fork while those threads still run (ForkWithThreadsWarning).
+os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
 # tqdm's monitor thread (started by the first progress bar a test shows in this process) would be
 # alive in the parent at every later fork: measured there, the one thread besides the main one.

@@ -31,7 +31,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from lightning_ultrascale.errors import ConfigError, config_keys, reported
@@ -40,21 +39,12 @@ __all__ = ["check", "main", "plan"]
 
 
 def compose_run(overrides: Sequence[str]) -> DictConfig:
-    """The config ``ultrascale-train`` would compose from these overrides (``recipe=NAME`` included)."""
+    """The config ``ultrascale-train`` would compose from these overrides (``recipe=NAME`` included); an
+    override of a key the config does not have is refused naming its near matches."""
+    from lightning_ultrascale.cli.overrides import compose_checked
     from lightning_ultrascale.cli.train import CONFIG_DIR, hydra_argv
 
-    config_dir, name, rest = CONFIG_DIR, "train", []
-    for arg in hydra_argv(list(overrides)):
-        if arg.startswith("--config-dir="):
-            config_dir = arg.split("=", 1)[1]
-        elif arg.startswith("--config-name="):
-            name = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-    if name != "train":  # a recipe: its defaults name the groups of CONFIG_DIR
-        rest.append(f"hydra.searchpath=[file://{CONFIG_DIR}]")
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return compose(name, overrides=rest)
+    return compose_checked(hydra_argv(list(overrides)), CONFIG_DIR)
 
 
 def _world_size(cfg: DictConfig, given: int | None) -> int:
@@ -120,6 +110,21 @@ def check(overrides: Sequence[str], world_size: int | None = None, ranks: str = 
     return agree
 
 
+def _gpu_precision(overrides: list[str], gpu: str) -> tuple[list[str], str | None]:
+    """Overrides planned in ``bf16-mixed`` on a GPU where neither a recipe nor a precision was given, and the
+    line that says so: the default config's ``fp32`` is the CPU job's, a precision no one trains a large
+    model in on GPUs (every GPU recipe uses bf16-mixed or FP8 on it)."""
+    if gpu == "cpu" or any(o.lstrip("+~").startswith(("recipe=", "precision=", "precision.")) for o in overrides):
+        return overrides, None
+    if any(o.startswith("--config-name") for o in overrides):
+        return overrides, None
+    note = (
+        "ultrascale-plan: planned in bf16-mixed, as the GPU recipes train (no recipe= or precision= given; "
+        "the default config's fp32 is the CPU job's: precision=fp32 plans in 32-true)"
+    )
+    return [*overrides, "precision=bf16_mixed"], note
+
+
 def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:
     space: dict[str, list[Any]] = {}
     for item in items:
@@ -146,11 +151,14 @@ def plan(
     from lightning_ultrascale.cli.train import workload
     from lightning_ultrascale.plan import get_hardware, search
 
+    hardware = get_hardware(gpu)
+    overrides, note = _gpu_precision(list(overrides), hardware.name)
     cfg = compose_run(overrides)
     with config_keys(error_keys(cfg)):
         work = workload(cfg)
         world = _world_size(cfg, world_size)
-    hardware = get_hardware(gpu)
+    if note:
+        print(note, flush=True)
     result = search(work, world, hardware, space=_parse_space(space))
     print(render(result, top))
     if plot:

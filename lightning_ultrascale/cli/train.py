@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import inspect
 import json
@@ -167,7 +168,9 @@ def check_group_choices(overrides: list[str]) -> None:
         for choice in value.strip("[]").split(","):
             if choice.strip() and choice.strip() not in valid:
                 where = ", ".join(map(str, groups))
-                raise ConfigError(f"{key}={choice.strip()} is unknown; valid: {', '.join(valid)} (in {where})")
+                near = difflib.get_close_matches(choice.strip().replace("-", "_").lower(), valid, n=1, cutoff=0.85)
+                meant = f"did you mean {key}={near[0]}? " if near else ""
+                raise ConfigError(f"{key}={choice.strip()} is unknown; {meant}valid: {', '.join(valid)} (in {where})")
 
 
 def _joined_flags(argv: list[str]) -> list[str]:
@@ -217,7 +220,22 @@ def main() -> None:
     with reported("ultrascale-train"):
         run_dir()
         sys.argv = [sys.argv[0], *hydra_argv(sys.argv[1:])]
+        if not any(a in MULTIRUN_FLAGS for a in sys.argv):  # (a sweep's values are each checked by its job)
+            _check_keys(sys.argv[1:])
         hydra.main(config_path=str(CONFIG_DIR), config_name="train", version_base="1.3")(_hydra_task)()
+
+
+def _check_keys(argv: list[str]) -> None:
+    """An override of a key the config does not have: refused naming its near matches (not Hydra's message).
+    Whatever else composing finds, Hydra reports as it always did."""
+    from lightning_ultrascale.cli.overrides import compose_checked
+
+    try:
+        compose_checked(argv, CONFIG_DIR)
+    except ConfigError:
+        raise
+    except Exception:
+        return
 
 
 def _hydra_task(cfg: DictConfig) -> None:

@@ -94,7 +94,8 @@ def before_fork() -> None:
             "inherit whatever those threads were halfway through (a heap a thread was changing: a crash in "
             "malloc). Known sources: tokenizers' thread pool (set TOKENIZERS_PARALLELISM=false), tqdm's "
             "monitor (tqdm.tqdm.monitor_interval = 0), the OpenMP pool of `import torch` (set "
-            "OMP_NUM_THREADS=1 before importing torch)",
+            "OMP_NUM_THREADS=1 before importing torch), transformers' weight-loading pool after from_pretrained "
+            "(set HF_DEACTIVATE_ASYNC_LOAD=1)",
             ForkWithThreadsWarning,
             stacklevel=3,
         )

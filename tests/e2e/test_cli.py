@@ -443,12 +443,34 @@ def test_data_blend_builds_a_weighted_blend_from_the_command_line(tmp_path, monk
         ("data=web", r"data=web is unknown; valid: blend, pydoc, tokens"),
         ("parallel=zero4", r"parallel=zero4 is unknown; valid: auto, dp, hsdp, pp, zero1, zero2, zero3"),
         ("precision=fp8", r"precision=fp8 is unknown; valid: bf16_mixed, fp32"),
-        ("logger=[csv,wandbx]", r"logger=wandbx is unknown; valid: csv, mlflow, tensorboard, wandb"),
+        ("logger=[csv,wandbx]", r"logger=wandbx is unknown; did you mean logger=wandb\? valid: csv, mlflow"),
+        ("precision=bf16-mixed", r"precision=bf16-mixed is unknown; did you mean precision=bf16_mixed\? valid: bf16"),
     ],
 )
 def test_an_unknown_group_option_lists_the_valid_ones(override, message):
     with pytest.raises(ConfigError, match=message):
         hydra_argv([override])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # the precision is a config group's: not Hydra's "use +trainer.precision", which would fight it
+        ("trainer.precision=bf16-mixed", r"trainer.precision=bf16-mixed: the config has no key 'trainer.precision'; "
+         r"did you mean precision=bf16_mixed \(the precision group sets precision; valid: bf16_mixed, fp32"),
+        ("data.seqlen=128", r"data.seqlen=128: the config has no key 'data.seqlen'; did you mean data.seq_len=128$"),
+        ("trainer.max_step=5", r"did you mean trainer.max_steps=5 \(to pass a Lightning Trainer argument the config "
+         r"does not list: \+trainer.max_step=5\)"),
+        ("data.foo=2", r"data.foo=2: the config has no key 'data.foo'; data has: _target_, source, seq_len"),
+        ("foo=1", r"foo=1: the config has no key 'foo'; its top-level keys are: model, data, parallel"),
+    ],
+)  # fmt: skip
+def test_an_override_the_config_does_not_have_names_its_near_matches(tmp_path, override, message):
+    # Before: Hydra's ConfigCompositionException, "Key 'precision' is not in struct" and a stack-trace hint.
+    out = _train(override, env={**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path)}, world_size=1)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr, out.stderr
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("ultrascale-train: ")]
+    assert re.search(message, line), line
 
 
 def test_checkpoint_keep_leaves_the_newest_k_and_last(tmp_path):
@@ -633,7 +655,8 @@ def test_a_data_group_file_in_a_users_config_dir_is_a_valid_choice(tmp_path):
         "_target_: user_datamodule.CountingTokens\nseq_len: 64\nmicro_batch_size: 2\nglobal_batch_size: 8\n"
     )
     assert hydra_argv(["--config-dir", str(tmp_path), "data=counting"])[0] == f"--config-dir={tmp_path}"
-    with pytest.raises(ConfigError, match=r"data=countin is unknown; valid: blend, counting, pydoc, tokens \(in "):
+    unknown = r"data=countin is unknown; did you mean data=counting\? valid: blend, counting, pydoc, tokens \(in "
+    with pytest.raises(ConfigError, match=unknown):
         hydra_argv([f"--config-dir={tmp_path}", "data=countin"])
     env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run")}
     out = _train(f"--config-dir={tmp_path}", "data=counting", "--cfg", "job", env=env, world_size=1)

@@ -18,6 +18,10 @@ How each command runs (forked from this process, as ``testing.commands`` does, n
 - ``ultrascale-tokenize``, ``ultrascale-plan``, ``ultrascale-export`` and ``torchrun ... -m MODULE``
   (on 2 ranks): for real.
 - Anything else (``cp``, ``ls``, ``python -c``): by bash, the venv's commands first on the ``PATH``.
+
+A ``bash`` block followed by an ``output`` block shows what its last line prints: every line of it
+but ``...`` must be printed (stdout, then stderr), in that order, and the line always runs. A line
+whose comment says ``exits N`` must exit with N (a refusal shown on its page); every other line with 0.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from lightning_ultrascale.testing.commands import Completed, run_command
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(r"^```bash[^\n]*\n(.*?)^```", re.S | re.M)
+#: A bash block and the output block right after it (blank lines between): what its last line prints.
+_SHOWN = re.compile(r"^```bash[^\n]*\n(.*?)^```\n\s*^```output\n(.*?)^```", re.S | re.M)
 _ELSEWHERE = re.compile(r"#.*\b(GPU[- ]only|cluster[- ]only)\b", re.I)
 
 #: The setup lines the pages show, and what runs each one: none runs here (minutes each, or a server).
@@ -76,6 +82,21 @@ def _lines(block: str) -> list[str]:
 
 def _blocks(page: Path) -> list[list[str]]:
     return [_lines(b) for b in _BLOCK.findall(page.read_text())]
+
+
+def _shown(page: Path) -> dict[str, list[str]]:
+    """Each output block's lines (but ``...``), by the last command line of the bash block it follows."""
+    return {
+        _lines(block)[-1]: [line.rstrip() for line in out.splitlines() if line.strip() and line.strip() != "..."]
+        for block, out in _SHOWN.findall(page.read_text())
+    }
+
+
+def _holds_shown(printed: str, shown: list[str], where: str) -> None:
+    """Every shown line is a printed line, in the order shown."""
+    lines = iter(line.rstrip() for line in printed.splitlines())
+    for expected in shown:
+        assert any(line == expected for line in lines), f"{where}: prints no line {expected!r} (in order)\n{printed}"
 
 
 PAGES_WITH_COMMANDS = [p for p in PAGES if _blocks(p)]
@@ -233,6 +254,7 @@ def _leaves_nothing(line: str, train_for_real: bool) -> bool:
 
 @pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_shell_line_of_the_page_runs_on_cpu_or_is_marked(page, stock, tmp_path):
+    shown = _shown(page)
     for number, block in enumerate(_blocks(page)):
         scratch = tmp_path / f"block{number}"
         shutil.copytree(stock, scratch, symlinks=True)
@@ -243,13 +265,26 @@ def test_every_shell_line_of_the_page_runs_on_cpu_or_is_marked(page, stock, tmp_
                 continue
             setup, rest = _setup_segments(line)
             assert all(s in SETUP for s in setup), f"{page.name}: a setup line no test or CI runs: {setup}"
-            if not rest or rest in _PASSED:
+            if not rest or (rest in _PASSED and line not in shown):
                 continue
             out = _run_line(_placed(rest, scratch), scratch, reads_what_runs_wrote)
             where = f"{page.relative_to(ROOT)}: `{line}` exited {out.returncode}"
-            assert out.returncode == 0, f"{where}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+            exits = re.search(r"#.*\bexits (\d+)", line)
+            assert out.returncode == (int(exits.group(1)) if exits else 0), (
+                f"{where}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+            )
+            if line in shown:
+                _holds_shown(out.stdout + out.stderr, shown[line], f"{page.relative_to(ROOT)}: `{line}`")
             if _leaves_nothing(rest, reads_what_runs_wrote):
                 _PASSED.add(rest)
+
+
+def test_an_output_block_is_held_to_what_its_line_prints():
+    shown = _shown(ROOT / "docs" / "planner.md")
+    assert any(line.startswith("ultrascale-plan model=llama3_70b") for line in shown), shown  # (the regex finds it)
+    _holds_shown("a\nb\nc\n", ["a", "c"], "here")
+    with pytest.raises(AssertionError, match="prints no line 'c'"):
+        _holds_shown("c\nb\na\n", ["b", "a", "c"], "here")  # out of order
 
 
 def test_every_setup_line_is_on_a_page():

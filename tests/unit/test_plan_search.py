@@ -121,6 +121,32 @@ def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
         plan_main(argv)
 
 
+def test_ultrascale_plan_names_an_override_the_config_does_not_have(capsys):
+    # Before: a ConfigCompositionException traceback (the option is the precision group's).
+    with pytest.raises(SystemExit) as exited:
+        plan_main(["model=llama3_70b", "trainer.precision=bf16-mixed", "--world-size", "64"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ultrascale-plan: trainer.precision=bf16-mixed: the config has no key 'trainer.precision'; "
+                          "did you mean precision=bf16_mixed"), err  # fmt: skip
+    assert "Traceback" not in err
+
+
+def test_a_model_without_a_recipe_is_planned_in_bf16_mixed_and_says_so(capsys):
+    from lightning_ultrascale.cli.plan import _gpu_precision
+
+    base = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64"]
+    assert _gpu_precision(base, "h100")[0] == [*base, "precision=bf16_mixed"]
+    for given in (["recipe=llama3_8b"], ["precision=fp32"], ["precision=fp8_tensorwise"]):
+        assert _gpu_precision(given, "h100") == (given, None)  # what the user chose is planned
+    assert _gpu_precision(base, "cpu") == (base, None)  # the CPU profile: the CPU job's fp32
+    with pytest.raises(SystemExit):
+        plan_main([*base, "--world-size", "8", "--top", "1", "--space", "cp=1", "--space", "schedule=1f1b"])
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first.startswith("ultrascale-plan: planned in bf16-mixed, as the GPU recipes train"), first
+    assert ", bf16-mixed, on 8 x h100" in second, second
+
+
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 HEADER = re.compile(r"# Planner \(ultrascale-plan, (\w+)\): peak ([\d.]+) GiB per GPU, MFU ([\d.]+)%")
 
