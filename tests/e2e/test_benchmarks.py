@@ -141,12 +141,11 @@ def test_dp_gradient_traffic_matches_the_ring_formula():
 
 
 def _holds_the_pages_claim(row: dict[str, Any]) -> None:
-    # What docs/techniques/zero.md says of ours against Lightning's: on llama_small the interval
-    # reaches 1.0; on llama_tiny (a fixed cost per step on a short step) ours is at most 5% slower.
+    # What docs/techniques/zero.md and docs/performance.md say of ours against Lightning's: every
+    # interval reaches 1.0 (no slowdown resolved), eager and compiled, llama_tiny and llama_small; a
+    # cell cut short by its time budget (a wide interval) still has its median within 7%.
     ratio = row["paired_ratio"]
-    assert ratio["pairs"] >= 8 and ratio["median"] > 0.95, row
-    if row["model"] == "llama_small":
-        assert ratio["ci_high"] >= 1.0, row
+    assert ratio["pairs"] >= 8 and ratio["median"] > 0.93 and ratio["ci_high"] >= 1.0, row
 
 
 def test_zero_model_state_and_traffic_match_the_playbook_formulas():
