@@ -94,5 +94,5 @@ class StepAgreement:
             read = torch.cat((read, sum_rows(rows[:, LABELLED:SUMS], count_group)))
         values = read.tolist()  # and its one host read
         self.stop = values[STOP] > 0
-        self.token_totals = (values[2], values[3]) if counts is not None else None
+        self.token_totals = (values[LABELLED], values[SLOTS]) if counts is not None else None  # (read's order)
         return rows, int(values[STATUS])

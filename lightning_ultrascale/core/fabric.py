@@ -68,7 +68,7 @@ from lightning_ultrascale.core.composition import PluginComposition
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import find_model
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
-from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.parallel.step import StepRunner, settle_gradients
 from lightning_ultrascale.utils.grad import clip_grad_value_
 
 
@@ -242,7 +242,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self.accumulate, self._backwards = max(self._backwards, 1), 0
-        self.step.settle(_params_of(optimizer))
+        settle_gradients(_params_of(optimizer))
         self.step.finish_step(optimizer, self.accumulate)  # exact token weighting
         output = super().optimizer_step(optimizer, **kwargs)
         self.global_step += 1
@@ -263,7 +263,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
                 "each gradient counted once in any layout; valid: 2.0"
             )
         self.precision.unscale_gradients(optimizer)
-        self.step.settle(_params_of(optimizer))
+        settle_gradients(_params_of(optimizer))
         model, _ = find_model(module)
         norm = self.clip_grad_norm(model, self.precision.main_params(optimizer), float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
@@ -273,7 +273,7 @@ class FabricStrategy(PluginComposition, ModelParallelStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
-        self.step.settle(_params_of(optimizer))
+        settle_gradients(_params_of(optimizer))
         clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
 
     # ----------------------------------------------------------------------------- checkpoints

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_ultrascale.core.agreement import STATUS, SUMS, StepAgreement
 from lightning_ultrascale.models.spec import StepMaxima, StepSums, declares
+from lightning_ultrascale.parallel.step import settle_gradients
 from lightning_ultrascale.utils.comm import collective_device, max_rows, sum_rows
 from lightning_ultrascale.utils.tensors import by_device_and_dtype, local_tensor
 
@@ -176,7 +177,7 @@ class GuardedSteps(ModelParallelStrategy):
             assert self.lightning_module is not None
             trainer = self.lightning_module.trainer
             module = self.lightning_module
-            self.step.settle(module.parameters())
+            settle_gradients(module.parameters())  # (before the guard, clipping and the optimizer read them)
             sums = module.step_sums() if declares(module, StepSums) else None
             maxima = module.step_maxima() if declares(module, StepMaxima) else None
             # (the status before token weighting: a finite positive factor keeps finite what it scales)

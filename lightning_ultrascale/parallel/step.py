@@ -103,13 +103,6 @@ class StepRunner:
             return None
         return self.tokens.weight(batch["labels"])
 
-    @staticmethod
-    def settle(params: Iterable[torch.nn.Parameter]) -> None:
-        """After the step's last backward: each DTensor gradient in its parameter's placements, the
-        sequence-parallel norms' partial sums in one all-reduce (:func:`settle_gradients`), before the
-        guard, clipping and the optimizer read them."""
-        settle_gradients(params)
-
     def finish_step(self, optimizer: torch.optim.Optimizer, accumulate: int) -> None:
         """After the step's last backward: gradients become the mean over every labelled token of the global batch."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
