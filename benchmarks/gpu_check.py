@@ -16,13 +16,20 @@ fp8        blockwise FP8 against bf16 at 8192^3: the GEMM alone, and the linear 
 moe        the bf16 grouped GEMM of 8 experts against the per-expert loop, forward + backward    30 s
 step       one bf16 training step of llama3_1b (4 x 2048 tokens): ms, MFU against 989 TFLOP/s,   80 s
            peak memory, against the planner's prediction for an H100
+compiled   compiled blocks (``Compile``) against eager: llama_small and llama3_1b's step in        240 s
+           alternated rounds, the paired ratio with its interval, MFU, compile seconds, graphs
+fp8_gemm   bf16 ``mm`` and FP8 ``_scaled_mm`` (tensorwise, rowwise) TFLOP/s by GEMM shape: Llama 3     60 s
+           70B's linears under TP8 (forward, dgrad, wgrad) and squares
+fp8_step   llama3_1b steps with compiled blocks in bf16 and each torchao FP8 recipe, each in its    200 s
+           own interpreter: ms, peak memory, losses (needs torchao: carry its wheel)
 =========  ===================================================================================  =======
 
-Each section runs in a process of its own with its own timeout (they sum to 470 s), so a crash or a
-hang loses that section only; the JSON keeps the tail of its output. It needs the GPU machine's image
-as it is (torch 2.11, triton, lightning, transformers, pytest) and this checkout, whose root it puts on
-the path: the package imports hydra, omegaconf and torchao only where a command needs them, so no
-wheel is carried (``tests/e2e/test_gpu_image.py`` runs the script with those three hidden).
+Each section runs in a process of its own with its own timeout (they sum to 970 s; a full run took about
+250 s on an H200), so a crash or a hang loses that section only; the JSON keeps the tail of its output,
+and is written after each section. It needs the GPU machine's image as it is (torch 2.11, triton,
+lightning, transformers, pytest; torchao for ``fp8_step`` only) and this checkout, whose root it puts on
+the path: the package imports hydra, omegaconf and torchao only where a command needs them, so no wheel
+is carried (``tests/e2e/test_gpu_image.py`` runs the script with those three hidden).
 
 Without CUDA every section but the tier runs at small sizes in under a minute (the suite runs them): Triton's
 kernels in its interpreter, FP8's tensor-core calls under ``testing.cuda_contracts.emulate_cuda``. Those figures
@@ -239,7 +246,7 @@ def step(cuda: bool) -> dict[str, Any]:
     from lightning_ultrascale.plan import Candidate, Workload, estimate, get_hardware
 
     name, seq, batch = ("llama3_1b", 2048, 4) if cuda else ("llama_tiny", 64, 2)
-    ms, peak = _train_steps(name, seq, batch, steps=4 if cuda else 3)
+    ms, peak, _ = _train_steps(name, seq, batch, steps=4 if cuda else 3)
     tflops = get_model_config(name).flops_per_token(seq) * seq * batch / ms / 1e9
     workload = Workload(get_model_config(name), seq, batch)
     [predicted] = estimate(workload, Candidate.layout(micro_batch_size=batch), build_model(name, device="meta"),
@@ -254,24 +261,32 @@ def step(cuda: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _train_steps(name: str, seq: int, batch: int, steps: int) -> tuple[float, int]:
-    """Median ms of the steps after the first, and the peak of allocated memory (CUDA)."""
+def _train_steps(
+    name: str, seq: int, batch: int, steps: int, plugins: list[Any] | None = None, compiled: bool = False
+) -> tuple[float, int, list[float]]:
+    """Median ms of the steps after the first, the peak of allocated memory (CUDA) and the losses."""
     import lightning as L
     import torch
 
-    from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy
+    from lightning_ultrascale import Compile, LlamaModule, UltraScaleDataModule, UltraScaleStrategy
     from lightning_ultrascale.testing.parity import QUIET_TRAINER
 
     times: list[float] = []
+    losses: list[float] = []
 
     class Clock(L.Callback):
         def on_train_batch_start(self, *args: Any) -> None:
             _sync()
             times.append(time.perf_counter())
 
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+            losses.append(round(float(outputs["loss"]), 5))
+
+    precision = {} if plugins else {"precision": "bf16-mixed"}
     trainer = L.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=UltraScaleStrategy(),
-        precision="bf16-mixed", max_steps=steps, callbacks=[Clock()], **QUIET_TRAINER,
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1,
+        strategy=UltraScaleStrategy(*([Compile()] if compiled else [])), plugins=plugins or None, max_steps=steps,
+        callbacks=[Clock()], **precision, **QUIET_TRAINER,
     )  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -280,11 +295,169 @@ def _train_steps(name: str, seq: int, batch: int, steps: int) -> tuple[float, in
     _sync()
     times.append(time.perf_counter())
     ms = statistics.median(b - a for a, b in itertools.pairwise(times[1:])) * 1e3
-    return ms, torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return ms, torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0, losses
+
+
+def compiled(cuda: bool) -> dict[str, Any]:
+    """Compiled blocks (``Compile``, inductor) against eager: the model's bf16 step, alternated rounds."""
+    shapes = {"llama_small": (256, 64), "llama3_1b": (2048, 4)} if cuda else {"llama_tiny": (64, 2)}
+    return {name: _compiled_against_eager(name, seq, batch, cuda) for name, (seq, batch) in shapes.items()}
+
+
+def _compiled_against_eager(name: str, seq: int, batch: int, cuda: bool) -> dict[str, Any]:
+    """Tokens/s of one model's step (forward, backward, fused AdamW; bf16 autocast), eager and compiled blocks.
+
+    Both models live in one process and run in rounds, the order rotated (``testing.timing.Alternation``);
+    the compiled one is warmed up first, so its compile is not timed (it is reported).
+    """
+    import torch
+
+    from lightning_ultrascale import Compile
+    from lightning_ultrascale.models import build_model, get_model_config
+    from lightning_ultrascale.testing.timing import Alternation
+
+    plugin, steps, fns = Compile(), 10 if cuda else 2, {}
+    for kind in ("eager", "compiled"):
+        net = build_model(name, device=_device(), seed=0)
+        if kind == "compiled":
+            plugin.apply(net)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5, fused=cuda)
+        tokens = torch.randint(0, net.config.vocab_size, (batch, seq), device=_device())
+
+        def step(net: Any = net, optimizer: Any = optimizer, tokens: Any = tokens) -> None:
+            with torch.autocast(_device().type, torch.bfloat16):
+                loss = net(tokens, labels=tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # warm-up: the compile
+            step()
+        fns[kind] = step
+
+    def tokens_per_s(step: Callable[[], None]) -> float:
+        _sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync()
+        return steps * seq * batch / (time.perf_counter() - start)
+
+    arms = {kind: (lambda step=step: tokens_per_s(step)) for kind, step in fns.items()}
+    rounds = 8 if cuda else 2
+    alternation = Alternation(arms, baseline="eager", min_rounds=rounds, max_rounds=16, max_seconds=45, log=None)
+    ratio = alternation.run()["compiled"]
+    eager, fast = (statistics.median(alternation.samples[kind]) for kind in ("eager", "compiled"))
+    flops = get_model_config(name).flops_per_token(seq)
+    return {
+        "tokens": seq * batch, "steps_per_round": steps, "eager_tokens_per_s": round(eager),
+        "compiled_tokens_per_s": round(fast), "paired_ratio": ratio.as_dict(),
+        "compiled_mfu": round(fast * flops / PEAK_BF16, 4) if cuda else "not measured",
+        "compile_s": round(plugin.stats.seconds, 1), "graphs": dict(plugin.stats.graphs),
+    }  # fmt: skip
+
+
+#: (tokens, in, out) of Llama 3 70B's linears under TP8 at 8192 tokens (torchtitan's published FP8 run), and squares.
+FP8_SHAPES = {
+    "wq": (8192, 8192, 1024), "wk_wv": (8192, 8192, 128), "wo": (8192, 1024, 8192),
+    "w1_w3": (8192, 8192, 3584), "w2": (8192, 3584, 8192),
+    **{f"square_{n}": (n, n, n) for n in (1024, 2048, 4096, 8192, 16384)},
+}  # fmt: skip
+
+
+def fp8_gemm(cuda: bool) -> dict[str, Any]:
+    """TFLOP/s of bf16 ``mm`` and of FP8 ``_scaled_mm`` (tensorwise and rowwise scales) by GEMM shape.
+
+    Each linear's three GEMMs: forward (tokens x in @ in x out), dgrad (tokens x out @ out x in) and
+    wgrad (out x tokens @ tokens x in), as the planner prices them.
+    """
+    rows = {}
+    for name, (t, k, n) in FP8_SHAPES.items():
+        gemms = {"fwd": (t, k, n)}
+        if not name.startswith("square"):
+            gemms.update(dgrad=(t, n, k), wgrad=(n, t, k))
+        rows[name] = {kind: _fp8_gemm_row(*shape) for kind, shape in gemms.items()}
+    return rows
+
+
+def _fp8_gemm_row(m: int, k: int, n: int) -> dict[str, Any]:
+    import torch
+
+    a, b = _randn(m, k), _randn(n, k)
+    fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # row-major x column-major
+    one = torch.ones((), device=_device())
+    rows_a, cols_b = torch.ones(m, 1, device=_device()), torch.ones(1, n, device=_device())
+    calls = {
+        "bf16": lambda: a @ b.t(),
+        "tensorwise": lambda: torch._scaled_mm(fa, fb, one, one, out_dtype=torch.bfloat16),
+        "rowwise": lambda: torch._scaled_mm(fa, fb, rows_a, cols_b, out_dtype=torch.bfloat16),
+    }
+    out: dict[str, Any] = {"shape": [m, k, n]}
+    for kind, call in calls.items():
+        out[f"{kind}_tflops"] = round(2 * m * k * n / _repeated_ms(call) / 1e9, 1)
+    return out
+
+
+def _repeated_ms(fn: Callable[[], Any], calls: int = 20) -> float:
+    """Mean milliseconds of ``fn`` over ``calls`` back-to-back calls (after three warm-ups), synchronised."""
+    for _ in range(3):
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def fp8_step(cuda: bool) -> dict[str, Any]:
+    """Steps of ``llama3_1b`` through the Trainer with compiled blocks: bf16 and each torchao FP8 recipe.
+
+    Each recipe trains in a fresh interpreter of its own, so its peak memory is its own (in one process,
+    what dynamo and the allocator keep from an earlier run would count against the next).
+    """
+    if importlib.util.find_spec("torchao") is None:
+        return {"why": "torchao is not installed (carry its wheel)"}
+    out: dict[str, Any] = {}
+    for recipe in FP8_STEP_RECIPES:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            command = [sys.executable, __file__, "--fp8-recipe", recipe, "--result", str(result)]
+            try:
+                run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            except subprocess.TimeoutExpired as timeout:
+                out[recipe] = {"error": "timed out after 120 s", "tail": _text(timeout.stdout)[-2000:]}
+                continue
+            if run.returncode != 0 or not result.exists():  # one recipe's failure is a finding; the others run
+                out[recipe] = {"error": f"exit code {run.returncode}", "tail": (run.stdout + run.stderr)[-3000:]}
+                continue
+            out[recipe] = json.loads(result.read_text())
+        print(recipe, json.dumps(out[recipe]), flush=True)  # kept in the section's tail if a later recipe hangs
+    for recipe in FP8_STEP_RECIPES[1:]:
+        if "ms" in out["bf16"] and "ms" in out[recipe]:
+            out[recipe]["speedup_vs_bf16"] = round(out["bf16"]["ms"] / out[recipe]["ms"], 3)
+    return out
+
+
+FP8_STEP_RECIPES = ("bf16", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _fp8_step_run(recipe: str) -> dict[str, Any]:
+    import torch
+
+    from lightning_ultrascale import FP8Precision
+
+    cuda = torch.cuda.is_available()
+    name, seq, batch = ("llama3_1b", 2048, 4) if cuda else ("llama_tiny", 64, 2)
+    plugins = [] if recipe == "bf16" else [FP8Precision(recipe)]
+    ms, peak, losses = _train_steps(name, seq, batch, steps=8 if cuda else 3, plugins=plugins, compiled=True)
+    reserved = torch.cuda.max_memory_reserved() if cuda else 0
+    return {"ms": round(ms, 1), "peak_memory_gib": round(peak / 2**30, 2),
+            "peak_reserved_gib": round(reserved / 2**30, 2), "losses": losses}  # fmt: skip
 
 
 def gpu_tier(cuda: bool) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rfEs", "--tb=short"]
     if importlib.util.find_spec("pytest_timeout"):  # a hung test fails alone, with every thread's stack
         command += ["--timeout=60", "--timeout-method=thread"]
     try:
@@ -299,7 +472,8 @@ def gpu_tier(cuda: bool) -> dict[str, Any]:
         if number.isdigit():
             counts[what.split(" ")[0]] = int(number)
     failures = [line for line in stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    out: dict[str, Any] = {"returncode": returncode, "counts": counts, "failures": failures[:20]}
+    skipped = [line for line in stdout.splitlines() if line.startswith("SKIPPED")]  # with their reasons
+    out: dict[str, Any] = {"returncode": returncode, "counts": counts, "failures": failures[:20], "skipped": skipped}
     if returncode != 0:  # the tracebacks, for whoever fixes it without the GPU
         out["tail"] = stdout[-12000:]
     return out
@@ -317,6 +491,9 @@ SECTIONS = {
     "fp8": Section(fp8, 40, on_cpu=True),
     "moe": Section(moe, 30, on_cpu=True),
     "step": Section(step, 80, on_cpu=True),
+    "compiled": Section(compiled, 240, on_cpu=True),
+    "fp8_gemm": Section(fp8_gemm, 60, on_cpu=False),
+    "fp8_step": Section(fp8_step, 200, on_cpu=True),
 }
 
 
@@ -382,10 +559,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--run-section", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--fp8-recipe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     if args.run_section:
         return _run_section(args.run_section, args.result)
+    if args.fp8_recipe:  # one recipe of the fp8_step section, in an interpreter of its own
+        Path(args.result).write_text(json.dumps(_fp8_step_run(args.fp8_recipe)))
+        return None
     import torch
 
     import lightning_ultrascale  # noqa: F401  (an import error here is the whole check's, not one section's)
@@ -397,14 +578,15 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else "cpu (no CUDA device: every GPU figure not measured)",
         "torch": torch.__version__,
         "gpu_figures": "measured" if cuda else "not measured: no CUDA device (the figures are CPU smoke checks)",
-        "sections": {name: _section(name, cuda) for name in args.sections.split(",")},
+        "sections": {},
     }
     print(f"gpu_check on {report['device']} (torch {report['torch']})")
-    print(f"{'section':<10} {'status':<38} {'s':>6}  figures")
-    for name, result in report["sections"].items():
-        print(f"{name:<10} {result['status']:<38} {result.get('seconds', math.nan):>6}  {_summary(result)}")
+    print(f"{'section':<10} {'status':<38} {'s':>6}  figures", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    for name in args.sections.split(","):
+        result = report["sections"][name] = _section(name, cuda)
+        print(f"{name:<10} {result['status']:<38} {result.get('seconds', math.nan):>6}  {_summary(result)}", flush=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")  # after each: a killed run keeps the rest
 
 
 if __name__ == "__main__":

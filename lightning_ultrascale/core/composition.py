@@ -32,8 +32,10 @@ from lightning_ultrascale.parallel.tied import equalise, find_parameter, find_ti
 from lightning_ultrascale.utils.comm import collective_device
 from lightning_ultrascale.utils.grad import clip_grad_norm_
 
-#: Which strategy parallelised a model: its parameters are sharded and hooked for that one only.
-_PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, PluginComposition] = weakref.WeakKeyDictionary()
+#: Which strategy parallelised a model: its parameters are sharded and hooked for that one only. The value is a
+#: weak reference: a strong one would keep the key alive through the strategy (which holds the LightningModule),
+#: and every model fitted in a process, with its optimizer state, would stay in memory until the process ends.
+_PARALLELISED_BY: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PluginComposition]] = weakref.WeakKeyDictionary()
 
 
 def order_plugins(plugins: Sequence[ParallelPlugin]) -> tuple[tuple[ParallelPlugin, ...], StepRunner]:
@@ -163,9 +165,9 @@ class PluginComposition:
         adapt_in(root)  # a Hugging Face causal LM gets the contract in place; a ModuleList of blocks, Blocks
         model, name = find_model(root)
         owner = _PARALLELISED_BY.get(model)
-        if owner is self:
+        if owner is not None and owner() is self:
             return model
-        if owner is not None:
+        if owner is not None:  # another strategy's, alive or not: the parameters are sharded and hooked for it
             raise RuntimeError(
                 f"{type(model).__name__} was already parallelised by another UltraScaleStrategy; its parameters "
                 "are sharded and hooked for that one. Build a new model (or reuse the same Trainer or Fabric)"
@@ -188,7 +190,7 @@ class PluginComposition:
             model.init_weights(self.seed)  # (the contract checked it exists)
             check_init(model, reference, self.seed, collective_device())
         equalise(model, self.layout.tied_copies)  # a tied weight's copies on other ranks (pipeline stages)
-        _PARALLELISED_BY[model] = self
+        _PARALLELISED_BY[model] = weakref.ref(self)
         leftover = [n for n, p in root.named_parameters() if p.is_meta]
         if leftover:
             raise RuntimeError(f"parameters outside the parallelised model are still meta tensors: {leftover[:5]}")
@@ -196,7 +198,8 @@ class PluginComposition:
 
     def parallelised(self, root: nn.Module) -> bool:
         """Whether the model ``root`` holds (or is) was rewritten by this strategy."""
-        return _PARALLELISED_BY.get(find_model(root)[0]) is self
+        owner = _PARALLELISED_BY.get(find_model(root)[0])
+        return owner is not None and owner() is self
 
     def clip_grad_norm(self, model: nn.Module, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Scale the gradients of ``params`` (what the optimizer steps) to a global L2 norm of at most ``max_norm``.

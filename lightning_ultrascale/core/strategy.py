@@ -219,3 +219,11 @@ class UltraScaleStrategy(
         plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value_(  # type: ignore[method-assign]
             plugin.main_params(optimizer), float(clip_val)
         )
+
+    @override
+    def teardown(self) -> None:
+        # The clipping closures hold the model: a precision plugin the user keeps (or reuses for the next
+        # Trainer) must not keep this run's model and optimizer state alive.
+        for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+            vars(self.precision_plugin).pop(name, None)
+        super().teardown()

@@ -75,7 +75,7 @@ def test_the_gpu_checks_cpu_sections_run_in_under_a_minute_on_the_image(image_en
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
     statuses = {name: section["status"] for name, section in report["sections"].items()}
-    cpu = {"cp_block", "ring", "triton", "fp8", "moe", "step"}
+    cpu = {"cp_block", "ring", "triton", "fp8", "moe", "step", "compiled", "fp8_step"}
     assert all(statuses[name].startswith("cpu smoke") for name in cpu), report
     assert all(statuses[name] == "not measured" for name in set(statuses) - cpu), report
     errors = report["sections"]["cp_block"]["results"]["512"]["errors"]
@@ -84,4 +84,7 @@ def test_the_gpu_checks_cpu_sections_run_in_under_a_minute_on_the_image(image_en
     assert report["sections"]["fp8"]["results"]["error"] < 0.1, report  # FP8 against bf16: quantisation
     step = report["sections"]["step"]["results"]
     assert step["mfu"] == "not measured" and step["predicted_h100_ms"] > 0, step
+    compiled = report["sections"]["compiled"]["results"]["llama_tiny"]  # one graph: a block compiled once, reused
+    assert compiled["graphs"] == {"TransformerBlock.forward": 1} and compiled["paired_ratio"]["pairs"] >= 2, compiled
+    assert "torchao" in report["sections"]["fp8_step"]["results"]["why"], report  # hidden here, as on the image
     assert "not measured" in run.stdout and seconds < 60, (seconds, run.stdout)

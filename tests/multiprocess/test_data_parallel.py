@@ -145,6 +145,48 @@ def test_a_second_fit_keeps_gradients_synchronised_and_a_second_strategy_is_refu
     run_pooled(_fit_twice_with_one_trainer, 2, 1)
 
 
+def _finished_runs_free_their_models() -> None:
+    import gc
+    import weakref
+
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_ultrascale import LlamaModule, UltraScaleDataModule, UltraScaleStrategy, ZeRO
+    from lightning_ultrascale.models.spec import find_model
+    from lightning_ultrascale.testing.parity import QUIET_TRAINER
+
+    precision = MixedPrecision("bf16-mixed", "cpu")  # kept across runs, as a sweep keeps its config objects
+
+    def fit(stage: int, module: LlamaModule) -> L.Trainer:
+        strategy = UltraScaleStrategy(ZeRO(stage=stage))
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, plugins=[precision], max_steps=1, **QUIET_TRAINER
+        )
+        # (a datamodule keeps its last Trainer: Lightning's, so each run gets its own)
+        trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=32, micro_batch_size=2))
+        return trainer
+
+    for stage in (0, 3):
+        module = LlamaModule("llama_tiny")
+        trainer = fit(stage, module)
+        alive = [weakref.ref(find_model(module)[0]), weakref.ref(trainer.optimizers[0]), weakref.ref(trainer.strategy)]
+        del module, trainer
+        gc.collect()
+        # Before: the strategy registry held each strategy strongly (and so its model), and the precision
+        # plugin held the clipping closures: every model fitted in a process stayed in memory.
+        assert [ref() is None for ref in alive] == [True, True, True], stage
+    kept = LlamaModule("llama_tiny")
+    fit(0, kept)  # the Trainer and strategy are gone; the model is still sharded and hooked for them
+    gc.collect()
+    with pytest.raises(RuntimeError, match="already parallelised by another UltraScaleStrategy"):
+        fit(0, kept)
+
+
+def test_a_finished_run_frees_its_model_and_its_model_still_refuses_another_strategy():
+    run_pooled(_finished_runs_free_their_models, 2)
+
+
 # Stages 0 and 1: their engines hook the parameters (stage 3's FSDP2 shards differ by design).
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_second_fit_with_tensor_parallel_keeps_gradients_synchronised(stage):
