@@ -173,7 +173,8 @@ def render(result: Any, top: int = 10) -> str:
     gib = 2**30
     lines = [
         f"{w.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
-        f"{w.precision}, on {result.world_size} x {gpu.name} ({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
+        f"{w.precision}{f' + FP8 {w.fp8}' if w.fp8 else ''}, on {result.world_size} x {gpu.name} "
+        f"({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
         f"{len(result.fitting)} layouts fit, {len(result.too_big)} do not, {result.refused} refused by the plugins, "
         f"{len(result.dominated)} not priced (a layout of the same sizes with less sharding/recomputation fits)",
         "",
@@ -187,7 +188,13 @@ def render(result: Any, top: int = 10) -> str:
             f"{m['grads']:>7.1f}{m['activations']:>7.1f}{m['working']:>6.1f}{p.mfu:>7.1%}{p.tokens_per_s:>12,.0f}"
             f"{p.slowest.bubble:>8.2f}"
         )
-    lines += ["", "(GiB on the busiest rank; MFU from the time model, not measured)", "", "Popular alternatives:"]
+    against = ", against the bf16 peak" if w.fp8 else ""
+    lines += [
+        "",
+        f"(GiB on the busiest rank; MFU from the time model{against}, not measured)",
+        "",
+        "Popular alternatives:",
+    ]
     for family, priced, why in result.alternatives():
         label = priced.candidate.label() if priced is not None else "-"
         lines.append(f"  {family:<32}{label:<58} {why}")

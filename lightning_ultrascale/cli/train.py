@@ -470,8 +470,9 @@ def workload(cfg: DictConfig) -> Any:
     from lightning_ultrascale.plan import Workload
 
     precision = str(cfg.precision.precision)
-    if precision not in ("32-true", "bf16-mixed"):  # FP8 recipes: their bf16-mixed base (matmuls faster still)
+    if precision not in ("32-true", "bf16-mixed"):  # bf16-true: priced as bf16-mixed's compute
         precision = "bf16-mixed"
+    fp8 = cfg.precision.get("fp8")  # an FP8 recipe on top of that precision: priced from its GEMMs (plan.fp8)
     kernels = cfg.get("kernels") or {}
     fused = bool(kernels.get("fused_cross_entropy")) or kernels.get("name", "reference") != "reference"
     shape = {}
@@ -487,7 +488,7 @@ def workload(cfg: DictConfig) -> Any:
     reduce_dtype = str((cfg.get("parallel") or {}).get("zero", {}).get("reduce_dtype", "fp32"))
     return Workload(
         _priced_model(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
-        fused_kernels=kernels.get("name", "reference") != "reference",
+        fused_kernels=kernels.get("name", "reference") != "reference", fp8=None if fp8 is None else str(fp8),
     )  # fmt: skip
 
 

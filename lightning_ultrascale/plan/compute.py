@@ -5,6 +5,8 @@
   parallelism, each on the roofline ``max(FLOPs / (peak x matmul_efficiency), bytes / (bandwidth x
   memory_efficiency))``: narrow GEMMs (small ``N`` under TP, few tokens under CP or for an expert)
   fall from compute-bound to memory-bound on their own. Backward runs each shape twice.
+- **FP8** (``Workload.fp8``): the block linears a recipe converts run their FP8 GEMMs at the GPU's
+  measured FP8/bf16 ratio, plus the recipe's quantisation passes (:mod:`lightning_ultrascale.plan.fp8`).
 - **Attention** at its kernel's efficiency: causal, so each of a rank's tokens attends to half the
   sequence on average; flash attention's backward recomputes the scores (2.5x the forward).
 - **Memory-bound kernels** by bytes at memory bandwidth: fused (``Workload.fused_kernels``), per
@@ -25,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from lightning_ultrascale.parallel.pricing import RankView
+from lightning_ultrascale.plan.fp8 import linear_seconds
 from lightning_ultrascale.plan.hardware import Hardware
 
 __all__ = ["model_compute"]
@@ -57,11 +60,15 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
         rate = flop_rate * gpu.gemm_factor(min(k, n))
         return count * max(2 * m * k * n / rate, e * (m * k + k * n + m * n) / byte_rate)
 
+    linear = _linear(gemm, rank, gpu, byte_rate)
+
     matmul = attention = memory = 0.0
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
     for layer in rank.layers:
         moe = spec.is_moe_block(layer)
-        matmul += _attention_gemms(gemm, rank) + (_moe_gemms(gemm, rank) if moe else _dense_gemms(gemm, rank))
+        matmul += _attention_gemms(linear, rank) + (
+            _moe_gemms(gemm, linear, rank) if moe else _dense_gemms(linear, rank)
+        )
         pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
         flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
         attention += 3.5 * flops / (peak * gpu.attention_efficiency)
@@ -84,20 +91,28 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m, "host": host}
 
 
-def _attention_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+def _linear(gemm: Callable[..., float], rank: RankView, gpu: Hardware, byte_rate: float) -> Callable[..., float]:
+    """A block linear's three GEMMs (forward, input and weight gradients), in FP8 where the workload's recipe
+    converts it."""
+    recipe, tp = rank.workload.fp8, rank.widths.tp
+    # tensorwise agrees on each activation's scale over the tensor-parallel group: 2 scalar all-reduces a linear
+    sync = 2 * gpu.intra_node_latency * (tp - 1) if recipe == "tensorwise" and tp > 1 else 0.0
+    return lambda m, k, n: linear_seconds(gemm, m, k, n, recipe, gpu, byte_rate, sync)
+
+
+def _attention_gemms(linear: Callable[..., float], rank: RankView) -> float:
     s, t = rank.widths, rank.tokens
     q, kv, o = (
         s.heads * s.head_dim / s.tp,
         s.kv_heads * (s.head_dim + s.v_head_dim) / s.tp,
         s.heads * s.v_head_dim / s.tp,
     )
-    # forward once, backward twice (input and weight gradients): the same shapes three times
-    return gemm(t, s.h, q, 3) + gemm(t, s.h, kv, 3) + gemm(t, o, s.h, 3)
+    return linear(t, s.h, q) + linear(t, s.h, kv) + linear(t, o, s.h)
 
 
-def _dense_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+def _dense_gemms(linear: Callable[..., float], rank: RankView) -> float:
     s, t = rank.widths, rank.tokens
-    return gemm(t, s.h, s.f / s.tp, 6) + gemm(t, s.f / s.tp, s.h, 3)
+    return 2 * linear(t, s.h, s.f / s.tp) + linear(t, s.f / s.tp, s.h)  # w1 and w3, w2
 
 
 def _expert_load(rank: RankView) -> float:
@@ -105,7 +120,7 @@ def _expert_load(rank: RankView) -> float:
     return rank.workload.expert_load if rank.layout.ep > 1 else 1.0
 
 
-def _moe_gemms(gemm: Callable[..., float], rank: RankView) -> float:
+def _moe_gemms(gemm: Callable[..., float], linear: Callable[..., float], rank: RankView) -> float:
     """Router; each local expert's share of the routed rows (times the busiest rank's load); shared experts."""
     spec, s, t = rank.spec, rank.widths, rank.tokens
     fe = spec.expert_ffn_dim
@@ -115,5 +130,5 @@ def _moe_gemms(gemm: Callable[..., float], rank: RankView) -> float:
     shared = spec.n_shared_experts * fe
     out = gemm(t, s.h, spec.n_experts, 3)
     if shared:
-        out += gemm(t, s.h, shared, 6) + gemm(t, shared, s.h, 3)
+        out += 2 * linear(t, s.h, shared) + linear(t, shared, s.h)
     return routed + out

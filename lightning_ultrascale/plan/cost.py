@@ -78,6 +78,7 @@ from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
 from lightning_ultrascale.plan.candidate import Candidate
 from lightning_ultrascale.plan.compute import model_compute
+from lightning_ultrascale.plan.fp8 import converted_numel
 from lightning_ultrascale.plan.hardware import Hardware
 from lightning_ultrascale.utils.comm import wire_bytes
 
@@ -102,6 +103,8 @@ class Workload:
     with the GEMMs beside them (Megatron-Core's ``tp_comm_overlap`` through Transformer Engine's
     userbuffers, torch's async TP). This library's blocks run them on the critical path: leave it
     off to price a run of ours; ``benchmarks/published_runs.py`` turns it on for NeMo's 70B.
+    ``fp8``: the FP8 recipe of the blocks' linears, priced from its GEMMs and quantisation
+    (:mod:`lightning_ultrascale.plan.fp8`); MFU stays counted against the bf16 peak.
     ``expert_load``: under expert parallelism, the busiest rank's routed rows over the mean, per MoE
     block (:func:`~lightning_ultrascale.plan.expert_load` computes it from a run's expert loads):
     every rank of the group waits for that rank at each dispatch. 1.0 (uniform routing) unless told;
@@ -126,10 +129,23 @@ class Workload:
     reduce_dtype: str = "fp32"
     expert_load: float = 1.0
     tp_comm_overlap: bool = False
+    #: an FP8 recipe of the blocks' linears (``FP8Precision``'s: tensorwise, rowwise, rowwise_with_gw_hp,
+    #: blockwise), on top of ``precision`` (its high-precision part); ``None``: no FP8
+    fp8: str | None = None
+    #: tensorwise under ZeRO-3 all-gathers the converted weights in FP8 (``FP8Precision(fp8_all_gather=...)``)
+    fp8_all_gather: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not planned; valid: {', '.join(_PRECISIONS)}")
+        if self.fp8 is not None:
+            from lightning_ultrascale.fp8.precision import BASE_PRECISIONS
+
+            if self.fp8 not in BASE_PRECISIONS:
+                raise ConfigError(f"fp8={self.fp8!r} is not a recipe; valid: {', '.join(BASE_PRECISIONS)}, or None")
+            if self.precision not in BASE_PRECISIONS[self.fp8]:
+                valid = ", ".join(BASE_PRECISIONS[self.fp8])
+                raise ConfigError(f"fp8={self.fp8!r} trains on precision={self.precision!r}: valid: {valid}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
         if not self.expert_load >= 1.0:
@@ -139,6 +155,12 @@ class Workload:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if not isinstance(self.model, LlamaConfig):
             priced_spec(self.model)
+
+    def fp8_gathered_numel(self, rank: RankView) -> int:
+        """Parameters of ``rank``'s blocks that ZeRO-3 all-gathers in FP8 (tensorwise, ``fp8_all_gather``), else 0."""
+        if self.fp8 != "tensorwise" or not self.fp8_all_gather or self.precision != "bf16-mixed":
+            return 0
+        return converted_numel(rank.spec, rank.layers, rank.widths.tp, "tensorwise")
 
     @property
     def spec(self) -> ModelSpec:

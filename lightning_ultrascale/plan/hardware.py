@@ -50,6 +50,12 @@ class Hardware:
     #: width: ``((width, factor), ...)`` ascending, interpolated on log width, 1 beyond the last
     #: (empty: no loss; a CPU's is measured, ``benchmarks/cpu_time_model.py``)
     gemm_width_factors: tuple[tuple[int, float], ...] = ()
+    #: FP8 tensor cores (Hopper, Ada): FP8 GEMMs' efficiency relative to bf16's at the same shape (FP8's
+    #: peak is twice bf16's), by scaling (``"tensorwise"``, ``"rowwise"``, ``"blockwise"``) and the GEMM's
+    #: narrowest dim: ``((scaling, ((width, efficiency), ...)), ...)``, widths ascending, interpolated on log
+    #: width, flat beyond the ends. Empty: no FP8 tensor cores (the FP8 recipes emulate: no speed-up).
+    #: Measured with ``benchmarks/gpu_check.py`` (:func:`lightning_ultrascale.plan.fp8.efficiency_table`).
+    fp8_gemm_efficiency: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
     #: HBM bandwidth (bytes/s): memory-bound kernels (norms, RoPE, SwiGLU, residual adds, the
     #: loss's softmax), the optimizer step, and GEMMs too narrow to be compute-bound (roofline).
     memory_bandwidth: float = 3.35e12
@@ -79,7 +85,7 @@ class Hardware:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            unchecked = ("gemm_width_factors", "host_overheads", "sends_polled")
+            unchecked = ("gemm_width_factors", "host_overheads", "sends_polled", "fp8_gemm_efficiency")
             if (f.name == "fp32_flops" and value is None) or f.name in unchecked:
                 continue
             if f.name != "name" and not (isinstance(value, (int, float)) and value > 0):
@@ -98,15 +104,20 @@ class Hardware:
             >>> get_hardware(cpu | {"gemm_width_factors": ((64, 0.5), (256, 1.0))}).gemm_factor(128)
             0.75
         """
-        table = self.gemm_width_factors
-        if not table or width >= table[-1][0]:
-            return 1.0
-        if width <= table[0][0]:
-            return table[0][1]
-        for (w0, f0), (w1, f1) in itertools.pairwise(table):
-            if w0 <= width <= w1:
-                return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
-        return 1.0
+        return _interpolated(self.gemm_width_factors, width, beyond=1.0)
+
+    def fp8_speedup(self, scaling: str, width: float) -> float:
+        """How many times faster than bf16 a GEMM of narrowest dim ``width`` runs with FP8 ``scaling``.
+
+        Example:
+            >>> h100 = get_hardware("h100")
+            >>> round(h100.fp8_speedup("tensorwise", 8192), 2), round(h100.fp8_speedup("tensorwise", 128), 2)
+            (1.94, 0.94)
+            >>> get_hardware("a100").fp8_speedup("tensorwise", 8192)  # no FP8 tensor cores: emulated
+            1.0
+        """
+        table = dict(self.fp8_gemm_efficiency).get(scaling)
+        return 1.0 if not table else 2 * _interpolated(table, width, beyond=table[-1][1])
 
     @property
     def usable_bytes(self) -> int:
@@ -125,10 +136,31 @@ class Hardware:
         return self.fp32_flops if self.fp32_flops is not None else self.peak_flops / 2
 
 
+def _interpolated(table: tuple[tuple[int, float], ...], width: float, beyond: float) -> float:
+    """``table``'s value at ``width``: log-linear between its widths, its first below them, ``beyond`` above."""
+    if not table or width >= table[-1][0]:
+        return beyond if table else 1.0
+    if width <= table[0][0]:
+        return table[0][1]
+    for (w0, f0), (w1, f1) in itertools.pairwise(table):
+        if w0 <= width <= w1:
+            return f0 + (f1 - f0) * math.log(width / w0) / math.log(w1 / w0)
+    return beyond
+
+
 _MAY_BE_ZERO = ("reserved_bytes", "op_overhead", "step_overhead")
 
 #: Fitted on one published run (see ``GPUS["h100"]``); every other figure is a datasheet's.
 H100_MATMUL_EFFICIENCY = 0.60
+#: FP8 GEMMs' efficiency relative to bf16's on Hopper, measured on one H200 (its tensor cores are the
+#: H100's) by ``benchmarks/gpu_check.py`` (2026-11-28, torch 2.11): ``_scaled_mm`` against bf16 ``mm``
+#: at Llama 3 70B's TP8 shapes and squares (``benchmarks/results/gpu_check.json``; a test recomputes
+#: it with :func:`lightning_ultrascale.plan.fp8.efficiency_table`). Not fitted to any training run.
+HOPPER_FP8 = (
+    ("tensorwise", ((128, 0.471), (1024, 0.775), (3584, 0.917), (4096, 0.917), (8192, 0.971), (16384, 0.941))),
+    ("rowwise", ((128, 0.46), (1024, 0.801), (3584, 0.894), (4096, 0.886), (8192, 0.886), (16384, 0.743))),
+    ("blockwise", ((128, 0.471), (8192, 0.692))),
+)
 
 GPUS: dict[str, Hardware] = {
     # H100 SXM5 80GB: 989 TFLOP/s dense bf16 (494.5 TF32), NVLink 4 (900 GB/s both directions), NDR IB per GPU,
@@ -137,12 +169,12 @@ GPUS: dict[str, Hardware] = {
     # clock, which a loaded H100 does not hold.
     "h100": Hardware(
         "h100", peak_flops=989e12, memory_bytes=80 * 2**30, fp32_flops=494.5e12,
-        matmul_efficiency=H100_MATMUL_EFFICIENCY,
+        matmul_efficiency=H100_MATMUL_EFFICIENCY, fp8_gemm_efficiency=HOPPER_FP8,
     ),
     # H200 SXM 141GB: the H100's compute and links with more and faster HBM (HBM3e 4.8 TB/s).
     "h200": Hardware(
         "h200", peak_flops=989e12, memory_bytes=141 * 2**30, fp32_flops=494.5e12, memory_bandwidth=4.8e12,
-        matmul_efficiency=H100_MATMUL_EFFICIENCY,
+        matmul_efficiency=H100_MATMUL_EFFICIENCY, fp8_gemm_efficiency=HOPPER_FP8,
     ),
     # A100 SXM4 80GB: 312 TFLOP/s bf16 (156 TF32), NVLink 3 (600 GB/s both directions), 200 Gb/s HDR IB,
     # HBM2e 2.04 TB/s.

@@ -153,6 +153,16 @@ def _traffic(
             _fsdp_traffic(terms, rank, live, numel, grad)
 
 
+def _fp8_gathered_saving(rank: RankView, live: list[str], numel: int) -> int:
+    """Bytes per gather that FP8 all-gather saves: the converted weights travel in 1 byte, not 2 (the workload
+    says which: ``Workload.fp8_gathered_numel``, tensorwise FP8 with ``fp8_all_gather``)."""
+    if any(d not in DATA_DIMS for d in live):  # a group of its own (experts): not converted
+        return 0
+    converted = rank.workload.fp8_gathered_numel(rank)
+    shards = math.prod(rank.plan.sizes[d] for d in live if d != "dp_replicate")
+    return min(converted // shards, numel) * (rank.element_bytes - 1)
+
+
 def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int) -> None:
     """FSDP2 gathers every parameter twice (forward, backward; once under a pipeline, which keeps them
     gathered for its microbatches): payload the gathered output; reduce-scatters the unsharded
@@ -163,7 +173,7 @@ def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int,
     shard_dims = [d for d in live if d != "dp_replicate"]
     n = math.prod(plan.sizes[d] for d in shard_dims)
     if shard_dims:
-        gathered = rank.element_bytes * numel * n * rank.accumulation
+        gathered = (rank.element_bytes * numel - _fp8_gathered_saving(rank, live, numel)) * n * rank.accumulation
         add_traffic(terms.forward_traffic, dim_name(shard_dims), "all_gather", gathered)
         if rank.layout.pp == 1:
             add_traffic(traffic, dim_name(shard_dims), "all_gather", gathered)
