@@ -177,12 +177,17 @@ class SearchResult:
             (part(slow, "exposed_dp_comm") - part(best, "exposed_dp_comm"), "data-parallel traffic not hidden")
         )
         extra_compute = part(slow, "compute") - part(best, "compute")
+        extra_host = part(slow, "host") - part(best, "host")
         if other.candidate.recompute != self.best.candidate.recompute:
             reasons.append((extra_compute, f"recomputation ({other.candidate.recompute})"))
+        else:  # the same work split otherwise: each rank's share of the kernels and of their launches
+            reasons.append((extra_host, "host time: more kernels per rank (launch and dispatch overhead)"))
+            reasons.append((extra_compute - extra_host, "more compute per rank"))
+        reasons.append((part(slow, "optimizer_step") - part(best, "optimizer_step"), "a longer optimizer step"))
         reasons.sort(key=lambda r: -r[0])
         ratio = slow.step_time / best.step_time - 1
         words = [w for extra, w in reasons[:2] if extra > 0.02 * best.step_time]
-        why = ", ".join(words) if words else "about as fast"
+        why = ", ".join(words) if words else "about as fast" if ratio < 0.05 else "several small terms together"
         return f"{ratio:+.0%} step time: {why}"
 
 

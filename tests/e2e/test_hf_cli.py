@@ -2,6 +2,7 @@
 layout; its first loss is transformers' own cross-entropy on the same batch."""
 
 import csv
+import math
 import os
 
 import pytest
@@ -23,10 +24,10 @@ DATA = ["data.seq_len=64", "data.micro_batch_size=2", "data.global_batch_size=4"
 
 @pytest.fixture(scope="module")
 def directories(tmp_path_factory):
-    """Tiny random Mixtral and Qwen2 written by transformers' save_pretrained (HF's own init, its own files)."""
+    """Tiny random Mixtral, Qwen2 and Qwen3-MoE written by save_pretrained (HF's own init, its own files)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
-    for family in ("mixtral", "qwen2"):
+    for family in ("mixtral", "qwen2", "qwen3_moe"):
         AutoModelForCausalLM.from_config(hf_config(family)).save_pretrained(root / family)
     return root
 
@@ -57,6 +58,27 @@ def test_an_hf_directory_trains_from_the_command_line_from_transformers_loss(tmp
     assert abs(first - expected) / expected <= 1e-5, (first, expected)
     if family == "mixtral":  # exported back by transformers, in Mixtral's released per-expert files
         _exports_what_it_trained(run_dir / "checkpoints" / "last.ckpt", tmp_path)
+
+
+def test_parallel_auto_plans_and_trains_a_saved_qwen3_moe_directory_on_2_cpu_ranks(tmp_path, directories):
+    # Qwen3-MoE is trained as transformers defines it (adapted, not converted): the planner prices it from
+    # the adapter's spec (its experts' own widths, top-k, qk-norm) and the run trains the layout it chose.
+    from lightning_ultrascale.cli.plan import compose_run
+    from lightning_ultrascale.cli.train import workload
+    from lightning_ultrascale.plan import search
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+    overrides = ["model=hf", f"model.path={directories / 'qwen3_moe'}", "parallel=auto", *DATA]
+    steps = ["trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0"]
+    out = run_command(train_main, ["ultrascale-train", *overrides, *steps], env, world_size=2, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    best = search(workload(compose_run(overrides)), 2, "cpu").best.candidate
+    assert f"parallel=auto on 2 x cpu: {best.label()}" in out.stderr + out.stdout, (out.stdout + out.stderr)[-3000:]
+    losses = [
+        float(r["train/loss"]) for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("train/loss")
+    ]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
 
 
 def _exports_what_it_trained(checkpoint, tmp_path):
