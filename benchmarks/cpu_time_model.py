@@ -7,7 +7,8 @@
    all-reduce bandwidth and latency between the two processes, and the training loop's own time
    per step (Lightning, data, logging: a one-block model of width 8, not a layout measured below).
 2. **Step times of two-rank layouts** (data parallel, ZeRO-1/3, tp2, pp2 1F1B and ZBV, cp2, ep2,
-   accumulation, recomputation), each trained in the real Lightning loop: the median wall time
+   accumulation, recomputation; context parallelism also at a second sequence length), each trained
+   in the real Lightning loop: the median wall time
    between optimizer steps after two warm-up steps, the faster of two passes over all layouts (the
    micro-benchmarks too: the best of two). The MoE run also
    records its routing: the busiest expert rank's rows over the mean (``expert_load``).
@@ -17,7 +18,7 @@
 Side by side in one run; prints a table and writes ``benchmarks/results/cpu_time_model.json``,
 which ``tests/unit/test_plan_time.py`` checks (and re-predicts with today's code).
 
-    python benchmarks/cpu_time_model.py            # ~8 min on 2 cores (each run twice)
+    python benchmarks/cpu_time_model.py            # ~10 min on 2 cores (each run twice)
     python benchmarks/cpu_time_model.py --quick    # a smoke run for the test suite: one layout, one probe
 """
 
@@ -83,6 +84,13 @@ LAYOUTS: list[tuple[str, dict[str, Any], int]] = [
     ("llama_cpu", _(dp=2, zero=1, micro_batch_size=4), 2),
     ("llama_cpu", _(dp=2, zero=1, micro_batch_size=4, recompute="full"), 1),
     ("llama_cpu", _(dp=2, zero=2, micro_batch_size=4, recompute="selective_op"), 1),
+]
+#: Context parallelism at a second sequence length (and the all-to-all at both): where a ring's K/V traffic
+#: outgrows the attention it overlaps (short sequences, many of them), ``(model, layout, accumulation, seq_len)``.
+CONTEXT_LAYOUTS: list[tuple[str, dict[str, Any], int, int]] = [
+    ("llama_cpu", _(cp=2, zero=0, cp_method="zigzag_ring", micro_batch_size=32), 1, 64),
+    ("llama_cpu", _(cp=2, zero=0, cp_method="all_to_all", micro_batch_size=8), 1, SEQ_LEN),
+    ("llama_cpu", _(cp=2, zero=0, cp_method="all_to_all", micro_batch_size=32), 1, 64),
 ]
 
 
@@ -304,12 +312,15 @@ def main() -> None:
           f"gloo {gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.intra_node_latency * 1e6:.0f} us")  # fmt: skip
     print(f"{'layout':<58} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     rows = []
-    for (model, layout, acc), (measured, load) in zip(layouts, measure(layouts, runs, steps, seq_len)):
-        predicted = predict(model, layout, acc, gpu, load, seq_len)
-        rows.append({"model": model, "layout": layout, "accumulation": acc, "label": label(layout, acc),
-                     "expert_load": load, "measured_s": measured, "predicted_s": predicted,
-                     "error": predicted / measured - 1})  # fmt: skip
-        print(f"{model + ' ' + rows[-1]['label']:<58} {measured:>10.3f} {predicted:>11.3f} {rows[-1]['error']:>+7.1%}")
+    runs_at = [(layouts, seq_len)] + ([] if args.quick else [([c[:3]], c[3]) for c in CONTEXT_LAYOUTS])
+    for group, seq in runs_at:
+        for (model, layout, acc), (measured, load) in zip(group, measure(group, runs, steps, seq)):
+            predicted = predict(model, layout, acc, gpu, load, seq)
+            name = label(layout, acc) + (f" seq{seq}" if seq != SEQ_LEN else "")
+            rows.append({"model": model, "layout": layout, "accumulation": acc, "seq_len": seq, "label": name,
+                         "expert_load": load, "measured_s": measured, "predicted_s": predicted,
+                         "error": predicted / measured - 1})  # fmt: skip
+            print(f"{model + ' ' + name:<58} {measured:>10.3f} {predicted:>11.3f} {rows[-1]['error']:>+7.1%}")
     errors = [abs(r["error"]) for r in rows]
     summary = {"layouts": len(rows), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
     print(f"\nmedian |error| {summary['median_abs_error']:.1%}, worst {summary['max_abs_error']:.1%}")

@@ -134,6 +134,10 @@ class CostTerms:
     #: the fraction of the step's matmul time that can hide ``traffic`` (collectives overlapped
     #: with the GEMMs beside them, e.g. a stack's tensor-parallel communication overlap)
     hidden_by_matmul: float = 0.0
+    #: the fraction of the step's attention time (the fused attention kernels, forward and backward) that can
+    #: hide ``traffic``: ring attention's K/V exchange overlaps the attention of the block a rank holds, and
+    #: nothing else (the projections run before the ring, the output projection and MLP after it)
+    hidden_by_attention: float = 0.0
     state: dict[str, int] | None = None
     held_grads: int = 0
     working: int = 0

@@ -452,7 +452,8 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
                 dim, took = _collective_seconds(key, payload, c, dims, gpu)
                 seconds[dim] = seconds.get(dim, 0.0) + took
                 spent += took
-            hidden = hidden_by * compute + (terms.hidden_by_matmul * parts["matmul"] if traffic is terms.traffic else 0)
+            beside = terms.hidden_by_matmul * parts["matmul"] + terms.hidden_by_attention * parts["attention"]
+            hidden = hidden_by * compute + (beside if traffic is terms.traffic else 0)
             shown = max(0.0, spent - hidden)
             critical, exposed = (critical + shown, exposed) if terms.in_step else (critical, exposed + shown)
         bubble += terms.bubble
