@@ -117,7 +117,8 @@ def _dense_gemms(linear: Callable[..., float], rank: RankView) -> float:
 
 def _expert_load(rank: RankView) -> float:
     """How many times the mean routed rows the busiest expert rank runs (the others wait for it)."""
-    return rank.workload.expert_load if rank.layout.ep > 1 else 1.0
+    ep = rank.layout.ep
+    return rank.workload.load_for(rank.spec.n_experts / ep) if ep > 1 else 1.0
 
 
 def _moe_gemms(gemm: Callable[..., float], linear: Callable[..., float], rank: RankView) -> float:

@@ -85,6 +85,11 @@ from lightning_ultrascale.utils.comm import wire_bytes
 __all__ = ["Candidate", "Cost", "Workload", "estimate", "expert_load", "priced_spec", "spec_flops_per_token"]
 
 _PRECISIONS = ("32-true", "bf16-mixed")
+#: A balanced router's busiest expert over the mean (one expert per rank), as this library's MoE runs measured
+#: it: ``benchmarks/expert.py``'s moe_tiny with its default balancing (sequence aux loss and the aux-loss-free
+#: bias) after 400 steps, 1.124 with one expert per rank, 1.062 with 2 and 1.030 with 4 (the excess halves as
+#: a rank holds twice the experts); a test recomputes it from ``benchmarks/results/expert.json``.
+BALANCED_EXCESS = 0.124
 _REDUCE_DTYPES = ("fp32", "bf16")
 
 
@@ -107,9 +112,12 @@ class Workload:
     (:mod:`lightning_ultrascale.plan.fp8`); MFU stays counted against the bf16 peak.
     ``expert_load``: under expert parallelism, the busiest rank's routed rows over the mean, per MoE
     block (:func:`~lightning_ultrascale.plan.expert_load` computes it from a run's expert loads):
-    every rank of the group waits for that rank at each dispatch. 1.0 (uniform routing) unless told;
-    a young router is far from it (1.65 on ``benchmarks/cpu_time_model.py``'s ep2 run), a balanced
-    one near it, and ``capacity_factor`` bounds it.
+    every rank of the group waits for that rank at each dispatch. ``None`` (default): a balanced
+    router's, as this library's MoE runs measured it (:data:`BALANCED_EXCESS`: the busiest rank's excess
+    over the mean halves as a rank holds twice the experts); a young router is far from it (1.65 on
+    ``benchmarks/cpu_time_model.py``'s ep2 run), and ``capacity_factor`` bounds it.
+    ``force_balanced``: the router sends every expert the same rows (Megatron-Core's
+    ``moe_router_force_load_balancing``, which published MoE benchmarks use): an expert load of 1.0.
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
@@ -127,7 +135,8 @@ class Workload:
     #: about one read and write per logical op; otherwise eager, as the reference kernels run them
     fused_kernels: bool = False
     reduce_dtype: str = "fp32"
-    expert_load: float = 1.0
+    expert_load: float | None = None
+    force_balanced: bool = False
     tp_comm_overlap: bool = False
     #: an FP8 recipe of the blocks' linears (``FP8Precision``'s: tensorwise, rowwise, rowwise_with_gw_hp,
     #: blockwise), on top of ``precision`` (its high-precision part); ``None``: no FP8
@@ -148,13 +157,34 @@ class Workload:
                 raise ConfigError(f"fp8={self.fp8!r} trains on precision={self.precision!r}: valid: {valid}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
-        if not self.expert_load >= 1.0:
+        if self.expert_load is not None and not self.expert_load >= 1.0:
             raise ConfigError(f"expert_load={self.expert_load!r} is a max over a mean: at least 1.0 (1.0: uniform)")
+        if self.force_balanced and self.expert_load not in (None, 1.0):
+            raise ConfigError(
+                f"force_balanced=True routes every expert the same rows, but expert_load={self.expert_load!r}; "
+                "valid: one of the two"
+            )
         for name in ("seq_len", "global_batch_size"):
             if not is_positive_int(getattr(self, name)):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if not isinstance(self.model, LlamaConfig):
             priced_spec(self.model)
+
+    def load_for(self, experts_per_rank: float) -> float:
+        """The busiest expert rank's routed rows over the mean, for ranks holding ``experts_per_rank`` experts each.
+
+        Example:
+            >>> from dataclasses import replace
+            >>> from lightning_ultrascale.models import get_model_config
+            >>> w = Workload(get_model_config("llama_tiny"), 64, 4)
+            >>> round(w.load_for(1), 3), round(w.load_for(4), 3), replace(w, force_balanced=True).load_for(1)
+            (1.124, 1.031, 1.0)
+        """
+        if self.force_balanced:
+            return 1.0
+        if self.expert_load is not None:
+            return self.expert_load
+        return 1.0 + BALANCED_EXCESS / max(1.0, experts_per_rank)
 
     def fp8_gathered_numel(self, rank: RankView) -> int:
         """Parameters of ``rank``'s blocks that ZeRO-3 all-gathers in FP8 (tensorwise, ``fp8_all_gather``), else 0."""

@@ -185,3 +185,23 @@ def test_ring_attention_hides_its_exchange_behind_the_attention_alone():
     tp8 = estimate(w, Candidate.layout(**shape, tp=8, dp=2), model, gpu)[0]
     ring = estimate(w, Candidate.layout(**shape, tp=2, cp=8), model, gpu)[0]
     assert tp8.tokens_per_s > ring.tokens_per_s
+
+
+def test_a_balanced_router_s_load_is_the_library_s_measured_one_unless_told():
+    # Before: 1.0 (uniform routing) unless told. The default is what benchmarks/expert.py measured with
+    # moe_tiny's default balancing; force_balanced (Megatron's forced routing) is 1.0; a given load wins.
+    from lightning_ultrascale.plan.cost import BALANCED_EXCESS
+
+    methods = {
+        m["method"]: m for m in json.loads((ROOT / "results" / "expert.json").read_text())["balancing"]["methods"]
+    }
+    loads = torch.tensor(methods["moe_tiny_defaults"]["final_loads"])
+    per_rank = {ep: expert_load(loads, ep) - 1 for ep in (8, 4, 2)}  # 1, 2 and 4 of its 8 experts per rank
+    assert BALANCED_EXCESS == pytest.approx(per_rank[8], abs=5e-4)
+    assert per_rank[4] == pytest.approx(BALANCED_EXCESS / 2, rel=0.25)  # the excess halves with twice the experts
+    assert per_rank[2] == pytest.approx(BALANCED_EXCESS / 4, rel=0.25)
+    w = Workload(get_model_config("llama_tiny"), 64, 4)
+    assert w.load_for(1) == 1 + BALANCED_EXCESS and replace(w, force_balanced=True).load_for(1) == 1.0
+    assert replace(w, expert_load=1.5).load_for(4) == 1.5
+    with pytest.raises(ConfigError, match="force_balanced=True routes every expert the same rows"):
+        Workload(get_model_config("llama_tiny"), 64, 4, expert_load=1.2, force_balanced=True)
