@@ -11,7 +11,9 @@ runs whose stack has it and stated in ``runs.json`` with its source: ``tp_comm_o
 70B). Roles: a run marked ``fit`` is the one the H100 profile's ``matmul_efficiency`` was fitted on
 (:func:`fit_matmul_efficiency` reproduces it); one marked ``memory`` is judged on memory only (its
 GPU's peak is not published); every other run is judged on throughput with datasheet constants
-and that one fitted figure.
+and that one fitted figure. A run whose stack keeps fewer activations than this library says so
+(``memory_not_comparable``, with the reason): the planner's memory is this library's, and such a run
+is judged on throughput only. FP8 runs name their recipe (``fp8``), priced by ``plan.fp8``.
 
     python benchmarks/published_runs.py      # seconds, one CPU process
 """
@@ -51,6 +53,7 @@ def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
         get_model_config(run["model"]), run["seq_len"], run["global_batch_size"],
         precision=run["precision"], reduce_dtype=run["reduce_dtype"], fused_kernels=data_kernels_fused(run),
         tp_comm_overlap=run.get("tp_comm_overlap", False),  # a stack's TP overlap: a named switch, stated per run
+        fp8=run.get("fp8"), force_balanced=run.get("force_balanced", False),  # FP8 recipe; forced MoE routing
     )  # fmt: skip
     candidate = Candidate.layout(**run["layout"], reduce_dtype=run["reduce_dtype"])
     costs = estimate(workload, candidate, build_model(run["model"], device="meta"), gpu)
@@ -92,6 +95,7 @@ def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "predicted": predicted, "measured": measured,
                 "throughput_ratio": ratio,
                 "memory_ratio": predicted["peak_memory_gib"] / memory if memory else None,
+                "memory_not_comparable": run.get("memory_not_comparable"),
             }
         )  # fmt: skip
     return out

@@ -201,9 +201,11 @@ def test_published_runs_are_priced_as_committed():
     assert committed["summary"]["max_abs_memory_error"] <= 0.15
     [fit] = [run for run in data["runs"] if run.get("role", "").startswith("fit")]
     assert round(bench.fit_matmul_efficiency(fit, bench.gpus(data)), 2) == H100_MATMUL_EFFICIENCY
-    # Every run that trained on an 80 GB card fits, NVIDIA's 70B included (70.8 GiB of 74 usable).
+    # Every run that trained on an 80 GB card fits, NVIDIA's 70B included (70.8 GiB of 74 usable), but the
+    # runs whose stack keeps fewer activations than this library (each says why): those do not fit as this
+    # library would run them, and the day they do, their exemption must go.
     too_big = [r["name"] for r in committed["runs"] if not r["predicted"]["fits"]]
-    assert too_big == []
+    assert too_big == [r["name"] for r in committed["runs"] if r["memory_not_comparable"]]
 
 
 def test_fp32_runs_are_timed_at_the_tf32_peak_not_the_bf16_one():
