@@ -114,6 +114,20 @@ def test_ultrascale_plan_prints_the_table_and_the_heatmap(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ultrascale_plan_prices_an_fp8_recipe_and_says_so(capsys):
+    # Before: precision=fp8_tensorwise printed bf16-mixed and bf16's tokens/s (FP8 priced at exactly 1.000).
+    base = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64", "--world-size", "8", "--top", "1",
+            "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "schedule=1f1b"]  # fmt: skip
+    tokens = {}
+    for precision in ("bf16_mixed", "fp8_tensorwise"):
+        with pytest.raises(SystemExit):
+            plan_main([*base, f"precision={precision}"])
+        out = capsys.readouterr().out
+        tokens[precision] = float(out.split("\n  1  ")[1].split("\n")[0].split()[-2].replace(",", ""))
+    assert "bf16-mixed + FP8 tensorwise, on 8 x h100" in out and "MFU from the time model, against the bf16 peak" in out
+    assert 1.1 < tokens["fp8_tensorwise"] / tokens["bf16_mixed"] < 1.6, tokens
+
+
 def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
     argv = ["model=llama3_70b", "data.seq_len=8192", "data.global_batch_size=64", "--world-size", "8",
             "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "schedule=1f1b"]  # fmt: skip
