@@ -5,6 +5,7 @@ Examples::
     ultrascale-plan recipe=llama3_8b --world-size 64                  # search: the best layouts on 64 H100s
     ultrascale-plan model=llama3_70b data.seq_len=8192 --world-size 512 --gpu h200 --top 5 --plot mfu.png
     ultrascale-plan recipe=llama3_70b --world-size 512 --space tp=8 --space recompute=none,full
+    ultrascale-plan recipe=mixtral_8x7b --world-size 64 --expert-load 1.3     # a router's measured imbalance
     ultrascale-plan --check recipe=llama3_8b                           # the recipe's 8 ranks
     ultrascale-plan --check model=llama3_405b parallel=zero3 parallel.tp=8 --world-size 2048 --ranks all
 
@@ -27,6 +28,7 @@ a run comes first: a layout that does not fit the model fails with the run's mes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -138,6 +140,30 @@ def _parse_space(items: Sequence[str]) -> dict[str, list[Any]]:
     return space
 
 
+def expert_load_option(value: str | None) -> dict[str, Any]:
+    """``--expert-load``'s Workload fields: a number (the busiest expert rank's rows over the mean) or ``forced``.
+
+    Example:
+        >>> expert_load_option("1.3"), expert_load_option("forced"), expert_load_option(None)
+        ({'expert_load': 1.3}, {'force_balanced': True}, {})
+    """
+    if value is None:
+        return {}
+    if value == "forced":
+        return {"force_balanced": True}
+    try:
+        load = float(value)
+    except ValueError:
+        load = float("nan")
+    if not load >= 1.0:
+        raise ConfigError(
+            f"--expert-load={value}: a number >= 1.0 (the busiest expert rank's routed rows over the mean; 1.0: "
+            "uniform), or 'forced' (Megatron's force-balanced routing); default: a balanced router's, as this "
+            "library's MoE runs measured it"
+        )
+    return {"expert_load": load}
+
+
 def plan(
     overrides: Sequence[str],
     world_size: int | None,
@@ -145,6 +171,7 @@ def plan(
     top: int = 10,
     space: Sequence[str] = (),
     plot: str | None = None,
+    expert_load: str | None = None,
 ) -> Any:
     """Search the composed run's workload on ``world_size`` GPUs; print the table; return the result."""
     from lightning_ultrascale.cli.keys import error_keys
@@ -155,7 +182,7 @@ def plan(
     overrides, note = _gpu_precision(list(overrides), hardware.name)
     cfg = compose_run(overrides)
     with config_keys(error_keys(cfg)):
-        work = workload(cfg)
+        work = dataclasses.replace(workload(cfg), **expert_load_option(expert_load))
         world = _world_size(cfg, world_size)
     if note:
         print(note, flush=True)
@@ -292,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=10, help="search: layouts to print (default 10)")
     parser.add_argument("--space", action="append", default=[], help="search: pin a dimension, KEY=V1,V2")
     parser.add_argument("--plot", default=None, help="search: write the (tp, pp) MFU heatmap to this PNG")
+    parser.add_argument(
+        "--expert-load", default=None,
+        help="search, MoE: the busiest expert rank's routed rows over the mean (>= 1.0), or 'forced' (Megatron's "
+        "force-balanced routing); default: a balanced router's, as this library's MoE runs measured it",
+    )  # fmt: skip
     parser.add_argument("--ranks", default="stages", help="--check: 'stages' (default), 'all', or a list: 0,7,511")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for ultrascale-train (recipe=NAME ...)")
     args = parser.parse_intermixed_args(argv)  # options before, between or after the overrides
@@ -303,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.check:
             ok = check(args.overrides, args.world_size, args.ranks)
         else:
-            plan(args.overrides, args.world_size, args.gpu, args.top, args.space, args.plot)
+            plan(args.overrides, args.world_size, args.gpu, args.top, args.space, args.plot, args.expert_load)
             ok = True
     sys.exit(0 if ok else 1)
 

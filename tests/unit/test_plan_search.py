@@ -128,6 +128,25 @@ def test_ultrascale_plan_prices_an_fp8_recipe_and_says_so(capsys):
     assert 1.1 < tokens["fp8_tensorwise"] / tokens["bf16_mixed"] < 1.6, tokens
 
 
+def test_ultrascale_plan_takes_the_expert_load_a_router_shows(capsys):
+    # The busiest expert rank sets an expert-parallel step: a skewed router (2.0) is slower than Megatron's
+    # forced balance; a load under 1.0 or a word other than 'forced' is refused naming the option.
+    base = ["model=moe_tiny", "data.seq_len=256", "data.global_batch_size=8", "precision=bf16_mixed",
+            "--world-size", "2", "--top", "1", "--space", "ep=2", "--space", "micro_batch_size=1"]  # fmt: skip
+    tokens = {}
+    for load in ("forced", "2.0"):
+        with pytest.raises(SystemExit):
+            plan_main([*base, "--expert-load", load])
+        line = capsys.readouterr().out.split("\n  1  ")[1].split("\n")[0]
+        assert " ep2 " in line, line
+        tokens[load] = float(line.split()[-2].replace(",", ""))
+    assert tokens["2.0"] < tokens["forced"], tokens
+    for bad in ("0.5", "skewed"):
+        with pytest.raises(SystemExit):
+            plan_main([*base, "--expert-load", bad])
+        assert f"--expert-load={bad}: a number >= 1.0" in capsys.readouterr().err
+
+
 def test_ultrascale_plan_exits_with_one_readable_line_when_nothing_fits(capsys):
     argv = ["model=llama3_70b", "data.seq_len=8192", "data.global_batch_size=64", "--world-size", "8",
             "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "schedule=1f1b"]  # fmt: skip
