@@ -115,7 +115,8 @@ class Workload:
     every rank of the group waits for that rank at each dispatch. ``None`` (default): a balanced
     router's, as this library's MoE runs measured it (:data:`BALANCED_EXCESS`: the busiest rank's excess
     over the mean halves as a rank holds twice the experts); a young router is far from it (1.65 on
-    ``benchmarks/cpu_time_model.py``'s ep2 run), and ``capacity_factor`` bounds it.
+    ``benchmarks/cpu_time_model.py``'s ep2 run), and a model's ``capacity_factor`` bounds it (the rows
+    over capacity are dropped before the dispatch).
     ``force_balanced``: the router sends every expert the same rows (Megatron-Core's
     ``moe_router_force_load_balancing``, which published MoE benchmarks use): an expert load of 1.0.
 
@@ -182,9 +183,11 @@ class Workload:
         """
         if self.force_balanced:
             return 1.0
-        if self.expert_load is not None:
-            return self.expert_load
-        return 1.0 + BALANCED_EXCESS / max(1.0, experts_per_rank)
+        load = self.expert_load if self.expert_load is not None else 1.0 + BALANCED_EXCESS / max(1.0, experts_per_rank)
+        # A capacity keeps at most capacity_factor x the mean rows of each expert (of each rank, then): the rows
+        # over it are dropped before the dispatch, neither sent nor computed (models/common/moe.py).
+        capacity = getattr(getattr(self.model, "moe", None), "capacity_factor", None)
+        return min(load, capacity) if capacity is not None else load
 
     def fp8_gathered_numel(self, rank: RankView) -> int:
         """Parameters of ``rank``'s blocks that ZeRO-3 all-gathers in FP8 (tensorwise, ``fp8_all_gather``), else 0."""

@@ -205,3 +205,13 @@ def test_a_balanced_router_s_load_is_the_library_s_measured_one_unless_told():
     assert replace(w, expert_load=1.5).load_for(4) == 1.5
     with pytest.raises(ConfigError, match="force_balanced=True routes every expert the same rows"):
         Workload(get_model_config("llama_tiny"), 64, 4, expert_load=1.2, force_balanced=True)
+
+
+def test_a_capacity_bounds_the_busiest_expert_rank_s_rows():
+    # Tokens over an expert's capacity are dropped before the dispatch (neither sent nor computed): the
+    # busiest rank runs at most capacity_factor x the mean rows, whatever load the router shows.
+    moe = get_model_config("moe_tiny")
+    capped = replace(moe, moe=replace(moe.moe, capacity_factor=1.25))
+    assert Workload(capped, 64, 4, expert_load=2.0).load_for(1) == 1.25
+    assert Workload(moe, 64, 4, expert_load=2.0).load_for(1) == 2.0  # dropless: the router's load
+    assert Workload(capped, 64, 4, expert_load=1.1).load_for(1) == 1.1
