@@ -111,6 +111,8 @@ class RunRecord:
     buffer_spread: dict[str, float] = field(default_factory=dict)
     #: Graphs each compiled region kind compiled on rank 0 (``Compile.stats``); empty when nothing compiled.
     compiled_graphs: dict[str, int] = field(default_factory=dict)
+    #: Per rank: the logical matrices (by shape) its optimizer orthogonalised (``Muon.orthogonalized``), if any.
+    orthogonalized: list[dict[tuple[int, int], int]] = field(default_factory=list)
 
 
 class ParityRecorder(L.Callback):
@@ -165,6 +167,7 @@ class ParityRecorder(L.Callback):
             "initial": self._initial,
             "params": _stepped(trainer, pl_module),
             "buffers": {n: _piece(b) for n, b in pl_module.named_buffers() if n in persistent},
+            "orthogonalized": dict(getattr(trainer.optimizers[0], "orthogonalized", {})) if trainer.optimizers else {},
         }
         ranks: list[Any] = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -178,6 +181,7 @@ class ParityRecorder(L.Callback):
         record.initial = _whole_model([r["initial"] for r in ranks], copies=copies)
         record.params = _whole_model([r["params"] for r in ranks], copies=copies)
         record.buffers = _whole_model([r["buffers"] for r in ranks], record.buffer_spread)
+        record.orthogonalized = [r["orthogonalized"] for r in ranks]
         for plugin in getattr(trainer.strategy, "plugins", ()):
             record.compiled_graphs.update(getattr(getattr(plugin, "stats", None), "graphs", {}))
 

@@ -27,14 +27,20 @@ from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.common.decoder import Llama
 from lightning_ultrascale.models.common.moe import ExpertStats
 from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.parallel.muon import Muon, muon_param_groups
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "muon", "sgd")
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer and LR schedule: linear warm-up, then cosine decay to ``min_lr_ratio x lr``."""
+    """Optimizer and LR schedule: linear warm-up, then cosine decay to ``min_lr_ratio x lr``.
+
+    ``muon`` (:class:`~lightning_ultrascale.parallel.muon.Muon`): the blocks' matrices by Muon with
+    ``momentum`` (Nesterov unless ``nesterov=False``) and ``ns_steps`` Newton-Schulz iterations,
+    the rest by AdamW (``betas``, ``eps``) at ``adamw_lr`` (default: ``lr``, as Moonlight).
+    """
 
     name: str = "adamw"
     lr: float = 3e-3
@@ -44,6 +50,9 @@ class OptimConfig:
     momentum: float = 0.0
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    nesterov: bool = True
+    ns_steps: int = 5
+    adamw_lr: float | None = None
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -54,6 +63,12 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.name == "muon" and not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum={self.momentum}: Muon's momentum must be in [0, 1); Moonlight uses 0.95")
+        if self.name == "muon" and self.ns_steps < 1:
+            raise ConfigError(f"optim.ns_steps={self.ns_steps} must be >= 1; the published iteration uses 5")
+        if self.adamw_lr is not None and not self.adamw_lr > 0:
+            raise ConfigError(f"optim.adamw_lr={self.adamw_lr} must be > 0, or null (Muon's lr)")
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -347,6 +362,12 @@ class LlamaModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim
+        if o.name == "muon":
+            groups = muon_param_groups(self.model, o.weight_decay, o.adamw_lr)
+            muon = Muon(
+                groups, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, betas=o.betas, eps=o.eps
+            )
+            return self._with_schedule(muon)
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
         # Norm gains are not decayed (standard for Llama pretraining).
@@ -358,6 +379,10 @@ class LlamaModule(L.LightningModule):
             optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
         else:
             optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+        return self._with_schedule(optimizer)
+
+    def _with_schedule(self, optimizer: torch.optim.Optimizer) -> Any:
+        o = self.optim
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10**9
         schedule = LambdaLR(optimizer, lambda step: lr_multiplier(step, o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

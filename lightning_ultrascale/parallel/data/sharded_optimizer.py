@@ -57,8 +57,10 @@ straight into the masters' gradients; with bf16 they are bf16 buckets, reduce-sc
 and the shard's fp32 gradient is a copy that lives until the step is done.
 
 The optimizer must be elementwise (SGD, Adam, AdamW, Adagrad, RMSprop, ...): it sees one flat
-shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments,
-Muon's orthogonalisation) would be computed over the wrong tensors.
+shard per bucket, so per-tensor quantities (LAMB's trust ratio, Adafactor's factored moments)
+would be computed over the wrong tensors. An optimizer with a ``register_flat_shard(shard,
+members)`` method is told which parameters each shard holds and where
+(:class:`~lightning_ultrascale.parallel.muon.Muon` orthogonalises their whole matrices).
 """
 
 from __future__ import annotations
@@ -240,6 +242,10 @@ class ZeroEngine(GradientBuckets):
             group["params"] = kept + [b.shard for b in self.buckets if group_of[b.params[0]] == index]
         for p in self.params:
             optimizer.state.pop(p, None)
+        register = getattr(optimizer, "register_flat_shard", None)  # Muon: whole matrices from flat shards
+        if register is not None:
+            for b in self.buckets:
+                register(b.shard, list(zip(b.params, b.offsets)))
         self._waits = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._all_gather_params),
