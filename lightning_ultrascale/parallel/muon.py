@@ -61,10 +61,18 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models.spec import spec_of
+from lightning_ultrascale.models.spec import ModelSpec, spec_of
 from lightning_ultrascale.utils.tensors import local_tensor
 
-__all__ = ["NS_COEFFICIENTS", "Muon", "muon_param_groups", "orthogonalize", "update_scale"]
+__all__ = [
+    "NS_COEFFICIENTS",
+    "Muon",
+    "muon_param_groups",
+    "muon_split",
+    "newton_schulz_flops",
+    "orthogonalize",
+    "update_scale",
+]
 
 #: Logical matrices orthogonalised, by shape.
 Stats = Counter[tuple[int, int]]
@@ -113,45 +121,67 @@ def orthogonalize(stack: Tensor, shape: tuple[int, int], steps: int = 5, dtype: 
 
 
 # ----------------------------------------------------------------------------- which parameters
-def muon_param_groups(model: nn.Module, weight_decay: float, adamw_lr: float | None = None) -> list[dict[str, Any]]:
-    """Param groups of ``model`` for :class:`Muon`: its blocks' matrices, and the rest for AdamW.
+def muon_split(name: str, shape: Sequence[int], spec: ModelSpec) -> int:
+    """Logical matrices per matrix of parameter ``name`` (model-relative) if Muon takes it, else 0 (AdamW's).
 
-    Muon takes, inside the blocks (the model's ``spec.layers``), the weight of every ``nn.Linear``
-    but the MoE router, and every 3-D weight (stacked experts: ``[experts, rows, cols]``, each expert
-    its own matrix; a name ending ``gate_up_proj`` is two stacked logical matrices, gate and up,
-    ``"split": 2``). AdamW takes the rest: the embedding, the head, norms, biases and the router.
-    Decay as :class:`~lightning_ultrascale.LlamaModule` sets it (none on 1-D parameters).
-    ``adamw_lr``: the AdamW groups' learning rate, if not Muon's (Moonlight uses one for both).
+    Muon takes the blocks' (``spec.layers``) 2-D weights but the MoE router's (a module named
+    ``router`` or, as in HF's MoE blocks, ``gate``), and their 3-D weights (stacked experts:
+    ``[experts, rows, cols]``, each expert its own matrix). A weight named ``gate_up_proj`` (HF's
+    fused experts) stacks two logical matrices, gate and up, in its rows: 2. The rule reads only
+    names and shapes, so the planner prices what the optimizer takes.
+
+    Example:
+        >>> from lightning_ultrascale.models import build_model
+        >>> spec = build_model("moe_tiny", device="meta").spec
+        >>> [muon_split(n, s, spec) for n, s in [("layers.1.attention.wq.weight", (64, 64)),
+        ...     ("layers.1.feed_forward.router.weight", (8, 64)), ("layers.1.feed_forward.experts.w1", (8, 32, 64)),
+        ...     ("tok_embeddings.weight", (256, 64)), ("layers.1.attention_norm.weight", (64,))]]
+        [1, 0, 1, 0, 0]
+    """
+    if not name.startswith(f"{spec.layers}.") or len(shape) not in (2, 3):
+        return 0
+    module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    if module in ("router", "gate"):
+        return 0
+    return 2 if name.endswith("gate_up_proj") else 1
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """FLOPs of :func:`orthogonalize` on one ``rows x cols`` matrix: per iteration ``X X^T`` (2a²b), its
+    square (2a³) and the product with ``X`` (2a²b), ``a`` the shorter side.
+
+    Example:
+        >>> round(newton_schulz_flops(4096, 4096) / 1e12, 2)  # a Llama-3-8B attention matrix: 2 TFLOP a step
+        2.06
+    """
+    a, b = sorted((rows, cols))
+    return steps * (4 * a * a * b + 2 * a**3)
+
+
+def muon_param_groups(model: nn.Module, weight_decay: float, adamw_lr: float | None = None) -> list[dict[str, Any]]:
+    """Param groups of ``model`` for :class:`Muon`: the matrices :func:`muon_split` names, and the rest for AdamW.
+
+    AdamW takes the embedding, the head, norms, biases and the router, decayed as
+    :class:`~lightning_ultrascale.LlamaModule` decays them (not the 1-D ones). ``adamw_lr``: the
+    AdamW groups' learning rate, if not Muon's (Moonlight uses one for both).
     """
     spec = spec_of(model)
     if spec is None:
         raise ConfigError(f"optim.name=muon needs a model with a spec (its blocks); {type(model).__name__} has none")
-    blocks = model.get_submodule(spec.layers)
-    routers = {id(m.weight) for name, m in blocks.named_modules() if _is_router(name, m)}
     by_split: dict[int, list[nn.Parameter]] = defaultdict(list)
-    for module in blocks.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in routers:
-                continue
-            if (isinstance(module, nn.Linear) and name == "weight") or p.dim() == 3:
-                by_split[2 if name.endswith("gate_up_proj") else 1].append(p)
-    taken = {id(p) for ps in by_split.values() for p in ps}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    rest = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            split = muon_split(name, p.shape, spec)
+            (by_split[split] if split else rest).append(p)
     extra = {} if adamw_lr is None else {"lr": adamw_lr}
     groups: list[dict[str, Any]] = [
         {"params": ps, "use_muon": True, "split": split, "weight_decay": weight_decay}
         for split, ps in sorted(by_split.items())
     ]
-    groups.append(
-        {"params": [p for p in rest if p.dim() >= 2], "use_muon": False, "weight_decay": weight_decay, **extra}
-    )
-    groups.append({"params": [p for p in rest if p.dim() < 2], "use_muon": False, "weight_decay": 0.0, **extra})
+    for decay, ps in ((weight_decay, [p for p in rest if p.dim() >= 2]), (0.0, [p for p in rest if p.dim() < 2])):
+        groups.append({"params": ps, "use_muon": False, "weight_decay": decay, **extra})
     return groups
-
-
-def _is_router(name: str, module: nn.Module) -> bool:
-    """The MoE router: ours (``moe.router``) or HF's (an ``nn.Linear`` named ``gate`` beside ``experts``)."""
-    return type(module).__name__ == "Router" or (name.endswith(".gate") and isinstance(module, nn.Linear))
 
 
 # ----------------------------------------------------------------------------- the optimizer
