@@ -198,9 +198,10 @@ def render(result: Any, top: int = 10) -> str:
     """The search's table: the best ``top`` layouts, then each popular family's best and why it loses."""
     w, gpu = result.workload, result.gpu
     gib = 2**30
+    optimizer = ", Muon" if w.optimizer == "muon" else ""
     lines = [
         f"{w.name}: seq_len {w.seq_len}, global batch {w.global_batch_size} ({w.tokens_per_step:,} tokens), "
-        f"{w.precision}{f' + FP8 {w.fp8}' if w.fp8 else ''}, on {result.world_size} x {gpu.name} "
+        f"{w.precision}{f' + FP8 {w.fp8}' if w.fp8 else ''}{optimizer}, on {result.world_size} x {gpu.name} "
         f"({gpu.usable_bytes / gib:.0f} GiB usable per GPU)",
         f"{len(result.fitting)} layouts fit, {len(result.too_big)} do not, {result.refused} refused by the plugins, "
         f"{len(result.dominated)} not priced (a layout of the same sizes with less sharding/recomputation fits)",

@@ -489,6 +489,7 @@ def workload(cfg: DictConfig) -> Any:
     return Workload(
         _priced_model(cfg.model), **shape, precision=precision, fused_cross_entropy=fused, reduce_dtype=reduce_dtype,
         fused_kernels=kernels.get("name", "reference") != "reference", fp8=None if fp8 is None else str(fp8),
+        optimizer=str(cfg.optim.get("name", "adamw")),
     )  # fmt: skip
 
 

@@ -107,6 +107,8 @@ class ShardPlan:
     sizes: dict[str, int]
     shapes: dict[str, tuple[int, ...]]
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: every parameter's whole shape, before any plugin (where the caller knows it; else ``shapes`` is)
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def flat(self, dims: tuple[str, ...]) -> tuple[int, int]:
         """``(size, this rank's index)`` of mesh ``dims`` flattened row-major (as DeviceMesh flattens)."""

@@ -62,11 +62,16 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.spec import ModelSpec, spec_of
+from lightning_ultrascale.parallel.dims import DATA_DIMS
+from lightning_ultrascale.parallel.layout import ShardPlan
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic, dim_name
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
     "NS_COEFFICIENTS",
     "Muon",
+    "muon_cost",
+    "muon_matrices",
     "muon_param_groups",
     "muon_split",
     "newton_schulz_flops",
@@ -156,6 +161,52 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
     """
     a, b = sorted((rows, cols))
     return steps * (4 * a * a * b + 2 * a**3)
+
+
+# ----------------------------------------------------------------------------- what it costs
+def muon_matrices(plan: ShardPlan, spec: ModelSpec) -> dict[str, int]:
+    """The parameters of ``plan`` that Muon takes, each with its logical matrices per matrix (:func:`muon_split`)."""
+    splits = {name: muon_split(name, plan.whole.get(name, shape), spec) for name, shape in plan.shapes.items()}
+    return {name: split for name, split in splits.items() if split}
+
+
+#: Bytes per element of Muon's elementwise passes: momentum (read g and m, write m), Nesterov (read g
+#: and m, write u), the update (read W and O, write W), and Newton-Schulz's cast in and out.
+STEP_ACCESSES = 11
+
+
+def muon_cost(rank: RankView, zero: int) -> CostTerms:
+    """Muon's step on ``rank``: its Newton-Schulz GEMMs, its passes, the traffic that makes matrices whole.
+
+    A rank orthogonalises its share of each matrix it holds a piece of (as :class:`Muon` divides them):
+    all of a replica's, the matrices of its own shards (ZeRO-3, TP, experts over EP), and under ZeRO-1/2
+    one in ``data ranks`` of its group's. The traffic, after backward and so exposed: ZeRO-1/2 all-gather
+    each bucket's update and reduce-scatter the results (the update's bytes each, fp32 masters under
+    ``bf16-mixed``); sharded matrices go to their owner and back (an all-to-all each way of the piece).
+    """
+    plan, spec = rank.plan, rank.spec
+    element = 2 if rank.workload.precision == "bf16-true" else 4
+    terms = CostTerms(in_step=False)
+    for name, split in muon_matrices(plan, spec).items():
+        local, whole = plan.shapes[name], plan.whole.get(name, plan.shapes[name])
+        live = [d for d in plan.groups.get(name, DATA_DIMS) if plan.sizes[d] > 1]
+        data = math.prod(plan.sizes[d] for d in live)
+        numel = math.prod(local)
+        share = numel / math.prod(whole) / (data if zero in (1, 2) else 1)
+        rows, cols = whole[-2] // split, whole[-1]
+        count = (whole[0] if len(whole) == 3 else 1) * split
+        width = min(rows, cols)
+        terms.step_flops[width] = terms.step_flops.get(width, 0.0) + share * count * newton_schulz_flops(rows, cols)
+        terms.step_bytes += STEP_ACCESSES * element * numel / (data if zero in (1, 2) else 1)
+        if zero in (1, 2) and live:
+            add_traffic(terms.traffic, dim_name(live), "all_gather", element * numel)
+            add_traffic(terms.traffic, dim_name(live), "reduce_scatter", element * numel)
+        sharded = [d for d in live if d != "dp_replicate"] if zero == 3 else []
+        if numel < math.prod(whole) / math.prod(plan.sizes[d] for d in sharded) and plan.sizes["tp"] > 1:
+            sharded.append("tp")  # (experts split over ep are whole on their rank)
+        if sharded:
+            add_traffic(terms.traffic, dim_name(sharded), "all_to_all", 2 * element * numel)
+    return terms
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float, adamw_lr: float | None = None) -> list[dict[str, Any]]:

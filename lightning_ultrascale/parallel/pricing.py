@@ -144,6 +144,8 @@ class CostTerms:
     extra_compute: float = 0.0
     extra_memory_bound: float = 0.0
     step_bytes: float = 0.0
+    #: the optimizer step's GEMM FLOPs, by the GEMMs' narrowest width (priced at the matmul rate there)
+    step_flops: dict[int, float] = field(default_factory=dict)
     #: the name of the host time per block this technique adds (the device's ``host_overheads``)
     host: str | None = None
     bubble: float = 0.0

@@ -75,6 +75,7 @@ from lightning_ultrascale.models.common.decoder import LlamaConfig, llama_spec
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
 from lightning_ultrascale.parallel.layout import ShardPlan
+from lightning_ultrascale.parallel.muon import muon_cost
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
 from lightning_ultrascale.plan.candidate import Candidate
 from lightning_ultrascale.plan.compute import model_compute
@@ -91,6 +92,7 @@ _PRECISIONS = ("32-true", "bf16-mixed")
 #: a rank holds twice the experts); a test recomputes it from ``benchmarks/results/expert.json``.
 BALANCED_EXCESS = 0.124
 _REDUCE_DTYPES = ("fp32", "bf16")
+_OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class Workload:
     fp8: str | None = None
     #: tensorwise under ZeRO-3 all-gathers the converted weights in FP8 (``FP8Precision(fp8_all_gather=...)``)
     fp8_all_gather: bool = True
+    #: ``"adamw"``, or ``"muon"``: the blocks' matrices keep one moment instead of two, and each step
+    #: orthogonalises them whole (:func:`~lightning_ultrascale.parallel.muon.muon_cost`)
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISIONS:
@@ -156,6 +161,8 @@ class Workload:
             if self.precision not in BASE_PRECISIONS[self.fp8]:
                 valid = ", ".join(BASE_PRECISIONS[self.fp8])
                 raise ConfigError(f"fp8={self.fp8!r} trains on precision={self.precision!r}: valid: {valid}")
+        if self.optimizer not in _OPTIMIZERS:
+            raise ConfigError(f"optim.name={self.optimizer!r} is not planned; valid: {', '.join(_OPTIMIZERS)}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
         if self.expert_load is not None and not self.expert_load >= 1.0:
@@ -476,6 +483,11 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
         1 + sum(t.extra_compute for t in cost.terms)
     )
     optimizer = sum(t.step_bytes for t in cost.terms) / (gpu.memory_bandwidth * gpu.memory_efficiency)
+    optimizer += sum(  # the optimizer's own GEMMs (Muon's Newton-Schulz), in bf16
+        flops / (gpu.peak_flops * gpu.matmul_efficiency * gpu.gemm_factor(width))
+        for t in cost.terms
+        for width, flops in t.step_flops.items()
+    )
     seconds: dict[str, float] = {}
     critical = exposed = bubble = 0.0
     for terms in cost.terms:
@@ -547,6 +559,8 @@ def _rank_cost(
     plan, layers, first, last = holds.plan, holds.layers, holds.first, holds.last
     view = RankView(workload, c, plan, layers, first, last, accumulation, widths(spec, c), spec)
     terms = [t for t in (p.plan_cost(view) for p in c.plugins if p.active) if t is not None]
+    if workload.optimizer == "muon":
+        terms.append(muon_cost(view, c.zero))
     states = [t.state for t in terms if t.state is not None]
     if len(states) != 1:
         raise ConfigError(f"the plugins of {c.label()} state {len(states)} model states; exactly one data plugin must")

@@ -31,11 +31,9 @@ def predict_shards(strategy: UltraScaleStrategy, model: nn.Module, world_size: i
     """
     dims = strategy.resolve_dims(world_size)
     dims.validate(world_size)
-    plan = ShardPlan(
-        coordinate=dims.coordinate(rank),
-        sizes={d: getattr(dims, d) for d in MESH_DIMS},
-        shapes=dict(memoized(("shapes", id(model)), lambda: {n: tuple(p.shape) for n, p in model.named_parameters()})),
-    )
+    whole = memoized(("shapes", id(model)), lambda: {n: tuple(p.shape) for n, p in model.named_parameters()})
+    sizes = {d: getattr(dims, d) for d in MESH_DIMS}
+    plan = ShardPlan(coordinate=dims.coordinate(rank), sizes=sizes, shapes=dict(whole), whole=whole)
     for plugin in strategy.applied_plugins():
         if plugin.active:
             plugin.plan_shards(model, plan)

@@ -246,6 +246,18 @@ def layout_model_state_bytes(
     return playbook_model_state_bytes(n_params, stage, dp, k_optimizer=k_optimizer, grad_bytes=grad_b)
 
 
+def one_moment_k(precision: str, stage: int) -> int:
+    """``k_optimizer`` of an optimizer that keeps one moment (Muon's momentum): AdamW's default less one moment.
+
+    Example:
+        >>> one_moment_k("bf16-mixed", stage=1), one_moment_k("bf16-mixed", stage=3), one_moment_k("32-true", 0)
+        (8, 4, 4)
+    """
+    if precision == "bf16-true":
+        return 2
+    return 8 if precision == "bf16-mixed" and stage < 3 else 4
+
+
 def peak_bytes(fn: Callable[[], object], *inputs: torch.Tensor) -> int:
     """Peak bytes of the tensors alive on ``inputs[0]``'s device while ``fn()`` runs, ``inputs`` included.
 

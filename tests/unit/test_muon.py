@@ -1,6 +1,7 @@
 """Muon in one process: Moonlight's update against a textbook copy, the parameters it takes, what it refuses."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_muon_steps_as_moonlight_writes_it(model_name):
         err = float((got.detach() - want).norm() / want.norm())
         assert err < 2e-5, f"{name}: {err:.2e}"
     # Each step orthogonalised every logical matrix of the blocks once (an expert stack: each expert).
-    matrices = sum(p.shape[0] if p.dim() == 3 else 1 for g in optimizer.param_groups if g["use_muon"] for p in g["params"])
+    muon = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+    matrices = sum(p.shape[0] if p.dim() == 3 else 1 for p in muon)
     assert sum(optimizer.orthogonalized.values()) == 3 * matrices
 
 
@@ -150,3 +152,26 @@ def test_a_piece_of_a_matrix_is_never_orthogonalised_alone():
 def test_bad_muon_settings_name_the_option(settings, message):
     with pytest.raises(ConfigError, match=message):
         OptimConfig(name="muon", **settings)
+
+
+def test_the_planner_prices_newton_schulz_where_zero3_runs_it():
+    from lightning_ultrascale.models import get_model_config
+    from lightning_ultrascale.parallel.muon import muon_split, newton_schulz_flops
+    from lightning_ultrascale.plan import Candidate, Workload, estimate, get_hardware
+
+    model = build_model("llama3_8b", device="meta")
+    flops = 0
+    for name, p in model.named_parameters():
+        if muon_split(name, p.shape, model.spec):
+            flops += newton_schulz_flops(*p.shape)
+    workload = Workload(get_model_config("llama3_8b"), 4096, 64, optimizer="muon")
+    layout = Candidate.layout(dp=8, zero=3, micro_batch_size=1, recompute="full")
+    [muon] = estimate(workload, layout, model, get_hardware("h100"), ranks=[0])
+    [adamw] = estimate(replace(workload, optimizer="adamw"), layout, model, get_hardware("h100"), ranks=[0])
+    priced = sum(sum(t.step_flops.values()) for t in muon.terms)
+    assert abs(priced / (flops / 8) - 1) < 1e-3  # each of the 8 ranks orthogonalises an eighth
+    # One moment instead of two for the blocks' matrices (fp32, an eighth of each on this rank).
+    muon_numel = sum(p.numel() for n, p in model.named_parameters() if muon_split(n, p.shape, model.spec))
+    saved = adamw.model_state["optimizer"] - muon.model_state["optimizer"]
+    assert abs(saved / (4 * muon_numel / 8) - 1) < 1e-3
+    assert muon.step_time > adamw.step_time  # 5 quintic iterations per matrix: ~2 TFLOP for each 4096 x 4096

@@ -247,3 +247,18 @@ def test_pipeline_sizes_that_split_the_blocks_are_searched():
 
     assert sizes("llama3_405b", 576) == (1, 2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32)
     assert {5, 10, 20} <= set(sizes("llama3_70b", 640))
+
+
+def test_ultrascale_plan_prices_muon_and_says_so(capsys):
+    base = ["model=llama3_8b", "data.seq_len=4096", "data.global_batch_size=64", "--world-size", "8", "--top", "1",
+            "--space", "cp=1", "--space", "micro_batch_size=1", "--space", "zero=3", "--space", "tp=1",
+            "--space", "pp=1"]  # fmt: skip
+    optim_gib = {}
+    for optim in ("adamw", "muon"):
+        with pytest.raises(SystemExit):
+            plan_main([*base, f"optim={optim}"])
+        out = capsys.readouterr().out
+        optim_gib[optim] = float(out.split("\n  1  ")[1].split("\n")[0].split()[-7])
+    assert "bf16-mixed, Muon, on 8 x h100" in out
+    # ZeRO-3 dp8 under bf16-mixed: AdamW keeps 8 bytes per parameter (m, v), Muon 4 for the blocks' matrices.
+    assert 0.5 < optim_gib["muon"] / optim_gib["adamw"] < 0.6, optim_gib

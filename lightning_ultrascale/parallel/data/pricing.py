@@ -12,8 +12,9 @@ from collections import defaultdict
 
 from lightning_ultrascale.parallel.dims import DATA_DIMS
 from lightning_ultrascale.parallel.layout import ShardPlan
+from lightning_ultrascale.parallel.muon import muon_matrices
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic, dim_name
-from lightning_ultrascale.utils.memory import layout_model_state_bytes
+from lightning_ultrascale.utils.memory import layout_model_state_bytes, one_moment_k
 
 __all__ = ["data_parallel_cost", "group_numels", "model_state"]
 
@@ -35,8 +36,12 @@ def model_state(
     precision: str = "32-true",
     reduce_dtype: str = "fp32",
     groups: dict[tuple[str, ...], list[int]] | None = None,
+    muon: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """Parameters, gradients and AdamW states one rank holds after a step (``model_state_bytes``'s view).
+    """Parameters, gradients and optimizer states one rank holds after a step (``model_state_bytes``'s view).
+
+    AdamW's, or with ``muon`` (the parameters Muon takes: name -> logical matrices each) Muon's one
+    momentum for those and AdamW's states for the rest.
 
     ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
     tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
@@ -44,23 +49,24 @@ def model_state(
     engines' formula (``layout_model_state_bytes``: under ``bf16-mixed`` the fp32 master is
     optimizer state). ``groups``: :func:`group_numels` of ``plan`` where the caller has it.
     """
+    muon = muon or {}
     params = grads = optimizer = 0
     for dims, numels in (group_numels(plan) if groups is None else groups).items():
         numel = sum(numels)
+        mine = [name for name in plan.shapes if plan.groups.get(name, DATA_DIMS) == dims]
+        one_moment = sum(math.prod(plan.shapes[name]) for name in mine if name in muon)
         n = math.prod(plan.sizes[d] for d in dims) if zero in (1, 2) else 1  # ZeRO-3's split is in the plan
-        state = layout_model_state_bytes(numel, zero, n, precision, reduce_dtype)
-        params, grads, optimizer = params + state.params, grads + state.grads, optimizer + state.optimizer_states
-        # AdamW's step counter: one fp32 scalar per tensor it updates; ZeRO 1/2 update one flat
-        # shard per optimizer parameter group (LlamaModule's: matrices decayed, vectors not).
+        for part, k in ((numel - one_moment, None), (one_moment, one_moment_k(precision, zero))):
+            if part:
+                state = layout_model_state_bytes(part, zero, n, precision, reduce_dtype, k)
+                params, grads = params + state.params, grads + state.grads
+                optimizer += state.optimizer_states
+        # AdamW's step counter: one fp32 scalar per tensor it updates (Muon keeps none); ZeRO 1/2
+        # update one flat shard per optimizer parameter group (LlamaModule's: matrices decayed, vectors not).
+        adamw = [name for name in mine if name not in muon]
         flat = zero in (1, 2) and (n > 1 or precision == "bf16-mixed")
-        optimizer += 4 * (_optimizer_groups(plan, dims) if flat else len(numels))
+        optimizer += 4 * (len({len(plan.shapes[name]) >= 2 for name in adamw}) if flat else len(adamw))
     return {"params": params, "grads": grads, "optimizer": optimizer}
-
-
-def _optimizer_groups(plan: ShardPlan, dims: tuple[str, ...]) -> int:
-    """Parameter groups of ``LlamaModule``'s AdamW among a gradient group's parameters (decay: ndim >= 2)."""
-    ndims = {len(shape) >= 2 for name, shape in plan.shapes.items() if plan.groups.get(name, DATA_DIMS) == dims}
-    return len(ndims)
 
 
 def unsharded_numel(plan: ShardPlan, zero: int, groups: dict[tuple[str, ...], list[int]] | None = None) -> int:
@@ -77,7 +83,8 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
     w, c, plan = rank.workload, rank.layout, rank.plan
     grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
     groups = group_numels(plan)  # (once: every term below reads it)
-    state = model_state(plan, zero, w.precision, reduce_dtype, groups)
+    muon = muon_matrices(plan, rank.spec) if w.optimizer == "muon" else {}
+    state = model_state(plan, zero, w.precision, reduce_dtype, groups, muon)
     unsharded = unsharded_numel(plan, zero, groups)
     fsdp = zero == 3 and math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate") > 1
     terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state, host="fsdp" if fsdp else None)
@@ -92,8 +99,14 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
     _traffic(terms, rank, zero, grad_bytes, groups)
-    terms.step_bytes = _step_bytes(state, w.precision, zero)
+    adamw = state if not muon else model_state(_without(plan, muon), zero, w.precision, reduce_dtype)
+    terms.step_bytes = _step_bytes(adamw, w.precision, zero)  # (Muon's own passes: muon_cost)
     return terms
+
+
+def _without(plan: ShardPlan, names: dict[str, int]) -> ShardPlan:
+    shapes = {n: s for n, s in plan.shapes.items() if n not in names}
+    return ShardPlan(plan.coordinate, plan.sizes, shapes, plan.groups, plan.whole)
 
 
 def _step_bytes(state: dict[str, int], precision: str, zero: int) -> float:
