@@ -26,6 +26,7 @@ from lightning_ultrascale.parallel.context import ContextParallel
 from lightning_ultrascale.parallel.data import DataParallel, ZeRO
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.parallel.expert import ExpertParallel
+from lightning_ultrascale.parallel.muon import Muon, muon_param_groups
 from lightning_ultrascale.parallel.pipeline import PipelineParallel
 from lightning_ultrascale.parallel.recompute import Recompute
 from lightning_ultrascale.parallel.tensor import TensorParallel
@@ -48,6 +49,7 @@ __all__ = [
     "HFCausalLMModule",
     "LlamaConfig",
     "LlamaModule",
+    "Muon",
     "OptimConfig",
     "ParallelDims",
     "PipelineParallel",
@@ -58,4 +60,5 @@ __all__ = [
     "ZeRO",
     "build_model",
     "get_model_config",
+    "muon_param_groups",
 ]
