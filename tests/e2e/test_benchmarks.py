@@ -108,6 +108,7 @@ SMOKE = {
     "published_runs": ("Planner vs published runs", (), ()),
     # step_profile: the hooks timed and the collectives issued are data (hook and op names).
     "step_profile": ("Milliseconds per step", ("rows[].hooks_ms", "rows[].collectives"), ()),
+    "muon": ("Model state after one step: planner against measured", (), ()),
 }
 
 
@@ -301,6 +302,27 @@ def test_fp8_every_recipe_ends_within_2_percent_of_bf16_and_halves_the_linears_a
         assert len(row["losses"]) == 200 and abs(row["final_vs_bf16"]) < 0.02, run
     gathers = result["zero3_all_gather"]
     assert gathers["fp8_bytes"] == gathers["expected_fp8_bytes"] < gathers["bf16_bytes"]
+    assert result["gpu"] == "not measured"
+
+
+def test_muon_is_measured_against_adamw_with_a_swept_learning_rate_and_its_model_state_priced_within_2_percent():
+    result = _committed("muon")
+    assert not result["quick"] and result["steps"] == 200 and (RESULTS / result["plot"]).exists()
+    assert [c["model"] for c in result["curves"]] == ["llama_tiny", "llama_small"]
+    for curve in result["curves"]:
+        runs = {(r["optimizer"], r["lr"]): r for r in curve["runs"]}
+        assert set(runs) == {(o, lr) for o in ("adamw", "muon") for lr in (1e-3, 3e-3, 1e-2)}
+        for run in runs.values():
+            assert len(run["losses"]) == 200 and all(math.isfinite(v) for v in run["losses"])
+            assert run["final_loss"] < run["losses"][0]
+        for optimizer, lr in curve["best_lr"].items():  # the best: the lowest final loss of the sweep
+            assert runs[optimizer, lr]["final_loss"] == min(
+                r["final_loss"] for (o, _), r in runs.items() if o == optimizer
+            )
+    assert [row["layout"] for row in result["speed"]] == ["one process", "zero1 dp2", "zero3 dp2", "tp2"]
+    assert all(len(row["muon_over_adamw"]["ratios"]) >= 6 for row in result["speed"])
+    assert all(row["max_error"] < 0.02 for row in result["memory"]) and len(result["memory"]) == 6
+    assert all(r["predicted"][0]["optimizer"] < r["adamw_predicted_rank0"]["optimizer"] for r in result["memory"])
     assert result["gpu"] == "not measured"
 
 
