@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_ultrascale.errors import ConfigError
@@ -179,10 +179,10 @@ def muon_cost(rank: RankView, zero: int) -> CostTerms:
     """Muon's step on ``rank``: its Newton-Schulz GEMMs, its passes, the traffic that makes matrices whole.
 
     A rank orthogonalises its share of each matrix it holds a piece of (as :class:`Muon` divides them):
-    all of a replica's, the matrices of its own shards (ZeRO-3, TP, experts over EP), and under ZeRO-1/2
-    one in ``data ranks`` of its group's. The traffic, after backward and so exposed: ZeRO-1/2 all-gather
-    each bucket's update and reduce-scatter the results (the update's bytes each, fp32 masters under
-    ``bf16-mixed``); sharded matrices go to their owner and back (an all-to-all each way of the piece).
+    its own shards' (ZeRO-3, TP, experts over EP), and of a flat range (ZeRO-1/2) or a whole replica (data
+    parallelism) one in ``data ranks``. The traffic, after backward and so exposed: ZeRO-1/2 all-gather each
+    bucket's update and reduce-scatter the results, replicas all-gather the results (the update's bytes,
+    fp32 masters under ``bf16-mixed``); sharded matrices go to their owner and back (an all-to-all each way).
     """
     plan, spec = rank.plan, rank.spec
     element = 2 if rank.workload.precision == "bf16-true" else 4
@@ -190,17 +190,22 @@ def muon_cost(rank: RankView, zero: int) -> CostTerms:
     for name, split in muon_matrices(plan, spec).items():
         local, whole = plan.shapes[name], plan.whole.get(name, plan.shapes[name])
         live = [d for d in plan.groups.get(name, DATA_DIMS) if plan.sizes[d] > 1]
-        data = math.prod(plan.sizes[d] for d in live)
         numel = math.prod(local)
-        share = numel / math.prod(whole) / (data if zero in (1, 2) else 1)
+        held = numel / math.prod(whole)  # this rank's piece: ZeRO-3, TP and EP shards
+        flat = zero in (1, 2) or (zero == 0 and held == 1)  # a flat range, or a replica: divided over the group
+        replicas = live if flat else [d for d in live if d == "dp_replicate" and zero == 3]  # (HSDP's replicas too)
+        divided = math.prod(plan.sizes[d] for d in replicas)
         rows, cols = whole[-2] // split, whole[-1]
         count = (whole[0] if len(whole) == 3 else 1) * split
         width = min(rows, cols)
-        terms.step_flops[width] = terms.step_flops.get(width, 0.0) + share * count * newton_schulz_flops(rows, cols)
-        terms.step_bytes += STEP_ACCESSES * element * numel / (data if zero in (1, 2) else 1)
-        if zero in (1, 2) and live:
-            add_traffic(terms.traffic, dim_name(live), "all_gather", element * numel)
-            add_traffic(terms.traffic, dim_name(live), "reduce_scatter", element * numel)
+        flops = held / divided * count * newton_schulz_flops(rows, cols)
+        terms.step_flops[width] = terms.step_flops.get(width, 0.0) + flops
+        terms.step_bytes += STEP_ACCESSES * element * numel / (divided if zero in (1, 2) else 1)
+        if replicas:  # the update gathered whole (ZeRO-1/2), the results gathered back (all but ZeRO-1/2's reduce)
+            if zero in (1, 2):
+                add_traffic(terms.traffic, dim_name(replicas), "all_gather", element * numel)
+            add_traffic(terms.traffic, dim_name(replicas), "reduce_scatter" if zero in (1, 2) else "all_gather",
+                        element * numel)  # fmt: skip
         sharded = [d for d in live if d != "dp_replicate"] if zero == 3 else []
         if numel < math.prod(whole) / math.prod(plan.sizes[d] for d in sharded) and plan.sizes["tp"] > 1:
             sharded.append("tp")  # (experts split over ep are whole on their rank)
@@ -274,12 +279,20 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         #: ZeRO-1/2 flat shard -> the parameters it holds and where each starts in the bucket.
         self._flat: dict[Tensor, list[tuple[nn.Parameter, int]]] = {}
+        #: Plain tensors that are whole replicas over a mesh's ranks (data parallelism): the work divides over it.
+        self._replicas: dict[Tensor, DeviceMesh] = {}
         #: Logical matrices this rank orthogonalised, by shape, over every step (how the work divides).
         self.orthogonalized: Stats = Counter()
 
     def register_flat_shard(self, shard: Tensor, members: Sequence[tuple[nn.Parameter, int]]) -> None:
         """``shard`` (a ``Shard(0)`` DTensor of a flat bucket) holds ``members``: each parameter and its offset."""
         self._flat[shard] = list(members)
+
+    def register_replicas(self, tensors: Sequence[Tensor], mesh: DeviceMesh) -> None:
+        """``tensors`` hold the same values on every rank of ``mesh`` (after the gradient all-reduce): each rank
+        orthogonalises a share of their matrices and the results are all-gathered."""
+        for t in tensors:
+            self._replicas[t] = mesh
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -328,8 +341,9 @@ class Muon(torch.optim.Optimizer):
                     "whole matrices and refuses a flattened one (a sharded optimizer that does not register its flat "
                     "shards with Muon.register_flat_shard); put 1-D parameters in a group with use_muon=False"
                 )
-        for i, o in zip(rest, _whole_orthogonalized([updates[i] for i in rest], group, self.orthogonalized)):
-            out[i] = o
+        shared = [_replicated(updates[i], self._replicas.get(params[i])) for i in rest]
+        for i, o in zip(rest, _whole_orthogonalized(shared, group, self.orthogonalized)):
+            out[i] = o if isinstance(updates[i], DTensor) else local_tensor(o)
         return out  # type: ignore[return-value]
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
@@ -370,6 +384,13 @@ def _whole_orthogonalized(updates: list[Tensor], group: dict[str, Any], stats: S
         for i, o in zip(indices, _unstack(done, updates[indices[0]])):
             out[i] = o
     return out
+
+
+def _replicated(u: Tensor, mesh: DeviceMesh | None) -> Tensor:
+    """A plain tensor replicated over ``mesh`` as a DTensor of it (the work divides over its ranks), else ``u``."""
+    if mesh is None or isinstance(u, DTensor):
+        return u
+    return DTensor.from_local(u, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _stack_key(u: Tensor) -> tuple[Any, ...]:

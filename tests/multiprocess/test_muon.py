@@ -20,6 +20,7 @@ from llama_runs import GLOBAL_BATCH, SEQ_LEN, SaveCheckpoint, run_tiny_llama
 
 from lightning_ultrascale import (
     ContextParallel,
+    DataParallel,
     ExpertParallel,
     LlamaModule,
     OptimConfig,
@@ -44,21 +45,21 @@ def _sp() -> TensorParallel:
     return TensorParallel(2, sequence_parallel=True)
 
 
-#: name -> (plugins, world size, data-parallel size, model, how the ranks share the orthogonalisations:
-#: "divided" (each matrix on one rank), "repeated" (on every rank) or "experts divided" (the rest repeated))
+#: name -> (plugins, world size, data-parallel size, model)
 LAYOUTS = {
-    "zero1": (lambda: [ZeRO(1, bucket_mb=0.1)], 2, 2, "llama_tiny", "divided"),
-    "zero2-n4": (lambda: [ZeRO(2, bucket_mb=0.1)], 4, 4, "llama_tiny", "divided"),
-    "zero3": (lambda: [ZeRO(3)], 2, 2, "llama_tiny", "divided"),
-    "hsdp-2x2": (lambda: [ZeRO(3, replicate=2)], 4, 4, "llama_tiny", "divided"),
-    "tp2-sp": (lambda: [_sp()], 2, 1, "llama_tiny", "divided"),
-    "zero3xtp2-sp": (lambda: [ZeRO(3), _sp()], 4, 2, "llama_tiny", "divided"),
-    "zero1xtp2-sp": (lambda: [ZeRO(1, bucket_mb=0.1), _sp()], 4, 2, "llama_tiny", "divided"),
-    "pp2-1f1b": (lambda: [PipelineParallel(2, schedule="1f1b")], 2, 1, "llama_tiny", "divided"),
-    "pp2-zbv": (lambda: [PipelineParallel(2, schedule="zbv")], 2, 1, "llama_tiny", "divided"),
-    "cp2-zigzag": (lambda: [ContextParallel(2, method="zigzag_ring")], 2, 1, "llama_tiny", "repeated"),
-    "ep2": (lambda: [ExpertParallel(2)], 2, 2, "moe_tiny", "experts divided"),
-    "ep2xzero3": (lambda: [ExpertParallel(2), ZeRO(3)], 2, 2, "moe_tiny", "divided"),
+    "zero1": (lambda: [ZeRO(1, bucket_mb=0.1)], 2, 2, "llama_tiny"),
+    "zero2-n4": (lambda: [ZeRO(2, bucket_mb=0.1)], 4, 4, "llama_tiny"),
+    "zero3": (lambda: [ZeRO(3)], 2, 2, "llama_tiny"),
+    "hsdp-2x2": (lambda: [ZeRO(3, replicate=2)], 4, 4, "llama_tiny"),
+    "tp2-sp": (lambda: [_sp()], 2, 1, "llama_tiny"),
+    "zero3xtp2-sp": (lambda: [ZeRO(3), _sp()], 4, 2, "llama_tiny"),
+    "zero1xtp2-sp": (lambda: [ZeRO(1, bucket_mb=0.1), _sp()], 4, 2, "llama_tiny"),
+    "pp2-1f1b": (lambda: [PipelineParallel(2, schedule="1f1b")], 2, 1, "llama_tiny"),
+    "pp2-zbv": (lambda: [PipelineParallel(2, schedule="zbv")], 2, 1, "llama_tiny"),
+    "dp2": (lambda: [DataParallel()], 2, 2, "llama_tiny"),
+    "cp2-zigzag": (lambda: [ContextParallel(2, method="zigzag_ring")], 2, 1, "llama_tiny"),
+    "ep2": (lambda: [ExpertParallel(2)], 2, 2, "moe_tiny"),
+    "ep2xzero3": (lambda: [ExpertParallel(2), ZeRO(3)], 2, 2, "moe_tiny"),
 }
 
 
@@ -69,23 +70,19 @@ def references():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_muon_in_every_layout_equals_one_process_on_whole_matrices(references, layout):
-    plugins, world_size, dp, model, sharing = LAYOUTS[layout]
+    plugins, world_size, dp, model = LAYOUTS[layout]
     ref = references[model]
     run = run_tiny_llama(MUON, plugins, world_size, dp=dp, steps=STEPS, model=model)
     rtol = MOE_RTOL if model == "moe_tiny" else DENSE_RTOL
     assert_parity(run, ref, rtol=1e-5, grad_rtol=rtol, param_rtol=rtol)
-    # Whole matrices only: every rank orthogonalised matrices of the model's own shapes, and no
-    # matrix was left out or split (a shard's rows would be a new shape, or a count off).
+    # Whole matrices only, each once: every rank orthogonalised matrices of the model's own shapes, and
+    # over the ranks each matrix of each step once (a shard's rows would be a new shape or a count off;
+    # a replica that repeated the work, a count off too).
     per_rank = [Counter(c) for c in run.orthogonalized]
     whole = Counter(ref.orthogonalized[0])
     assert all(set(c) <= set(whole) for c in per_rank), (per_rank, whole)
-    total = sum(per_rank, Counter())
-    if sharing == "divided":
-        assert total == whole, (per_rank, whole)
-    elif sharing == "repeated":
-        assert per_rank == [whole] * world_size
-    else:  # each rank its own experts, every dense matrix on each
-        assert whole < total < Counter({k: world_size * v for k, v in whole.items()}), (per_rank, whole)
+    assert sum(per_rank, Counter()) == whole, (per_rank, whole)
+    assert all(per_rank), per_rank  # and every rank took a share
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -97,7 +94,7 @@ RESUME = {  # saved under -> resumed under: flat ranges, FSDP2 x TP shards, stag
 
 
 def _fit(layout: str, ckpt_path: str | None = None, save_to: str | None = None) -> RunRecord:
-    plugins, world_size, dp, model, _ = LAYOUTS[layout]
+    plugins, world_size, dp, model = LAYOUTS[layout]
     L.seed_everything(0, verbose=False)
     recorder = ParityRecorder()
     callbacks = [recorder] + ([SaveCheckpoint(save_to, step=SAVED_AT, stop=True)] if save_to else [])

@@ -221,7 +221,15 @@ class AllReduceEngine(_BucketEngine):
         return BucketedAllReduce(self.params, self.mesh.get_group(), self.bucket_bytes, dtype, masters)
 
     def attach(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """With masters: the optimizer steps them in place of the parameters; each step rounds them into the weights."""
+        """With masters: the optimizer steps them in place of the parameters; each step rounds them into the weights.
+
+        An optimizer with a ``register_replicas(tensors, mesh)`` method (Muon) is told which of the tensors it
+        steps are whole replicas over the data ranks: it may divide per-matrix work among them.
+        """
+        for optimizer in optimizers:
+            register = getattr(optimizer, "register_replicas", None)
+            if register is not None and self.mesh.size() > 1:
+                register([self.masters.get(p, p) for p in self.params if not isinstance(p, DTensor)], self.mesh)
         if not self.masters or self.reducer is None:
             return
         reducer = self.reducer
