@@ -30,8 +30,10 @@ answer (DeepSpeed's first ZeRO Muon ran silently on flattened shards). Everythin
   registers each with :meth:`Muon.register_flat_shard`): each bucket's update is all-gathered, each
   of its matrices is orthogonalised by one data rank (greedy by size, so the work divides), and the
   results are reduce-scattered back into the shards (each element is nonzero on its owner only).
-- Plain tensors (one process, data parallelism, pipeline stages, context parallelism): the whole
-  matrix is on the rank; every replica orthogonalises it.
+- Replicas (data and context parallelism; the ZeRO-0 engine registers them with
+  :meth:`Muon.register_replicas`): the same stacks, split over the replicas' ranks (a local slice),
+  and the results all-gathered. A plain tensor nobody registered (one process, a pipeline stage's
+  own blocks) is orthogonalised where it is.
 
 A 1-D tensor in a Muon group that was not registered as a flat shard is refused: it could only be
 a flattened matrix. :func:`orthogonalize` checks that every matrix it receives has its logical shape.

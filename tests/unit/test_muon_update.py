@@ -175,3 +175,26 @@ def test_the_planner_prices_newton_schulz_where_zero3_runs_it():
     saved = adamw.model_state["optimizer"] - muon.model_state["optimizer"]
     assert abs(saved / (4 * muon_numel / 8) - 1) < 1e-3
     assert muon.step_time > adamw.step_time  # 5 quintic iterations per matrix: ~2 TFLOP for each 4096 x 4096
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2"])
+def test_hugging_face_families_give_muon_their_matrices_and_adamw_their_router(family):
+    from hf_models import hf_config
+    from transformers import AutoModelForCausalLM
+
+    from lightning_ultrascale.models.hf.adapter import adapt
+
+    model = adapt(AutoModelForCausalLM.from_config(hf_config(family)))
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_group: dict[tuple[bool, int | None], set[str]] = {}
+    for g in muon_param_groups(model, 0.1):
+        key = (g["use_muon"], g["split"] if g["use_muon"] else None)
+        by_group.setdefault(key, set()).update(names[id(p)] for p in g["params"])
+    muon = by_group[True, 1] | by_group.get((True, 2), set())
+    assert all(n.endswith(("proj.weight", "experts.down_proj", "experts.gate_up_proj")) for n in muon)
+    adamw = by_group[False, None]
+    assert "model.embed_tokens.weight" in adamw
+    if family != "qwen2":  # the router (HF's mlp.gate) stays on AdamW; fused gate/up is two matrices
+        matrices = {n for n in adamw if "norm" not in n} - {"model.embed_tokens.weight", "lm_head.weight"}
+        assert matrices and all(n.endswith("mlp.gate.weight") for n in matrices)
+        assert by_group[True, 2] and all(n.endswith("gate_up_proj") for n in by_group[True, 2])
