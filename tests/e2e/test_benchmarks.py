@@ -307,13 +307,13 @@ def test_fp8_every_recipe_ends_within_2_percent_of_bf16_and_halves_the_linears_a
 
 def test_muon_is_measured_against_adamw_with_a_swept_learning_rate_and_its_model_state_priced_within_2_percent():
     result = _committed("muon")
-    assert not result["quick"] and result["steps"] == 200 and (RESULTS / result["plot"]).exists()
-    assert [c["model"] for c in result["curves"]] == ["llama_tiny", "llama_small"]
+    assert not result["quick"] and (RESULTS / result["plot"]).exists()
+    assert [(c["model"], c["steps"]) for c in result["curves"]] == [("llama_tiny", 200), ("llama_small", 100)]
     for curve in result["curves"]:
         runs = {(r["optimizer"], r["lr"]): r for r in curve["runs"]}
         assert set(runs) == {(o, lr) for o in ("adamw", "muon") for lr in (1e-3, 3e-3, 1e-2)}
         for run in runs.values():
-            assert len(run["losses"]) == 200 and all(math.isfinite(v) for v in run["losses"])
+            assert len(run["losses"]) == curve["steps"] and all(math.isfinite(v) for v in run["losses"])
             assert run["final_loss"] < run["losses"][0]
         for optimizer, lr in curve["best_lr"].items():  # the best: the lowest final loss of the sweep
             assert runs[optimizer, lr]["final_loss"] == min(
