@@ -11,11 +11,11 @@ layouts, 4.6e-6 and 3.5e-6 with expert parallelism (routing's reduction-order no
 """
 
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
 import pytest
+from benchmark_scripts import load_benchmark
 from llama_runs import GLOBAL_BATCH, SEQ_LEN, SaveCheckpoint, run_tiny_llama
 
 from lightning_ultrascale import (
@@ -30,11 +30,8 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.models import build_model, get_model_config
-from lightning_ultrascale.plan import Candidate, Workload, estimate
 from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, ParityRecorder, RunRecord, assert_parity
-from lightning_ultrascale.utils.memory import model_state_bytes
 
 MUON = OptimConfig(name="muon", lr=3e-3, momentum=0.95, warmup_steps=0)
 STEPS = 5
@@ -123,18 +120,6 @@ def test_a_muon_checkpoint_resumes_in_another_layout_as_if_uninterrupted(tmp_pat
 
 
 # ------------------------------------------------------------------------------------ the planner
-def _model_state_after_a_step(model: str, candidate, precision: str) -> dict[str, int]:
-    trainer = L.Trainer(
-        accelerator="cpu", devices=candidate.world_size, strategy=candidate.strategy(), max_steps=1,
-        precision=precision, **QUIET_TRAINER,
-    )  # fmt: skip
-    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=candidate.batch_per_rank, seed=0)
-    module = LlamaModule(model, optim=MUON)
-    trainer.fit(module, datamodule=data)
-    state = model_state_bytes(module, trainer.optimizers)
-    return {"params": state.params, "grads": state.grads, "optimizer": state.optimizer_states}
-
-
 @pytest.mark.parametrize(
     ("model", "layout", "precision"),
     [
@@ -148,15 +133,7 @@ def _model_state_after_a_step(model: str, candidate, precision: str) -> dict[str
 )
 def test_the_planner_predicts_muons_model_state_within_2_percent(model, layout, precision):
     # Muon keeps one momentum for the blocks' matrices, AdamW two moments for the rest: the planner
-    # prices each part (Workload(optimizer="muon")), here against what the ranks hold after a step.
-    candidate = Candidate.layout(micro_batch_size=2, **layout)
-    measured = run_pooled(_model_state_after_a_step, candidate.world_size, model, candidate, precision, timeout_s=300)
-    batch = candidate.batch_per_rank * candidate.dp
-    workload = Workload(get_model_config(model), SEQ_LEN, batch, precision=precision, optimizer="muon")
-    meta = build_model(model, device="meta")
-    adamw = estimate(replace(workload, optimizer="adamw"), candidate, meta, ranks=[0])[0]
-    predicted = estimate(workload, candidate, meta, ranks=list(range(candidate.world_size)))
-    for rank, (got, cost) in enumerate(zip(measured, predicted)):
-        for part in ("params", "grads", "optimizer"):
-            assert abs(cost.model_state[part] / got[part] - 1) < 0.02, (rank, part, cost.model_state, got)
-    assert predicted[0].model_state["optimizer"] < adamw.model_state["optimizer"]
+    # prices each part (Workload(optimizer="muon")), here against what every rank holds after a step.
+    row = load_benchmark("muon").compare_memory(model, layout, precision)
+    assert row["max_error"] < 0.02, row
+    assert row["predicted"][0]["optimizer"] < row["adamw_predicted_rank0"]["optimizer"]
