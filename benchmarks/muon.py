@@ -8,9 +8,9 @@ installed):
    tenth: ``llama_tiny`` (the default job's model) in the default job's shape (sequences of 256
    tokens, global batch 16: 4,096 tokens a step, 200 steps), and ``llama_small`` in 100 steps of 16 x
    128 tokens (2,048 a step: its steps cost 4x the tiny model's on one core). Each optimizer gets its
-   own learning rate from a sweep of three (1e-3, 3e-3, 1e-2; Muon's with Moonlight's update scale,
-   so AdamW's rates are the right range for it too); the best is the lowest final loss (the mean of
-   the last 10 steps, one step's loss swings with its batch). Then the tokens Muon's best run needs
+   own learning rate from a sweep of four (``LRS``: AdamW 3e-4 to 1e-2, Muon 1e-3 to 3e-2, factors of
+   ~3); the best is the lowest final loss (the mean of the last 10 steps, one step's loss swings with
+   its batch); a best at a sweep's edge is flagged (``best_at_edge``). Then the tokens Muon's best run needs
    to reach AdamW's best final loss (its 10-step running mean, first at or below it).
 2. Step time of Muon over AdamW's on ``llama_small`` (4 x 128 tokens a step) by layout (one process,
    ZeRO-1 dp2, ZeRO-3 dp2, tp2): paired alternated rounds (``Alternation``), the median ratio of
@@ -48,7 +48,9 @@ from lightning_ultrascale.utils.memory import model_state_bytes
 
 RESULTS = Path(__file__).parent / "results" / "muon.json"
 OPTIMIZERS = ("adamw", "muon")
-LRS = (1e-3, 3e-3, 1e-2)
+#: each optimizer's learning-rate sweep: four rates a factor ~3 apart, AdamW's a step lower than Muon's (a first
+#: sweep of 1e-3..1e-2 for both put AdamW's best on llama_small and Muon's on both models at its edge)
+LRS = {"adamw": (3e-4, 1e-3, 3e-3, 1e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
 #: model -> (steps, sequence length, sequences a step) of its loss curves
 CURVES = {"llama_tiny": (200, 256, 16), "llama_small": (100, 128, 16)}
 #: the step-time rows: llama_small, 128-token sequences, 4 a step over the data ranks, 8 steps (6 timed)
@@ -95,10 +97,12 @@ def running_mean(losses: list[float], window: int = 10) -> list[float]:
     return [sum(losses[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(losses))]
 
 
-def measure_curves(model: str, steps: int, seq_len: int, batch: int, lrs: tuple[float, ...]) -> dict[str, Any]:
+def measure_curves(
+    model: str, steps: int, seq_len: int, batch: int, lrs: dict[str, tuple[float, ...]]
+) -> dict[str, Any]:
     runs = []
     for optimizer in OPTIMIZERS:
-        for lr in lrs:
+        for lr in lrs[optimizer]:
             losses = run_workers(curve_worker, 1, model, optimizer, lr, steps, seq_len, batch, timeout_s=3600)[0]
             runs.append({"optimizer": optimizer, "lr": lr, "final_loss": running_mean(losses)[-1], "losses": losses})
     best = {o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["final_loss"]) for o in OPTIMIZERS}
@@ -113,6 +117,7 @@ def measure_curves(model: str, steps: int, seq_len: int, batch: int, lrs: tuple[
         "tokens_per_step": tokens_per_step,
         "runs": runs,
         "best_lr": {o: best[o]["lr"] for o in OPTIMIZERS},
+        "best_at_edge": {o: len(lrs[o]) > 1 and best[o]["lr"] in (lrs[o][0], lrs[o][-1]) for o in OPTIMIZERS},
         "muon_tokens_to_adamw_final": None if reached is None else reached * tokens_per_step,
         "adamw_tokens": steps * tokens_per_step,
     }
@@ -204,7 +209,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one model, 4 steps, one round (smoke test)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    shapes, lrs = ({"llama_tiny": (4, 32, 2)}, LRS[1:2]) if args.quick else (CURVES, LRS)
+    quick_lrs = {o: (3e-3,) for o in OPTIMIZERS}
+    shapes, lrs = ({"llama_tiny": (4, 32, 2)}, quick_lrs) if args.quick else (CURVES, LRS)
 
     began = time.perf_counter()
     curves = [measure_curves(m, *shape, lrs) for m, shape in shapes.items()]
@@ -213,6 +219,7 @@ def main() -> None:
     for curve in curves:
         for run in curve["runs"]:
             best = " best" if curve["best_lr"][run["optimizer"]] == run["lr"] else ""
+            best += " (at the sweep's edge)" if best and curve["best_at_edge"][run["optimizer"]] else ""
             print(f"{curve['model']:<12}{run['optimizer']:<11}{run['lr']:>8g}{run['final_loss']:>9.4f}{best}")
         reached = curve["muon_tokens_to_adamw_final"]
         if reached:

@@ -311,7 +311,8 @@ def test_muon_is_measured_against_adamw_with_a_swept_learning_rate_and_its_model
     assert [(c["model"], c["steps"]) for c in result["curves"]] == [("llama_tiny", 200), ("llama_small", 100)]
     for curve in result["curves"]:
         runs = {(r["optimizer"], r["lr"]): r for r in curve["runs"]}
-        assert set(runs) == {(o, lr) for o in ("adamw", "muon") for lr in (1e-3, 3e-3, 1e-2)}
+        sweeps = {"adamw": (3e-4, 1e-3, 3e-3, 1e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}
+        assert set(runs) == {(o, lr) for o, lrs in sweeps.items() for lr in lrs}
         for run in runs.values():
             assert len(run["losses"]) == curve["steps"] and all(math.isfinite(v) for v in run["losses"])
             assert run["final_loss"] < run["losses"][0]
