@@ -13,6 +13,7 @@ picture                            drawn from
 ``pictures/planner_heatmap.png``   the planner's search (Llama 3 70B on 512 H100s), ``ultrascale-plan --plot``
 ``pictures/tp_block.png``          the tensor-parallel plan of one Llama block (``llama_tp_plan``, with SP)
 ``pictures/fp8_loss.png``          the FP8 benchmark's measured loss curves (``benchmarks/results/fp8.json``)
+``pictures/muon_loss.png``         Muon's and AdamW's best measured curves (``benchmarks/results/muon.json``)
 ``pictures/stragglers.png``        the straggler report of a real 4-process run with one rank slowed (gloo)
 =================================  ===================================================================
 """
@@ -202,6 +203,24 @@ def fp8_loss(out: Path) -> list[Path]:
     return [_save(fig, out, "fp8_loss")]
 
 
+def muon_loss(out: Path) -> list[Path]:
+    import json
+
+    plt = _pyplot()
+    result = json.loads((DOCS.parent / "benchmarks" / "results" / "muon.json").read_text())
+    fig, axes = plt.subplots(1, len(result["curves"]), figsize=(9.6, 3.4))
+    for ax, curve in zip(axes, result["curves"]):
+        for run in curve["runs"]:
+            if curve["best_lr"][run["optimizer"]] == run["lr"]:
+                tokens = [(i + 1) * curve["tokens_per_step"] / 1e6 for i in range(len(run["losses"]))]
+                ax.plot(tokens, run["losses"], linewidth=1, label=f"{run['optimizer']}, lr {run['lr']:g}")
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"{curve['model']}: each optimizer at its best rate", fontsize=9)
+        ax.legend()
+    return [_save(fig, out, "muon_loss")]
+
+
 def _slowed_run(slow_rank: int) -> tuple[list[float], str]:
     """One rank of a 4-process ZeRO-0 run of llama_tiny whose rank ``slow_rank`` sleeps 0.3 s in every forward."""
     import time
@@ -244,7 +263,7 @@ def stragglers(out: Path) -> list[Path]:
 
 PICTURES = {"pipeline": pipeline, "zero_memory": zero_memory, "cp_assignment": cp_assignment, "ring_steps": ring_steps,
             "planner_heatmap": planner_heatmap, "tp_block": tp_block, "fp8_loss": fp8_loss,
-            "stragglers": stragglers}  # fmt: skip
+            "muon_loss": muon_loss, "stragglers": stragglers}  # fmt: skip
 
 
 def main() -> None:
