@@ -86,7 +86,7 @@ def test_every_picture_is_drawn_by_the_script_and_shown_on_a_page(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra, which .[dev] includes")
     # every picture but the planner's heatmap (a search of 70B on 512 GPUs: a minute) and the straggler report
     # (a 4-process run: 10 s), which the script draws too
-    cheap = "pipeline,zero_memory,cp_assignment,ring_steps,tp_block,fp8_loss"
+    cheap = "pipeline,zero_memory,cp_assignment,ring_steps,tp_block,fp8_loss,muon_loss"
     # Forked (testing.commands), not a fresh interpreter: the package is imported already; matplotlib stays there.
     script = str(ROOT / "docs" / "pictures.py")
     argv = [script, "--only", cheap, "--out", str(tmp_path)]
