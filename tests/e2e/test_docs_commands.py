@@ -70,6 +70,7 @@ SETUP = {
     "pip install -e '.[data,hf]'": ".ci/run: the dev extra holds these extras' packages",
     "pip install -e '.[kernels,plot,docs]'": ".ci/run: the dev extra holds these extras' packages",
     "pip install -e '.[docs]'": ".ci/run: the dev extra holds the docs extra's packages",
+    "pip install -e '.[eval]'": ".ci/run: the dev extra holds the eval extra's packages",
     ".venv/bin/pip install -e '.[dev]'": ".ci/run (with torch pinned first)",
 }
 
