@@ -178,3 +178,32 @@ def test_the_export_carries_the_runs_tokenizer_and_transformers_generates_our_gr
     new = generated[0, prompt.shape[1] :].tolist()
     assert new == _greedy(_trained_model(exported / "ckpt").eval(), prompt[0].tolist(), 8)
     assert tokenizer.decode(new, skip_special_tokens=True) == bytes(i for i in new if i < 256).decode(errors="replace")
+
+
+def test_lm_evals_own_hf_model_on_the_export_scores_tasks_as_layoutlm_does(exported, tmp_path):
+    # The same trained weights, twice: lm-eval's `hf` model on the exported directory (transformers' Llama,
+    # the exported tokenizer), and LayoutLM on our model read from the checkpoint (the run's byte tokenizer).
+    import lm_eval
+    from eval_tasks import TASKS, write_tasks
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from lightning_ultrascale.data.tokenizer import ByteTokenizer
+    from lightning_ultrascale.training.evaluation import LayoutLM, _metrics
+
+    tasks = TaskManager(include_path=write_tasks(tmp_path / "tasks"))
+
+    def scores(lm, task: str) -> dict[str, float]:
+        out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tasks, bootstrap_iters=0)
+        return _metrics(out["results"])[task]
+
+    ours = LayoutLM(_trained_model(exported / "ckpt").eval(), ByteTokenizer(), batch_size=4)
+    # The run's documents start with bos. lm-eval's hf model puts it before a multiple-choice context with
+    # add_bos_token=True; for a rolling (perplexity) task that would encode a second bos after its bos prefix
+    # and score it, so there add_bos_token=False gives the one bos the model was trained with.
+    for task, bos in zip(TASKS, (True, False)):
+        theirs = HFLM(pretrained=str(exported / "hf"), add_bos_token=bos, device="cpu", batch_size=4, dtype="float32")
+        expected, got = scores(theirs, task), scores(ours, task)
+        assert expected.keys() == got.keys()
+        for name, value in expected.items():
+            assert abs(got[name] - value) <= 1e-4 * abs(value), (task, name, got[name], value)
