@@ -224,12 +224,13 @@ def run_tokenizer(datamodule: Any) -> Any:
     from lightning_ultrascale.data.tokenizer import ByteTokenizer, load_tokenizer
 
     record = datamodule.tokenizer_record() if hasattr(datamodule, "tokenizer_record") else None
-    if record is None or record["name"] == "byte":
-        if record is None and datamodule is not None:
-            raise ConfigError(
-                "callbacks.eval needs the tokenizer the data was made with; this run's data records none "
-                "(a token file tokenized by ultrascale-tokenize records it in its index)"
-            )
+    if record is None:
+        raise ConfigError(
+            "callbacks.eval needs the tokenizer the data was made with, and this run's data records none (a "
+            f"{type(datamodule).__name__}; UltraScaleDataModule's token files record theirs): give LMEvaluation("
+            "tokenizer=...), e.g. lightning_ultrascale.data.tokenizer.load_tokenizer(PATH)"
+        )
+    if record["name"] == "byte":
         return ByteTokenizer()
     if record["files"] is None:
         raise ConfigError(
@@ -250,6 +251,8 @@ class LMEvaluation(L.Callback):
         every_n_steps: 0: only at the end.
         limit: documents per task (None: all).
         batch_size: sequences per forward.
+        tokenizer: the text's tokenizer (default: the one the datamodule's ``tokenizer_record`` names; a
+            datamodule without one is refused rather than guessed).
     """
 
     def __init__(
@@ -259,13 +262,14 @@ class LMEvaluation(L.Callback):
         limit: int | None = None,
         include_path: str | None = None,
         batch_size: int = 8,
+        tokenizer: Any = None,
     ) -> None:
         if not tasks:
             raise ConfigError("callbacks.eval.tasks is empty; valid: lm-eval task names, e.g. [hellaswag, arc_easy]")
         if every_n_steps < 0:
             raise ConfigError(f"callbacks.eval.every_n_steps={every_n_steps} must be >= 0 (0: at the end only)")
         self.tasks, self.every_n_steps, self.limit = list(tasks), every_n_steps, limit
-        self.include_path, self.batch_size = include_path, batch_size
+        self.include_path, self.batch_size, self.tokenizer = include_path, batch_size, tokenizer
         #: step -> {task: {metric: value}} of every evaluation so far
         self.results: dict[int, dict[str, dict[str, float]]] = {}
 
@@ -296,7 +300,7 @@ class LMEvaluation(L.Callback):
         group = mesh["dp"].get_group() if mesh is not None and trainer.world_size > 1 else None
         kwargs = trainer.strategy.distributed_sampler_kwargs if group is not None else {}
         lm = LayoutLM(
-            pl_module, run_tokenizer(trainer.datamodule), self.batch_size,
+            pl_module, self.tokenizer or run_tokenizer(trainer.datamodule), self.batch_size,
             data_rank=kwargs.get("rank", 0), data_ranks=kwargs.get("num_replicas", 1), group=group,
             pad_multiple=getattr(getattr(trainer.strategy, "parallel_dims", None), "tp", 1),
         )  # fmt: skip

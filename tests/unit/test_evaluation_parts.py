@@ -34,3 +34,8 @@ def test_the_bundled_corpus_is_read_back_with_the_byte_tokenizer():
 def test_lm_eval_results_become_task_metric_numbers_without_filters_or_stderr():
     results = {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": "N/A", "sample_len": 4, "ppl,none": 3}}
     assert _metrics(results) == {"t": {"acc": 0.5, "ppl": 3.0}}
+
+
+def test_data_that_records_no_tokenizer_is_refused_rather_than_read_as_bytes():
+    with pytest.raises(ConfigError, match=r"records none \(a NoneType.*LMEvaluation\(tokenizer=\.\.\.\)"):
+        run_tokenizer(None)
