@@ -85,7 +85,7 @@ def test_kernels_group_builds_the_module_with_that_kernel_set(tmp_path, monkeypa
         (["data.global_batch_size=6", "data.micro_batch_size=2"], r"data.global_batch_size=6 .* = 4; valid: 4, 8"),
         (["parallel.dp=3"], r"dp_replicate=3 .* multiply to 3, but the job has 2 ranks"),
         (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=256"),
-        (["optim.name=lion"], r"optim.name='lion' is unknown; valid: adamw, sgd"),
+        (["optim.name=lion"], r"optim.name='lion' is unknown; valid: adamw, muon, sgd"),
         (["precision=fp8_rowwise", "precision.fp8=fp4"], r"precision.fp8='fp4' is unknown; valid: tensorwise, rowwise"),
         (["precision=fp8_rowwise", "precision.precision=32-true"], r"precision.precision='32-true' cannot carry FP8"),
         (["precision=fp8_blockwise", "precision.emulate=false"], r"precision.emulate=False with the blockwise recipe"),

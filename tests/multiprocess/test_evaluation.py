@@ -1,4 +1,8 @@
-"""lm-eval tasks inside the training layout: the metrics of every layout equal one process's."""
+"""lm-eval tasks inside the training layout: the metrics of every layout equal one process's.
+
+Every run forks afresh (``run_workers``, not the warm pool): lm-eval reads its data through pyarrow, whose
+allocator starts a background thread that a process must not carry into later forks.
+"""
 
 import lightning as L
 import pytest
@@ -15,7 +19,7 @@ from lightning_ultrascale import (
     UltraScaleStrategy,
     ZeRO,
 )
-from lightning_ultrascale.testing import run_pooled
+from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
 from lightning_ultrascale.testing.spawn import WorkerError
 from lightning_ultrascale.training.evaluation import LMEvaluation
@@ -54,7 +58,7 @@ def include_path(tmp_path_factory) -> str:
 def references(include_path, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("runs"))
     return {
-        m: run_pooled(_fit_and_evaluate, 1, None, 1, 1, m, include_path, root)[0] for m in ("llama_tiny", "moe_tiny")
+        m: run_workers(_fit_and_evaluate, 1, None, 1, 1, m, include_path, root)[0] for m in ("llama_tiny", "moe_tiny")
     }
 
 
@@ -62,7 +66,7 @@ def references(include_path, tmp_path_factory):
 def test_lm_eval_metrics_in_every_layout_equal_one_process(references, include_path, layout, tmp_path):
     plugins, world_size, dp, model = LAYOUTS[layout]
     args = (plugins, world_size, dp, model, include_path, str(tmp_path))
-    ranks = run_pooled(_fit_and_evaluate, world_size, *args, timeout_s=300)
+    ranks = run_workers(_fit_and_evaluate, world_size, *args, timeout_s=300)
     reference = references[model][2]
     for rank, results in enumerate(ranks):  # every rank holds (and logged) the same metrics
         assert set(results) == {2}, results
@@ -77,4 +81,4 @@ def test_evaluation_under_pipeline_parallelism_is_refused_by_name(include_path, 
     pp2 = (lambda: [PipelineParallel(2)], 2, 1, "llama_tiny", include_path, str(tmp_path))
     # (raised by the callback's setup, on each rank: Lightning sets callbacks up after its process group)
     with pytest.raises(WorkerError, match=r"ConfigError: callbacks.eval: lm-eval tasks do not run under pipeline"):
-        run_pooled(_fit_and_evaluate, 2, *pp2)
+        run_workers(_fit_and_evaluate, 2, *pp2)

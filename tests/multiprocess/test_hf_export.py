@@ -19,7 +19,7 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.hf.convert import hf_architecture
 from lightning_ultrascale.models.llama import Llama
-from lightning_ultrascale.testing import run_pooled
+from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, record_run
 
 
@@ -180,30 +180,41 @@ def test_the_export_carries_the_runs_tokenizer_and_transformers_generates_our_gr
     assert tokenizer.decode(new, skip_special_tokens=True) == bytes(i for i in new if i < 256).decode(errors="replace")
 
 
-def test_lm_evals_own_hf_model_on_the_export_scores_tasks_as_layoutlm_does(exported, tmp_path):
-    # The same trained weights, twice: lm-eval's `hf` model on the exported directory (transformers' Llama,
-    # the exported tokenizer), and LayoutLM on our model read from the checkpoint (the run's byte tokenizer).
+def _lm_eval_scores(root: str, include_path: str) -> list[tuple[str, dict[str, float], dict[str, float]]]:
+    """Each local task scored by lm-eval's own ``hf`` model on the export, and by LayoutLM on the checkpoint."""
     import lm_eval
-    from eval_tasks import TASKS, write_tasks
+    from eval_tasks import TASKS
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from lightning_ultrascale.data.tokenizer import ByteTokenizer
     from lightning_ultrascale.training.evaluation import LayoutLM, _metrics
 
-    tasks = TaskManager(include_path=write_tasks(tmp_path / "tasks"))
+    tasks = TaskManager(include_path=include_path)
 
     def scores(lm, task: str) -> dict[str, float]:
         out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tasks, bootstrap_iters=0)
         return _metrics(out["results"])[task]
 
-    ours = LayoutLM(_trained_model(exported / "ckpt").eval(), ByteTokenizer(), batch_size=4)
+    ours = LayoutLM(_trained_model(f"{root}/ckpt").eval(), ByteTokenizer(), batch_size=4)
     # The run's documents start with bos. lm-eval's hf model puts it before a multiple-choice context with
     # add_bos_token=True; for a rolling (perplexity) task that would encode a second bos after its bos prefix
     # and score it, so there add_bos_token=False gives the one bos the model was trained with.
+    rows = []
     for task, bos in zip(TASKS, (True, False)):
-        theirs = HFLM(pretrained=str(exported / "hf"), add_bos_token=bos, device="cpu", batch_size=4, dtype="float32")
-        expected, got = scores(theirs, task), scores(ours, task)
+        theirs = HFLM(pretrained=f"{root}/hf", add_bos_token=bos, device="cpu", batch_size=4, dtype="float32")
+        rows.append((task, scores(theirs, task), scores(ours, task)))
+    return rows
+
+
+def test_lm_evals_own_hf_model_on_the_export_scores_tasks_as_layoutlm_does(exported, tmp_path):
+    # The same trained weights, twice: lm-eval's `hf` model on the exported directory (transformers' Llama,
+    # the exported tokenizer), and LayoutLM on our model read from the checkpoint (the run's byte tokenizer).
+    # In a fresh fork: lm-eval's pyarrow starts an allocator thread no later fork may inherit.
+    from eval_tasks import write_tasks
+
+    rows = run_workers(_lm_eval_scores, 1, str(exported), write_tasks(tmp_path / "tasks"), timeout_s=300)[0]
+    for task, expected, got in rows:
         assert expected.keys() == got.keys()
         for name, value in expected.items():
             assert abs(got[name] - value) <= 1e-4 * abs(value), (task, name, got[name], value)
