@@ -181,12 +181,17 @@ def test_the_export_carries_the_runs_tokenizer_and_transformers_generates_our_gr
 
 
 def _lm_eval_scores(root: str, include_path: str) -> list[tuple[str, dict[str, float], dict[str, float]]]:
-    """Each local task scored by lm-eval's own ``hf`` model on the export, and by LayoutLM on the checkpoint."""
+    """Each local task scored by lm-eval's own ``hf`` model on the export and by LayoutLM on the checkpoint;
+    then by LayoutLM and by ``ultrascale-eval`` on the checkpoint."""
+    import json
+    from pathlib import Path
+
     import lm_eval
     from eval_tasks import TASKS
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
+    from lightning_ultrascale.cli.evaluate import main
     from lightning_ultrascale.data.tokenizer import ByteTokenizer
     from lightning_ultrascale.training.evaluation import LayoutLM, _metrics
 
@@ -204,6 +209,11 @@ def _lm_eval_scores(root: str, include_path: str) -> list[tuple[str, dict[str, f
     for task, bos in zip(TASKS, (True, False)):
         theirs = HFLM(pretrained=f"{root}/hf", add_bos_token=bos, device="cpu", batch_size=4, dtype="float32")
         rows.append((task, scores(theirs, task), scores(ours, task)))
+    # ultrascale-eval on the checkpoint: the same scores as LayoutLM on its weights
+    main(["--tasks", ",".join(TASKS), "--include-path", include_path, "--batch-size", "4", "--out", f"{root}/eval.json",
+          f"{root}/ckpt"])  # fmt: skip
+    command = json.loads(Path(f"{root}/eval.json").read_text())["results"]
+    rows += [(f"ultrascale-eval {task}", mine, command[task]) for task, _, mine in rows]
     return rows
 
 

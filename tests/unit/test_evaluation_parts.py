@@ -1,5 +1,7 @@
 """The evaluation callback's parts that need no process: refusals, the tokenizer it picks, lm-eval's result keys."""
 
+import re
+
 import pytest
 
 from lightning_ultrascale import UltraScaleDataModule
@@ -39,3 +41,17 @@ def test_lm_eval_results_become_task_metric_numbers_without_filters_or_stderr():
 def test_data_that_records_no_tokenizer_is_refused_rather_than_read_as_bytes():
     with pytest.raises(ConfigError, match=r"records none \(a NoneType.*LMEvaluation\(tokenizer=\.\.\.\)"):
         run_tokenizer(None)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--tasks", ","], r"--tasks ',' names no task"), (["--tasks", "x"], r"CKPT=.*missing.ckpt does not exist")],
+)
+def test_ultrascale_eval_refuses_bad_input_in_one_line(tmp_path, capsys, args, message):
+    from lightning_ultrascale.cli.evaluate import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, str(tmp_path / "missing.ckpt")])
+    assert exit_.value.code != 0
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
