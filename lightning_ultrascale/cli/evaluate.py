@@ -24,7 +24,7 @@ from lightning_ultrascale.core.checkpoint import check_checkpoint_path, checkpoi
 from lightning_ultrascale.core.checkpoint_io import load, load_dcp
 from lightning_ultrascale.errors import ConfigError, reported
 from lightning_ultrascale.models.llama import Llama
-from lightning_ultrascale.training.evaluation import LayoutLM, _metrics
+from lightning_ultrascale.training.evaluation import _metrics
 
 __all__ = ["evaluate_checkpoint", "main"]
 
@@ -38,9 +38,6 @@ def evaluate_checkpoint(
     tokenizer: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """``{task: {metric: value}}`` of ``tasks`` on ``checkpoint``'s model (see the module docstring)."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
     check_checkpoint_path(checkpoint, "CKPT")
     path = checkpoint_location(checkpoint)
     if "hf_config" in load(path / "meta.pt").get("hyper_parameters", {}):
@@ -52,6 +49,11 @@ def evaluate_checkpoint(
     text_tokenizer = resolve_tokenizer(path, tokenizer)
     if text_tokenizer is None:
         raise ConfigError(f"{checkpoint} records no tokenizer: give the one its data was made with, --tokenizer SPEC")
+    import lm_eval  # (after the checks: it starts a thread, see training/evaluation.py)
+    from lm_eval.tasks import TaskManager
+
+    from lightning_ultrascale.training.evaluation import LayoutLM
+
     model = Llama(config)
     state = {f"state_dict.model.{name}": tensor for name, tensor in model.state_dict().items()}
     load_dcp(state, path)

@@ -12,15 +12,13 @@ gathers and expert parallelism's all-to-alls need every rank in each forward.
 Pipeline and context parallelism hold a part of every forward (stages, sequence chunks): evaluating
 under them is refused by name (evaluate a checkpoint in another layout: any layout loads it).
 
+``lm_eval`` is imported when :class:`LayoutLM` is first named, not with this module: importing it starts
+pyarrow's allocator thread, which a process must not carry into a fork (the tests fork their ranks).
+
 Example:
-    >>> from lightning_ultrascale import LlamaModule
-    >>> from lightning_ultrascale.data.tokenizer import ByteTokenizer
-    >>> module = LlamaModule("llama_tiny")
-    >>> module.configure_model()
-    >>> lm = LayoutLM(module, ByteTokenizer())
-    >>> logprob, greedy = lm.loglikelihood_tokens([([256, 104], [105])])[0]  # log p("i" | bos, "h")
-    >>> logprob < 0, type(greedy)
-    (True, <class 'bool'>)
+    >>> callback = LMEvaluation(["hellaswag"], every_n_steps=500, limit=200)  # L.Trainer(callbacks=[callback])
+    >>> callback.every_n_steps, callback.limit
+    (500, 200)
 """
 
 from __future__ import annotations
@@ -39,12 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError
 
-try:
-    from lm_eval.api.model import LM
-except ImportError:  # the `eval` extra: LayoutLM refuses at construction, naming it
-    LM = object  # type: ignore[assignment,misc]
-
-__all__ = ["LMEvaluation", "LayoutLM", "check_eval_layout", "run_tokenizer"]
+__all__ = ["LMEvaluation", "check_eval_layout", "run_tokenizer"]  # and LayoutLM, made on first use (__getattr__)
 
 
 def check_eval_layout(pp: int, cp: int, option: str = "callbacks.eval") -> None:
@@ -58,7 +51,20 @@ def check_eval_layout(pp: int, cp: int, option: str = "callbacks.eval") -> None:
         )
 
 
-class LayoutLM(LM):  # type: ignore[misc,valid-type]
+def __getattr__(name: str) -> Any:
+    """``LayoutLM``, made on first use: an ``lm_eval.api.model.LM`` (lm-eval imported then: see the module doc)."""
+    if name != "LayoutLM":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from lm_eval.api.model import LM
+    except ImportError:
+        raise ConfigError("lm-eval tasks need the lm-eval package: pip install 'lightning-ultrascale[eval]'") from None
+    cls = type("LayoutLM", (_LayoutLMMethods, LM), {"__doc__": _LayoutLMMethods.__doc__, "__module__": __name__})
+    globals()["LayoutLM"] = cls
+    return cls
+
+
+class _LayoutLMMethods:
     """An ``lm_eval`` model over ``module`` in its training layout (see the module docstring).
 
     Args:
@@ -85,8 +91,6 @@ class LayoutLM(LM):  # type: ignore[misc,valid-type]
         group: Any = None,
         pad_multiple: int = 1,
     ) -> None:
-        if LM is object:
-            raise ConfigError("lm-eval tasks need the lm-eval package: pip install 'lightning-ultrascale[eval]'")
         super().__init__()
         self.module, self.tokenizer, self.batch_size = module, tokenizer, batch_size
         self.max_length = max_length or int(getattr(module, "max_seq_len", 0) or 2048)
@@ -299,7 +303,7 @@ class LMEvaluation(L.Callback):
         mesh = getattr(trainer.strategy, "mesh", None)
         group = mesh["dp"].get_group() if mesh is not None and trainer.world_size > 1 else None
         kwargs = trainer.strategy.distributed_sampler_kwargs if group is not None else {}
-        lm = LayoutLM(
+        lm = __getattr__("LayoutLM")(
             pl_module, self.tokenizer or run_tokenizer(trainer.datamodule), self.batch_size,
             data_rank=kwargs.get("rank", 0), data_ranks=kwargs.get("num_replicas", 1), group=group,
             pad_multiple=getattr(getattr(trainer.strategy, "parallel_dims", None), "tp", 1),
