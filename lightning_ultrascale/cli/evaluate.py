@@ -56,8 +56,7 @@ def evaluate_checkpoint(
 
     model = Llama(config)
     state = {f"state_dict.model.{name}": tensor for name, tensor in model.state_dict().items()}
-    load_dcp(state, path)
-    model.load_state_dict({name: state[f"state_dict.model.{name}"] for name in model.state_dict()})
+    load_dcp(state, path)  # (into the model's own tensors: the state dict's entries are views of them)
     lm = LayoutLM(model.eval(), text_tokenizer, batch_size, max_length=config.max_seq_len)
     with torch.no_grad():
         out = lm_eval.simple_evaluate(

@@ -52,9 +52,17 @@ def check_eval_layout(pp: int, cp: int, option: str = "callbacks.eval") -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """``LayoutLM``, made on first use: an ``lm_eval.api.model.LM`` (lm-eval imported then: see the module doc)."""
+    """``LayoutLM``, made on first use (:func:`_layout_lm`)."""
     if name != "LayoutLM":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _layout_lm()
+
+
+def _layout_lm() -> type:
+    """The ``LayoutLM`` class, an ``lm_eval.api.model.LM``, made once (lm-eval imported then: see the module doc)."""
+    made = globals().get("LayoutLM")
+    if made is not None:
+        return made
     try:
         from lm_eval.api.model import LM
     except ImportError:
@@ -303,7 +311,7 @@ class LMEvaluation(L.Callback):
         mesh = getattr(trainer.strategy, "mesh", None)
         group = mesh["dp"].get_group() if mesh is not None and trainer.world_size > 1 else None
         kwargs = trainer.strategy.distributed_sampler_kwargs if group is not None else {}
-        lm = __getattr__("LayoutLM")(
+        lm = _layout_lm()(
             pl_module, self.tokenizer or run_tokenizer(trainer.datamodule), self.batch_size,
             data_rank=kwargs.get("rank", 0), data_ranks=kwargs.get("num_replicas", 1), group=group,
             pad_multiple=getattr(getattr(trainer.strategy, "parallel_dims", None), "tp", 1),

@@ -41,7 +41,7 @@ def model_state(
     """Parameters, gradients and optimizer states one rank holds after a step (``model_state_bytes``'s view).
 
     AdamW's, or with ``muon`` (the parameters Muon takes: name -> logical matrices each) Muon's one
-    momentum for those and AdamW's states for the rest.
+    momentum for those and AdamW's states for the rest (:func:`_model_state_parts` also gives AdamW's share).
 
     ``plan``: the rank's parameter shards (:func:`~lightning_ultrascale.plan.predict_shards`), so
     tensor, pipeline, expert and ZeRO-3 sharding are already in it; ZeRO 1 and 2 split the flat
@@ -49,8 +49,20 @@ def model_state(
     engines' formula (``layout_model_state_bytes``: under ``bf16-mixed`` the fp32 master is
     optimizer state). ``groups``: :func:`group_numels` of ``plan`` where the caller has it.
     """
+    return _model_state_parts(plan, zero, precision, reduce_dtype, groups, muon)[0]
+
+
+def _model_state_parts(
+    plan: ShardPlan,
+    zero: int,
+    precision: str,
+    reduce_dtype: str,
+    groups: dict[tuple[str, ...], list[int]] | None,
+    muon: dict[str, int] | None,
+) -> tuple[dict[str, int], int]:
+    """:func:`model_state`, and the optimizer bytes of AdamW's part of it (its states and step counters)."""
     muon = muon or {}
-    params = grads = optimizer = 0
+    params = grads = optimizer = adamw_optimizer = 0
     for dims, numels in (group_numels(plan) if groups is None else groups).items():
         numel = sum(numels)
         mine = [name for name in plan.shapes if plan.groups.get(name, DATA_DIMS) == dims]
@@ -61,12 +73,14 @@ def model_state(
                 state = layout_model_state_bytes(part, zero, n, precision, reduce_dtype, k)
                 params, grads = params + state.params, grads + state.grads
                 optimizer += state.optimizer_states
+                adamw_optimizer += state.optimizer_states if k is None else 0
         # AdamW's step counter: one fp32 scalar per tensor it updates (Muon keeps none); ZeRO 1/2
         # update one flat shard per optimizer parameter group (LlamaModule's: matrices decayed, vectors not).
         adamw = [name for name in mine if name not in muon]
         flat = zero in (1, 2) and (n > 1 or precision == "bf16-mixed")
-        optimizer += 4 * (len({len(plan.shapes[name]) >= 2 for name in adamw}) if flat else len(adamw))
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+        counters = 4 * (len({len(plan.shapes[name]) >= 2 for name in adamw}) if flat else len(adamw))
+        optimizer, adamw_optimizer = optimizer + counters, adamw_optimizer + counters
+    return {"params": params, "grads": grads, "optimizer": optimizer}, adamw_optimizer
 
 
 def unsharded_numel(plan: ShardPlan, zero: int, groups: dict[tuple[str, ...], list[int]] | None = None) -> int:
@@ -84,7 +98,7 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
     grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
     groups = group_numels(plan)  # (once: every term below reads it)
     muon = muon_matrices(plan, rank.spec) if w.optimizer == "muon" else {}
-    state = model_state(plan, zero, w.precision, reduce_dtype, groups, muon)
+    state, adamw_optimizer = _model_state_parts(plan, zero, w.precision, reduce_dtype, groups, muon)
     unsharded = unsharded_numel(plan, zero, groups)
     fsdp = zero == 3 and math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate") > 1
     terms = CostTerms(in_step=False, hidden_by=BACKWARD_SHARE, state=state, host="fsdp" if fsdp else None)
@@ -99,18 +113,12 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
     _traffic(terms, rank, zero, grad_bytes, groups)
-    adamw = state if not muon else model_state(_without(plan, muon), zero, w.precision, reduce_dtype)
-    terms.step_bytes = _step_bytes(adamw, w.precision, zero)  # (Muon's own passes: muon_cost)
+    terms.step_bytes = _step_bytes(adamw_optimizer, w.precision, zero)  # (Muon's own passes: muon_cost)
     return terms
 
 
-def _without(plan: ShardPlan, names: dict[str, int]) -> ShardPlan:
-    shapes = {n: s for n, s in plan.shapes.items() if n not in names}
-    return ShardPlan(plan.coordinate, plan.sizes, shapes, plan.groups, plan.whole)
-
-
-def _step_bytes(state: dict[str, int], precision: str, zero: int) -> float:
-    """Memory traffic of AdamW's step over this rank's optimizer states.
+def _step_bytes(optimizer_bytes: int, precision: str, zero: int) -> float:
+    """Memory traffic of AdamW's step over this rank's ``optimizer_bytes`` of its states.
 
     Per updated element it reads the weight, gradient and both moments and writes the weight and
     moments (7 fp32 accesses, 28 B per 8 B of moments); with fp32 masters beside bf16 weights
@@ -118,7 +126,7 @@ def _step_bytes(state: dict[str, int], precision: str, zero: int) -> float:
     weight written (30 B per 12 B of master and moments).
     """
     masters = precision == "bf16-mixed" and zero < 3
-    return state["optimizer"] * (30 / 12 if masters else 28 / 8)
+    return optimizer_bytes * (30 / 12 if masters else 28 / 8)
 
 
 def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_bytes: int) -> int:
