@@ -337,17 +337,11 @@ def plugins(parallel: DictConfig) -> list[Any]:
     return [instantiate(node, f"parallel.{name}") for name, node in parallel.items() if "_target_" in node]
 
 
-def _callbacks(cfg: DictConfig, world_size: int, dims: Any) -> list[Any]:
-    """The ``callbacks`` nodes, then the ``profiler`` node's (a callback too: see ``profiling.py``).
-
-    A callback with a ``check_layout(dims)`` method (``LMEvaluation``) refuses a layout it cannot serve here,
-    before any process group.
-    """
+def _callbacks(cfg: DictConfig, world_size: int) -> list[Any]:
+    """The ``callbacks`` nodes, then the ``profiler`` node's (a callback too: see ``profiling.py``)."""
     from lightning.pytorch.callbacks import ProgressBar
 
     built = [instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
-    for callback in built:
-        getattr(callback, "check_layout", lambda dims: None)(dims)
     if "_target_" in (cfg.get("profiler") or {}):
         profiler = instantiate(cfg.profiler, "profiler")
         check = getattr(profiler, "check_world_size", None)  # TraceProfiler's ranks, before any process group
@@ -663,7 +657,7 @@ def _build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     loggers = [instantiate(node, f"logger.{name}") for name, node in (cfg.get("logger") or {}).items()]
     out = Path(run_dir())
     # Every key of the trainer group goes to L.Trainer as it is: `trainer.X=...` overrides any Trainer argument.
-    callbacks = _callbacks(cfg, world_size, strategy.resolve_dims(world_size))
+    callbacks = _callbacks(cfg, world_size)
     precision = _precision(cfg.precision)
     lightning_plugins = precision.pop("plugins", []) + _cluster_plugins(callbacks)
     trainer = L.Trainer(

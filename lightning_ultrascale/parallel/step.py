@@ -36,6 +36,10 @@ from lightning_ultrascale.utils.loss import TokenNormaliser
 if TYPE_CHECKING:
     from lightning_ultrascale.parallel.layout import Layout
 
+#: What :meth:`StepRunner.score` applies to a forward's logits where they are: ``(logits, labels, position_ids)``
+#: to a small per-row tensor (the full logits never travel).
+Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class StepRunner:
     """Lightning's own training and validation step, with the layout's batch, contexts and token weight.
@@ -127,6 +131,20 @@ class StepRunner:
         assert totals is not None, "the agreement read no token totals for a step that counted tokens"
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.tokens.scale(grads, totals, accumulate)
+
+    #: Whether every :meth:`score` batch should have one shape (a pipeline's: each shape builds a schedule),
+    #: and what its rows must be a multiple of (the microbatches).
+    score_fixed: bool = False
+    score_rows: int = 1
+
+    @torch.no_grad()
+    def score(self, module: Any, batch: dict[str, torch.Tensor], scorer: Scorer) -> torch.Tensor:
+        """A forward only, for evaluation: ``scorer(logits, labels, position_ids)`` of this rank's part of ``batch``
+        (its ``input_ids``, ``labels`` and ``position_ids``; under context parallelism a sequence chunk of each)."""
+        batch = self.layout.transform_batch(batch)
+        with self.layout.step_context():
+            logits = module(batch["input_ids"], batch["position_ids"])
+        return scorer(logits, batch["labels"], batch["position_ids"])
 
     def _transform(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "batch" in kwargs:

@@ -2,15 +2,22 @@
 
 :class:`LayoutLM` is an ``lm_eval`` model (``lm_eval.api.model.LM``) over a LightningModule whose
 ``forward(input_ids)`` gives logits, in the layout it trains in: one process, data parallelism,
-ZeRO 1-3, tensor parallelism (with SP and the vocabulary-parallel loss), expert parallelism. The
-harness splits the documents over the **data ranks** (``rank`` and ``world_size`` are the data-parallel
-coordinates: tensor-parallel peers take the same documents and compute together) and gathers the
-metrics on data rank 0. Every data rank runs the same number of forwards (the harness pads the
-requests; a rolling window count is agreed on, the missing forwards run on one token): ZeRO-3's
-gathers and expert parallelism's all-to-alls need every rank in each forward.
+ZeRO 1-3, tensor parallelism (with SP and the vocabulary-parallel loss), pipeline parallelism (every
+schedule), context parallelism (every method), expert parallelism, and their compositions. The harness
+splits the documents over the **data ranks** (``rank`` and ``world_size`` are the data-parallel
+coordinates: tensor-, pipeline- and context-parallel peers take the same documents and compute together)
+and gathers the metrics on data rank 0. Every data rank runs the same number of forwards (the harness
+pads the requests; a rolling window count is agreed on, the missing forwards run on one token): ZeRO-3's
+gathers, expert parallelism's all-to-alls and a pipeline's sends need every rank in each forward.
 
-Pipeline and context parallelism hold a part of every forward (stages, sequence chunks): evaluating
-under them is refused by name (evaluate a checkpoint in another layout: any layout loads it).
+Each forward goes through the strategy's step runner, as a validation step does: context parallelism
+keeps this rank's chunks of the sequences, a pipeline runs a schedule's ``eval`` over its stages (every
+forward in one shape, ``batch_size`` rows of ``max_length`` tokens: a schedule's buffers are sized by its
+first batch, so the evaluation gets a schedule of its own, built at its first forward). The scores
+(:func:`row_scores`: the targets' log-probabilities, whether each is the greedy token, the greedy next
+token) are made where the logits are, on the last stage and per sequence chunk, and only they travel:
+summed over the chunks, broadcast from the last stage. The full logits never leave their rank, except a
+vocabulary-parallel head's, which are gathered over ``tp`` first.
 
 ``lm_eval`` is imported when :class:`LayoutLM` is first named, not with this module: importing it starts
 pyarrow's allocator thread, which a process must not carry into a fork (the tests fork their ranks).
@@ -36,19 +43,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.step import StepRunner
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
-__all__ = ["LMEvaluation", "check_eval_layout", "run_tokenizer"]  # and LayoutLM, made on first use (__getattr__)
-
-
-def check_eval_layout(pp: int, cp: int, option: str = "callbacks.eval") -> None:
-    """Refuse evaluation under pipeline or context parallelism, naming the option and what works."""
-    if pp > 1 or cp > 1:
-        what = f"pipeline parallelism (pp={pp})" if pp > 1 else f"context parallelism (cp={cp})"
-        raise ConfigError(
-            f"{option}: lm-eval tasks do not run under {what}, whose ranks each hold a part of every forward; "
-            "valid: a layout of data, ZeRO, tensor and expert parallelism, or evaluate a saved checkpoint in one "
-            "(ultrascale-eval CHECKPOINT --tasks ..., any layout loads any checkpoint)"
-        )
+__all__ = ["LMEvaluation", "row_scores", "run_tokenizer"]  # and LayoutLM, made on first use (__getattr__)
 
 
 def __getattr__(name: str) -> Any:
@@ -84,8 +82,11 @@ class _LayoutLMMethods:
         max_length: the longest sequence a forward sees (default: the model's ``max_seq_len``).
         data_rank, data_ranks, group: this rank's data-parallel coordinate, their number and their
             process group (``None``: one process).
-        pad_multiple: forwards are right-padded to a multiple of it (sequence parallelism splits the
-            sequence over the tensor-parallel ranks: give ``tp``).
+        pad_multiple: forwards are right-padded to a multiple of it (the sequence's split over the
+            context- and tensor-parallel ranks).
+        runner: the strategy's step runner (``UltraScaleStrategy.step``): it runs each forward in the layout
+            (context parallelism's chunks, a pipeline's schedule in the steps' shape); ``None``: ``module(ids)``.
+        sequence_group: the context-parallel group whose ranks score chunks of the same sequences.
     """
 
     def __init__(
@@ -98,12 +99,20 @@ class _LayoutLMMethods:
         data_ranks: int = 1,
         group: Any = None,
         pad_multiple: int = 1,
+        runner: StepRunner | None = None,
+        sequence_group: Any = None,
     ) -> None:
         super().__init__()
         self.module, self.tokenizer, self.batch_size = module, tokenizer, batch_size
-        self.max_length = max_length or int(getattr(module, "max_seq_len", 0) or 2048)
         self._rank, self._world_size, self.group = data_rank, data_ranks, group
-        self.pad_multiple = pad_multiple
+        self.pad_multiple, self.runner, self.sequence_group = pad_multiple, runner, sequence_group
+        longest = max_length or int(getattr(module, "max_seq_len", 0) or 2048)
+        self.max_length = longest // pad_multiple * pad_multiple
+        # A pipeline's forwards have one shape (each shape builds a schedule): batch_size rows (a multiple of its
+        # microbatches) of max_length tokens.
+        fixed, multiple = (runner.score_fixed, runner.score_rows) if runner is not None else (False, 1)
+        self.rows = -(-batch_size // multiple) * multiple if fixed else 0
+        self.width = self.max_length if fixed else 0
         self._device = next(iter(module.parameters())).device
 
     # ---- the harness's distribution primitives, over the data ranks
@@ -171,7 +180,8 @@ class _LayoutLMMethods:
             new: list[int] = []
             done = False
             for _ in range(limit):
-                token = int(self._logits([(ids + new)[-self.max_length :]])[0, -1].argmax())
+                # (a stand-in target on the last position: its score carries the greedy next token)
+                token = self._score([((ids + new)[-self.max_length :], [0])])[0][2]
                 if not done:
                     done = token == self.tokenizer.eos_id
                     new += [] if done else [token]
@@ -181,7 +191,7 @@ class _LayoutLMMethods:
                 text = text.split(s)[0]
             out.append(text)
         for _ in range(extra):
-            self._logits([[self.tokenizer.bos_id]])
+            self._score([([self.tokenizer.bos_id], [])])
         return out
 
     def loglikelihood_tokens(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -194,17 +204,13 @@ class _LayoutLMMethods:
         batches = [pairs[i : i + self.batch_size] for i in range(0, len(pairs), self.batch_size)]
         extra = self._agreed(len(batches)) - len(batches)
         for batch in batches:
-            seqs = [(ctx + cont)[-(self.max_length + 1) :] for ctx, cont in batch]
-            logprobs = F.log_softmax(self._logits([s[:-1] for s in seqs]).float(), dim=-1)
-            for row, (seq, (_, cont)) in enumerate(zip(seqs, batch)):
-                n = len(cont)
-                positions = torch.arange(len(seq) - 1 - n, len(seq) - 1, device=logprobs.device)
-                target = torch.tensor(seq[-n:], device=logprobs.device)
-                picked = logprobs[row, positions]
-                greedy = bool((picked.argmax(-1) == target).all())
-                results.append((float(picked.gather(1, target[:, None]).sum()), greedy))
+            rows = []
+            for context, continuation in batch:
+                seq = (context + continuation)[-(self.max_length + 1) :]
+                rows.append((seq[:-1], seq[-len(continuation) :]))
+            results += [(logprob, greedy) for logprob, greedy, _ in self._score(rows)]
         for _ in range(extra):
-            self._logits([[self.tokenizer.bos_id]])
+            self._score([([self.tokenizer.bos_id], [])])
         return results
 
     def _agreed(self, batches: int) -> int:
@@ -214,20 +220,63 @@ class _LayoutLMMethods:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         return int(count)
 
-    @torch.no_grad()
-    def _logits(self, seqs: list[list[int]]) -> Tensor:
-        """Logits of right-padded ``seqs`` (causal: padding after a sequence changes none of its positions)."""
-        width = -(-max(len(s) for s in seqs) // self.pad_multiple) * self.pad_multiple
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self._device)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
+    def _score(self, rows: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool, int]]:
+        """Per ``(inputs, targets)`` row, ``targets`` being the tokens its last positions should predict: the sum of
+        their log-probabilities, whether each is the greedy choice, and the greedy token after the last target.
+
+        One forward of the rows right-padded (causal: padding after a sequence changes none of its positions)
+        to the layout's shape; the scores are made where the logits are (:func:`row_scores`) and only they travel.
+        """
+        width = self.width or -(-max(len(i) for i, _ in rows) // self.pad_multiple) * self.pad_multiple
+        n = max(len(rows), self.rows)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+        for i, (inputs, targets) in enumerate(rows):
+            ids[i, : len(inputs)] = torch.tensor(inputs)
+            labels[i, len(inputs) - len(targets) : len(inputs)] = torch.tensor(targets, dtype=torch.long)
+        positions = torch.arange(width).expand(n, -1)
+        batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        batch = {k: v.to(self._device) for k, v in batch.items()}
         was_training = self.module.training
         self.module.eval()
         try:
-            logits = self.module(ids)
+            if self.runner is None:
+                scores = row_scores(self.module(ids.to(self._device)), batch["labels"], batch["position_ids"])
+            else:
+                scores = self.runner.score(self.module, batch, row_scores)
         finally:
             self.module.train(was_training)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if self.sequence_group is not None:  # each rank scored its chunks of the sequences
+            total, rest = scores[:, 0].contiguous(), scores[:, 1:].contiguous()
+            dist.all_reduce(total, group=self.sequence_group)
+            dist.all_reduce(rest, op=dist.ReduceOp.MAX, group=self.sequence_group)
+            scores = torch.cat([total[:, None], rest], dim=1)
+        return [(float(s[0]), not bool(s[1]), int(s[2]) % _KEY) for s in scores[: len(rows)].tolist()]
+
+
+#: A row's greedy token after its last target travels as ``position * _KEY + token``: the largest position wins.
+_KEY = 2**24
+
+
+@torch.no_grad()
+def row_scores(logits: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+    """Per row of ``logits [rows, seq, vocab]`` (a DTensor is gathered): the sum of the labelled tokens'
+    log-probabilities, whether any labelled token is not the greedy choice (0/1), and ``position * 2^24 + greedy
+    token`` at the row's last labelled position (-1: none). ``[rows, 3]`` in float64 (exact to 2^53).
+
+    Each part reduces over sequence chunks (sum, max, max): context parallelism scores its chunks apart.
+    """
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    scored = labels != IGNORE_INDEX
+    picked = logprobs.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    greedy = logprobs.argmax(-1)
+    total = torch.where(scored, picked, 0.0).sum(1, dtype=torch.float64)
+    miss = ((greedy != labels) & scored).any(1)
+    last, where = torch.where(scored, positions, -1).max(1)
+    key = torch.where(last >= 0, last * _KEY + greedy.gather(1, where[:, None])[:, 0], -1)
+    return torch.stack([total, miss.to(torch.float64), key.to(torch.float64)], dim=1)
 
 
 def run_tokenizer(datamodule: Any) -> Any:
@@ -285,15 +334,6 @@ class LMEvaluation(L.Callback):
         #: step -> {task: {metric: value}} of every evaluation so far
         self.results: dict[int, dict[str, dict[str, float]]] = {}
 
-    def check_layout(self, dims: Any) -> None:
-        """Refuse pipeline and context parallelism (``ultrascale-train`` asks before any process group)."""
-        check_eval_layout(dims.pp, dims.cp)
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        if dims is not None:
-            self.check_layout(dims)
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0 and not trainer.fit_loop._should_accumulate():
@@ -303,19 +343,26 @@ class LMEvaluation(L.Callback):
         if trainer.global_step not in self.results:
             self.evaluate(trainer, pl_module)
 
+    def _model(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
+        """The :class:`LayoutLM` over ``pl_module`` in ``trainer``'s layout: requests over the data ranks, forwards
+        through the strategy's step runner, sequences padded to a multiple of the ``cp x tp`` split."""
+        tokenizer = self.tokenizer or run_tokenizer(trainer.datamodule)
+        mesh, dims = getattr(trainer.strategy, "mesh", None), getattr(trainer.strategy, "parallel_dims", None)
+        if mesh is None or dims is None or trainer.world_size == 1:
+            return _layout_lm()(pl_module, tokenizer, self.batch_size)
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+        return _layout_lm()(
+            pl_module, tokenizer, self.batch_size, data_rank=kwargs["rank"], data_ranks=kwargs["num_replicas"],
+            group=mesh["dp"].get_group(), pad_multiple=2 * dims.cp * dims.tp, runner=trainer.strategy.step,
+            sequence_group=mesh["cp"].get_group() if dims.cp > 1 else None,
+        )  # fmt: skip
+
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, dict[str, float]]:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
         getattr(trainer.strategy, "wait_for_parameters", lambda: None)()  # ZeRO-1/2's gathers in flight
-        mesh = getattr(trainer.strategy, "mesh", None)
-        group = mesh["dp"].get_group() if mesh is not None and trainer.world_size > 1 else None
-        kwargs = trainer.strategy.distributed_sampler_kwargs if group is not None else {}
-        lm = _layout_lm()(
-            pl_module, self.tokenizer or run_tokenizer(trainer.datamodule), self.batch_size,
-            data_rank=kwargs.get("rank", 0), data_ranks=kwargs.get("num_replicas", 1), group=group,
-            pad_multiple=getattr(getattr(trainer.strategy, "parallel_dims", None), "tp", 1),
-        )  # fmt: skip
+        lm = self._model(trainer, pl_module)
         out = lm_eval.simple_evaluate(
             model=lm, tasks=self.tasks, limit=self.limit, task_manager=TaskManager(include_path=self.include_path),
             bootstrap_iters=0, log_samples=False, verbosity="WARNING",
@@ -323,7 +370,7 @@ class LMEvaluation(L.Callback):
             random_seed=None, numpy_random_seed=None, torch_random_seed=None,
         )  # fmt: skip
         metrics = _metrics(out["results"]) if out is not None else None
-        if group is not None:  # global rank 0 has them (lm-eval returns them where LOCAL_RANK is 0 too): to every rank
+        if lm.group is not None:  # global rank 0 has them (lm-eval returns them where LOCAL_RANK is 0 too): to all
             holder = [metrics if trainer.is_global_zero else None]
             dist.broadcast_object_list(holder, src=0)
             metrics = holder[0]

@@ -29,12 +29,3 @@ def test_a_two_rank_run_evaluates_every_n_steps_into_the_csv_log_and_json(tmp_pa
     assert all(0 <= float(r["eval/tiny_choice/acc"]) <= 1 for r in rows if r.get("eval/tiny_choice/acc"))
     saved = json.loads((run_dir / "eval" / "step_4.json").read_text())
     assert set(saved["results"]) == {"tiny_choice", "tiny_perplexity"}
-
-
-def test_evaluation_under_pipeline_parallelism_is_refused_before_any_process_group(tmp_path):
-    env = {**os.environ, "ULTRASCALE_RUN_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
-    overrides = ["parallel=pp", "parallel.pp=2", f"+callbacks.eval={{_target_: {EVAL}, tasks: [tiny_choice]}}"]
-    out = run_command(train_main, ["ultrascale-train", *overrides], env, world_size=1, cwd=tmp_path)
-    assert out.returncode != 0
-    refused = "callbacks.eval: lm-eval tasks do not run under pipeline parallelism (pp=2)"
-    assert refused in out.stderr, out.stderr[-2000:]

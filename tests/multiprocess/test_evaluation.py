@@ -10,6 +10,7 @@ from eval_tasks import TASKS, write_tasks
 from llama_runs import GLOBAL_BATCH, SEQ_LEN
 
 from lightning_ultrascale import (
+    ContextParallel,
     DataParallel,
     ExpertParallel,
     LlamaModule,
@@ -21,7 +22,6 @@ from lightning_ultrascale import (
 )
 from lightning_ultrascale.testing import run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER
-from lightning_ultrascale.testing.spawn import WorkerError
 from lightning_ultrascale.training.evaluation import LMEvaluation
 
 #: name -> (plugins, world size, data-parallel size, model)
@@ -31,7 +31,14 @@ LAYOUTS = {
     "zero1": (lambda: [ZeRO(1)], 2, 2, "llama_tiny"),
     "tp2": (lambda: [TensorParallel(2, loss_parallel=True)], 2, 1, "llama_tiny"),
     "ep2": (lambda: [ExpertParallel(2)], 2, 2, "moe_tiny"),
+    "pp2": (lambda: [PipelineParallel(2)], 2, 1, "llama_tiny"),
+    "pp2_zbv": (lambda: [PipelineParallel(2, "zbv")], 2, 1, "llama_tiny"),
+    "cp2": (lambda: [ContextParallel(2)], 2, 1, "llama_tiny"),
+    "cp2_all_to_all": (lambda: [ContextParallel(2, "all_to_all")], 2, 1, "llama_tiny"),
 }
+#: Layouts that also evaluate after step 1: training goes on after an evaluation as if none ran (the step-2
+#: metrics still equal one process's; a pipeline's evaluation runs a schedule of its own).
+EVERY_STEP = {"pp2", "cp2"}
 
 
 def _fit_and_evaluate(
@@ -65,20 +72,14 @@ def references(include_path, tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lm_eval_metrics_in_every_layout_equal_one_process(references, include_path, layout, tmp_path):
     plugins, world_size, dp, model = LAYOUTS[layout]
-    args = (plugins, world_size, dp, model, include_path, str(tmp_path))
+    every = 1 if layout in EVERY_STEP else 0
+    args = (plugins, world_size, dp, model, include_path, str(tmp_path), every)
     ranks = run_workers(_fit_and_evaluate, world_size, *args, timeout_s=300)
     reference = references[model][2]
     for rank, results in enumerate(ranks):  # every rank holds (and logged) the same metrics
-        assert set(results) == {2}, results
+        assert set(results) == ({1, 2} if every else {2}), results
         got = results[2]
         assert set(got) == set(TASKS) == set(reference)
         for task, metrics in reference.items():
             for name, value in metrics.items():
                 assert abs(got[task][name] - value) <= 1e-4 * abs(value), (layout, rank, task, name, got[task], value)
-
-
-def test_evaluation_under_pipeline_parallelism_is_refused_by_name(include_path, tmp_path):
-    pp2 = (lambda: [PipelineParallel(2)], 2, 1, "llama_tiny", include_path, str(tmp_path))
-    # (raised by the callback's setup, on each rank: Lightning sets callbacks up after its process group)
-    with pytest.raises(WorkerError, match=r"ConfigError: callbacks.eval: lm-eval tasks do not run under pipeline"):
-        run_workers(_fit_and_evaluate, 2, *pp2)

@@ -1,23 +1,34 @@
-"""The evaluation callback's parts that need no process: refusals, the tokenizer it picks, lm-eval's result keys."""
+"""The evaluation callback's parts that need no process: row scores, refusals, the tokenizer it picks, result keys."""
 
 import re
 
 import pytest
+import torch
 
 from lightning_ultrascale import UltraScaleDataModule
 from lightning_ultrascale.data.tokenizer import ByteTokenizer
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.training.evaluation import LMEvaluation, _metrics, check_eval_layout, run_tokenizer
+from lightning_ultrascale.training.evaluation import LMEvaluation, _metrics, row_scores, run_tokenizer
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
 
-@pytest.mark.parametrize(
-    ("pp", "cp", "message"),
-    [(2, 1, r"pipeline parallelism \(pp=2\)"), (1, 4, r"context parallelism \(cp=4\)")],
-)
-def test_pipeline_and_context_parallelism_are_refused_naming_what_works(pp, cp, message):
-    with pytest.raises(ConfigError, match=message + r".*valid: a layout of data, ZeRO, tensor and expert parallelism"):
-        check_eval_layout(pp, cp)
-    check_eval_layout(1, 1)
+def test_row_scores_of_sequence_chunks_reduce_to_the_whole_sequences():
+    # Context parallelism scores each rank's chunks (zig-zag: 0 and 3 of 4 on one rank, 1 and 2 on the other)
+    # and sums / maxes them: the whole sequences' scores, the greedy next token at the last target included.
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 8, 11), torch.full((3, 8), IGNORE_INDEX)
+    labels[0, 2:5] = torch.tensor([4, 1, 7])
+    labels[1, 7] = logits[1, 7].argmax()  # a target that is the greedy choice (and the row's last position)
+    labels[1, 5] = logits[1, 5].argmax()
+    positions = torch.arange(8).expand(3, -1)
+    whole = row_scores(logits, labels, positions)
+    chunks = [torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])]
+    parts = [row_scores(logits[:, c], labels[:, c], positions[:, c]) for c in chunks]
+    assert torch.allclose(parts[0][:, 0] + parts[1][:, 0], whole[:, 0], rtol=1e-12)
+    assert torch.equal(torch.maximum(parts[0][:, 1:], parts[1][:, 1:]), whole[:, 1:])
+    assert whole[0, 0] == torch.log_softmax(logits[0], -1)[[2, 3, 4], [4, 1, 7]].sum()
+    assert whole[:, 1].tolist() == [1.0, 0.0, 0.0]  # row 2 has no target: nothing missed, no next token
+    assert whole[0, 2] == 4 * 2**24 + logits[0, 4].argmax() and whole[2, 2] == -1
 
 
 @pytest.mark.parametrize(

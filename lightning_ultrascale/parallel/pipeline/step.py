@@ -29,7 +29,7 @@ from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.models.spec import PipelineLoss, declares
 from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
 from lightning_ultrascale.parallel.pipeline.stage import first_param_device
-from lightning_ultrascale.parallel.step import StepRunner, batch_and_index
+from lightning_ultrascale.parallel.step import Scorer, StepRunner, batch_and_index
 from lightning_ultrascale.parallel.tied import sum_gradients
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
@@ -41,6 +41,7 @@ class PipelineStep(StepRunner):
     """Runs each step's batch through ``pipeline``'s schedule; see the module docstring."""
 
     requires_sharded_checkpoint = True
+    score_fixed = True
 
     def __init__(self, pipeline: PipelineParallel) -> None:
         super().__init__()
@@ -49,6 +50,9 @@ class PipelineStep(StepRunner):
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._token_scale: torch.Tensor | float = 1.0
         self._sends = SendLedger()  # what the rank's stages sent, freed once done (pipeline/buffers.py)
+        self._scores: list[torch.Tensor] | None = None  # an evaluation's per-microbatch scores (:meth:`score`)
+        self._scorer: Scorer | None = None
+        self._eval_schedule: tuple[tuple[int, ...], Any] | None = None  # (batch shape, schedule) of score()
 
     # ----------------------------------------------------------------------------- Lightning's hooks
     def training_step(self, module: Any, lightning_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -71,6 +75,45 @@ class PipelineStep(StepRunner):
         args, kwargs = self._transform(args, kwargs)
         with self.layout.step_context():
             return self.run(module, batch_and_index(args, kwargs)[0], train=False)
+
+    @property
+    def score_rows(self) -> int:
+        """A :meth:`score` batch's rows must be a multiple of the microbatches."""
+        return self.pipeline.microbatches
+
+    @torch.no_grad()
+    def score(self, module: Any, batch: dict[str, torch.Tensor], scorer: Scorer) -> torch.Tensor:
+        """A forward only through a schedule's ``eval``: ``scorer`` runs on the last stage's logits of every
+        microbatch, in place of the loss; the rows' scores are broadcast to every rank of the pipeline.
+
+        The stages' receive buffers are sized by the first batch a schedule runs: a batch of another shape
+        than the steps' gets a schedule of its own over the same stage modules (one kept, the last shape's).
+        """
+        shape = tuple(batch["input_ids"].shape)
+        if self._eval_schedule is None or self._eval_schedule[0] != shape:
+            self._eval_schedule = (shape, self._build_schedule())
+        schedule = self._eval_schedule[1]
+        pipeline = self.pipeline
+        batch = self.layout.transform_batch(batch)
+        holds_last = pipeline.n_stages - 1 in pipeline.local
+        # The loss function sees (output, target) only: the positions travel beside the labels.
+        target = torch.stack([batch["labels"], batch["position_ids"]], dim=-1) if holds_last else None
+        args = (batch["input_ids"],) if 0 in pipeline.local else ()
+        self._scores, self._scorer = [], scorer
+        try:
+            with self.layout.step_context():
+                schedule.eval(*args, target=target, losses=[], **_stage_kwargs(batch))
+            scores = self._scores
+        finally:
+            self._scores, self._scorer = None, None
+        device = batch["input_ids"].device
+        out = torch.cat(scores) if holds_last else torch.empty(0)
+        sizes = torch.tensor(out.shape if holds_last else (0, 0), device=device)  # rows and the scorer's width
+        dist.broadcast(sizes, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
+        if not holds_last:
+            out = torch.empty(*sizes.tolist(), dtype=torch.float64, device=device)
+        dist.broadcast(out, group=pipeline.group, group_src=pipeline.stage_ranks[-1])
+        return out
 
     def on_train_start(self, module: Any) -> None:
         if not module.automatic_optimization:
@@ -149,29 +192,37 @@ class PipelineStep(StepRunner):
     def _torch_schedule(self) -> Any:
         """Built at the first step, once the stages' parameters have storage."""
         if self._schedule is None:
-            from torch.distributed.pipelining.schedules import get_schedule_class
-
-            pipeline = self.pipeline
-            stage_class = _stage_class()
-            stages = [
-                stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
-                for m in pipeline.stages
-            ]
-            for stage in stages:
-                stage.init_freeing(self._sends)
-            for module in pipeline.stages:
-                module.aux_loss_scale = lambda: self._token_scale
-            schedule_class = get_schedule_class(pipeline.info.torch_class)
-            # Our loss is already weighted by token counts: torch must not divide by microbatches.
-            self._schedule = schedule_class(
-                stages if pipeline.info.multi else stages[0],
-                n_microbatches=pipeline.microbatches,
-                loss_fn=self._microbatch_loss,
-                scale_grads=False,
-            )
+            self._schedule = self._build_schedule()
         return self._schedule
 
+    def _build_schedule(self) -> Any:
+        """A schedule over the pipeline's stage modules (stages of its own: their buffers fit its first batch)."""
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        pipeline = self.pipeline
+        stage_class = _stage_class()
+        stages = [
+            stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
+            for m in pipeline.stages
+        ]
+        for stage in stages:
+            stage.init_freeing(self._sends)
+        for module in pipeline.stages:
+            module.aux_loss_scale = lambda: self._token_scale
+        schedule_class = get_schedule_class(pipeline.info.torch_class)
+        # Our loss is already weighted by token counts: torch must not divide by microbatches.
+        return schedule_class(
+            stages if pipeline.info.multi else stages[0],
+            n_microbatches=pipeline.microbatches,
+            loss_fn=self._microbatch_loss,
+            scale_grads=False,
+        )
+
     def _microbatch_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self._scorer is not None:  # an evaluation forward (:meth:`score`): labels and positions stacked
+            assert self._scores is not None
+            self._scores.append(self._scorer(logits, labels[..., 0], labels[..., 1]).to(torch.float64))
+            return torch.zeros((), device=labels.device)
         assert self._loss_fn is not None
         loss = self._loss_fn(logits, labels)
         return loss * ((labels != IGNORE_INDEX).sum() * self._token_scale)
