@@ -39,13 +39,13 @@ import torch.distributed as dist
 
 from lightning_ultrascale.core.checkpoint import check_checkpoint_path, checkpoint_location
 from lightning_ultrascale.core.checkpoint_io import load, load_dcp, read_metadata
-from lightning_ultrascale.data.hf_tokenizer import check_hf_tokenizer, save_hf_tokenizer
+from lightning_ultrascale.data.hf_tokenizer import write_hf_tokenizer
 from lightning_ultrascale.data.index import TokenIndex, tokenizer_dir
 from lightning_ultrascale.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer, tokenizer_hash
 from lightning_ultrascale.errors import ConfigError, reported
 from lightning_ultrascale.models import LlamaConfig, get_model_config
 from lightning_ultrascale.models.common.decoder import Llama
-from lightning_ultrascale.models.hf.convert import MODEL_TYPES, config_to_hf, hf_architecture, hf_file_tensors
+from lightning_ultrascale.models.hf.convert import hf_architecture, hf_config_json, hf_file_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
@@ -116,22 +116,7 @@ def resolve_tokenizer(checkpoint: Path, spec: str | None) -> TextTokenizer | Non
 
 def write_tokenizer(tokenizer: TextTokenizer, out_dir: Path, config: LlamaConfig) -> None:
     """Write the HF tokenizer and prove it encodes like ``tokenizer`` (with ``transformers``; else say so)."""
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the model's "
-            f"vocab_size={config.vocab_size}"
-        )
-    save_hf_tokenizer(tokenizer, out_dir, config.max_seq_len)
-    try:
-        difference = check_hf_tokenizer(out_dir, tokenizer)
-    except ImportError:
-        log.warning("transformers is not installed: the exported tokenizer was not checked against %s", tokenizer.name)
-        return
-    if difference is not None:
-        raise ConfigError(
-            f"the Hugging Face tokenizer written to {out_dir} does not encode as the training tokenizer "
-            f"{tokenizer.name!r} does: {difference}. Export with --no-tokenizer and ship the tokenizer yourself"
-        )
+    write_hf_tokenizer(tokenizer, out_dir, config.vocab_size, config.max_seq_len)
 
 
 def _on_rank_zero(write: Callable[[], None]) -> None:
@@ -200,7 +185,7 @@ def export(
     if "hf_config" in hparams:  # a model=hf run: the transformers model itself, written by transformers
         return export_hf_model(path, hparams["hf_config"], out_dir, dtype, tokenizer, with_tokenizer)
     config = checkpoint_config(path)
-    model_class = hf_architecture(config)[1]  # a ConfigError for an MoE without an HF counterpart
+    hf_architecture(config)  # a ConfigError for an MoE without an HF counterpart
     text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
     if text_tokenizer is not None:
         _on_rank_zero(lambda: write_tokenizer(text_tokenizer, Path(out_dir), config))
@@ -215,14 +200,7 @@ def export(
     )
     save(tensors, storage_writer=writer)
     if rank == 0:
-        hf_config = {
-            **config_to_hf(config),
-            "architectures": [model_class],
-            "model_type": MODEL_TYPES[model_class],
-            "torch_dtype": dtype,
-            "tie_word_embeddings": config.tie_embeddings,
-        }
-        (Path(out_dir) / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (Path(out_dir) / "config.json").write_text(json.dumps(hf_config_json(config, dtype), indent=2))
     return text_tokenizer
 
 
@@ -255,8 +233,7 @@ def export_hf_model(
     model.tie_weights()
     text_tokenizer = resolve_tokenizer(path, tokenizer) if with_tokenizer else None
     if text_tokenizer is not None:
-        limits = argparse.Namespace(vocab_size=config.vocab_size, max_seq_len=config.max_position_embeddings)
-        write_tokenizer(text_tokenizer, Path(out_dir), limits)  # type: ignore[arg-type]
+        write_hf_tokenizer(text_tokenizer, Path(out_dir), config.vocab_size, config.max_position_embeddings)
     model.to(DTYPES[dtype]).save_pretrained(out_dir)
     return text_tokenizer
 

@@ -24,6 +24,7 @@ prepends bos, as every training document began with it.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -48,6 +49,7 @@ PROBES = (
     " ",
     "a\n\n\n  b",
 )
+log = logging.getLogger(__name__)
 _RANDOM_CHARS = "ab cd  \n\tÉé漢🦊.,;:'\"()[]{}0123456789"
 
 
@@ -84,6 +86,27 @@ def save_hf_tokenizer(tokenizer: TextTokenizer, out_dir: str | Path, model_max_l
         raise ConfigError(f"cannot write a Hugging Face tokenizer for {type(tokenizer).__name__}")
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return written
+
+
+def write_hf_tokenizer(tokenizer: TextTokenizer, out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
+    """Write ``tokenizer`` as an HF tokenizer beside a model of ``vocab_size`` ids and prove it encodes the same
+    (with ``transformers``; without it, say so). A tokenizer with more ids than the model is refused."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the model's "
+            f"vocab_size={vocab_size}"
+        )
+    save_hf_tokenizer(tokenizer, out_dir, model_max_length)
+    try:
+        difference = check_hf_tokenizer(out_dir, tokenizer)
+    except ImportError:
+        log.warning("transformers is not installed: the exported tokenizer was not checked against %s", tokenizer.name)
+        return
+    if difference is not None:
+        raise ConfigError(
+            f"the Hugging Face tokenizer written to {out_dir} does not encode as the training tokenizer "
+            f"{tokenizer.name!r} does: {difference}. Export with --no-tokenizer and ship the tokenizer yourself"
+        )
 
 
 def check_hf_tokenizer(out_dir: str | Path, tokenizer: TextTokenizer, n_random: int = 300) -> str | None:

@@ -155,6 +155,18 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     return llama_to_hf(cfg) | mixtral_to_hf(cfg)
 
 
+def hf_config_json(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg``'s HF model directory, its weights stored in ``dtype`` (``"float32"``, ...)."""
+    model_class = hf_architecture(cfg)[1]
+    return {
+        **config_to_hf(cfg),
+        "architectures": [model_class],
+        "model_type": MODEL_TYPES[model_class],
+        "torch_dtype": dtype,
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
+
+
 def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
     """Refuse what our models do not have: biases (but Qwen2's q/k/v ones), another activation, a head_dim
     other than dim / n_heads, sliding windows."""
