@@ -341,7 +341,16 @@ def _callbacks(cfg: DictConfig, world_size: int) -> list[Any]:
     """The ``callbacks`` nodes, then the ``profiler`` node's (a callback too: see ``profiling.py``)."""
     from lightning.pytorch.callbacks import ProgressBar
 
+    from lightning_ultrascale.training.snapshots import HFSnapshots
+
     built = [instantiate(node, f"callbacks.{name}") for name, node in (cfg.get("callbacks") or {}).items()]
+    every = (cfg.get("checkpoint") or {}).get("hf_every_n_steps", 0)
+    if every and not any(isinstance(c, HFSnapshots) and c.every_n_steps == every for c in built):
+        raise ConfigError(
+            f"checkpoint.hf_every_n_steps={every}, but no callback writes the snapshots (callbacks=none, or "
+            "~callbacks.hf_snapshots, dropped it); valid: callbacks=default, or +callbacks.hf_snapshots={_target_: "
+            "lightning_ultrascale.training.snapshots.HFSnapshots, every_n_steps: N}"
+        )
     if "_target_" in (cfg.get("profiler") or {}):
         profiler = instantiate(cfg.profiler, "profiler")
         check = getattr(profiler, "check_world_size", None)  # TraceProfiler's ranks, before any process group
