@@ -6,8 +6,9 @@ and ``AutoTokenizer.from_pretrained`` load (what ``ultrascale-export`` writes fr
 the same names and files: experts one tensor each, a tied head once).
 
 **What training waits for**: each rank copies the pieces of the weights it writes to host memory (a
-DTensor's local shard, a pipeline stage's parameters, one replica of a replicated tensor: every element
-is copied by exactly one rank). That copy, and any wait for the previous snapshot's writer, is the
+DTensor's local shard, a pipeline stage's parameters; each element is copied by exactly one rank, and
+the tensors every data-parallel rank holds whole, under DP and ZeRO-1/2, are spread over their holders,
+the largest first to the least loaded, so each copies about 1/dp of them). That copy, and any wait for the previous snapshot's writer, is the
 stall, measured on every rank and logged (its maximum over the ranks) as ``hf_snapshot/stall_s`` and in a
 line on rank 0. Which rank writes which piece is agreed once, at the first snapshot (one gather of the
 pieces' coordinates, which also proves that the pieces cover every element of every tensor).
@@ -328,7 +329,7 @@ def _held(state: dict[str, Any], keys: set[str]) -> list[tuple[Piece, tuple[int,
 
 
 def _plan(state: dict[str, Any], config: Any) -> SnapshotPlan:
-    """Agree who writes each piece (its lowest holding rank) and who assembles each tensor (one gather)."""
+    """Agree who copies each piece (one of its holders) and who assembles each tensor (one gather)."""
     from lightning_ultrascale.models.hf.convert import hf_file_tensors
 
     hf: dict[str, list[tuple[str, int | None]]] = {}
@@ -340,12 +341,20 @@ def _plan(state: dict[str, Any], config: Any) -> SnapshotPlan:
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, held)
-    pieces: dict[str, dict[Piece, int]] = {}
+    holders: dict[Piece, list[int]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for holder in reversed(range(world)):  # the lowest rank holding a piece writes it
+    for holder in range(world):
         for piece, whole in everyone[holder]:
-            pieces.setdefault(piece.key, {})[piece] = holder
+            holders.setdefault(piece, []).append(holder)
             shapes[piece.key] = whole
+    # Each piece is copied by one of its holders: the largest first, to the least loaded (replicas spread the
+    # copy, and so the stall, over the data-parallel ranks).
+    copied = [0] * world
+    pieces: dict[str, dict[Piece, int]] = {}
+    for piece in sorted(holders, key=lambda p: (-math.prod(p.shape), p.name)):
+        writer = min(holders[piece], key=lambda r: (copied[r], r))
+        copied[writer] += math.prod(piece.shape)
+        pieces.setdefault(piece.key, {})[piece] = writer
     for key in hf:
         covered = sum(math.prod(p.shape) for p in pieces.get(key, {}))
         if key not in shapes or covered != math.prod(shapes[key]):

@@ -3,6 +3,7 @@ of the same step, rotated, complete or absent."""
 
 import json
 import logging
+import math
 
 import lightning as L
 import pytest
@@ -11,6 +12,7 @@ from llama_runs import MIXTRAL_TINY, SGD
 from safetensors import safe_open
 
 from lightning_ultrascale import (
+    DataParallel,
     ExpertParallel,
     LlamaModule,
     PipelineParallel,
@@ -28,6 +30,7 @@ from lightning_ultrascale.training.snapshots import HFSnapshots, Piece, Snapshot
 #: name -> (plugins, world size, data-parallel size, model)
 LAYOUTS = {
     "one": (None, 1, 1, "llama_tiny"),
+    "dp2": (lambda: [DataParallel()], 2, 2, "llama_tiny"),
     "zero3": (lambda: [ZeRO(3)], 2, 2, "llama_tiny"),
     "tp2": (lambda: [TensorParallel(2, loss_parallel=True)], 2, 1, "llama_tiny"),
     "pp2": (lambda: [PipelineParallel(2)], 2, 1, "llama_tiny"),
@@ -36,7 +39,7 @@ LAYOUTS = {
 }
 
 
-def _fit_snapshot_and_export(plugins, world_size: int, dp: int, model, root: str) -> list[tuple[int, float]]:
+def _fit_snapshot_and_export(plugins, world_size: int, dp: int, model, root: str) -> tuple[list, int, int]:
     L.seed_everything(0, verbose=False)
     snapshots = HFSnapshots(every_n_steps=1, keep=2)
     trainer = L.Trainer(
@@ -47,7 +50,9 @@ def _fit_snapshot_and_export(plugins, world_size: int, dp: int, model, root: str
     trainer.fit(LlamaModule(model, optim=SGD), datamodule=data)
     trainer.save_checkpoint(f"{root}/last.ckpt")
     export(f"{root}/last.ckpt", f"{root}/exported")
-    return snapshots.stalls
+    plan = snapshots._plan
+    assert plan is not None
+    return snapshots.stalls, sum(math.prod(p.shape) for p in plan.mine), sum(map(math.prod, plan.shapes.values()))
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -61,11 +66,15 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_snapshot_holds_what_the_export_of_the_same_step_holds(layout, tmp_path):
     plugins, world_size, dp, model = LAYOUTS[layout]
-    stalls = run_pooled(_fit_snapshot_and_export, world_size, plugins, world_size, dp, model, str(tmp_path))
+    ranks = run_pooled(_fit_snapshot_and_export, world_size, plugins, world_size, dp, model, str(tmp_path))
     hf = tmp_path / "hf"
-    # Rotated: the newest two of steps 1, 2, 3; nothing partial left; every rank measured the same stalls.
+    # Rotated: the newest two of steps 1, 2, 3; nothing partial left; every rank logged the same stalls.
     assert sorted(p.name for p in hf.iterdir()) == [".tokenizer", "step_2", "step_3"]
+    stalls = [r[0] for r in ranks]
     assert [s for s, _ in stalls[0]] == [1, 2, 3] and all(r == stalls[0] for r in stalls)
+    # Every element copied by exactly one rank; replicas spread the copy (no rank copies more than 60%).
+    copied, total = [r[1] for r in ranks], ranks[0][2]
+    assert sum(copied) == total and (world_size == 1 or max(copied) <= 0.6 * total), (copied, total)
     snapshot, exported = _tensors(hf / "step_3"), _tensors(tmp_path / "exported")
     assert set(snapshot) == set(exported)
     for name, tensor in exported.items():
