@@ -10,8 +10,9 @@ DTensor's local shard, a pipeline stage's parameters; each element is copied by 
 the tensors every data-parallel rank holds whole, under DP and ZeRO-1/2, are spread over their holders,
 the largest first to the least loaded, so each copies about 1/dp of them). That copy, and any wait
 for the previous snapshot's writer, is the stall, measured on every rank and logged (its maximum over
-the ranks) as ``hf_snapshot/stall_s`` and in a line on rank 0. Which rank writes which piece is agreed once, at the first snapshot (one gather of the
-pieces' coordinates, which also proves that the pieces cover every element of every tensor).
+the ranks) as ``hf_snapshot/stall_s`` and in a line on rank 0. Which rank writes which piece is
+agreed once, at the first snapshot (one gather of the pieces' coordinates, which also proves that the
+pieces cover every element of every tensor).
 
 **In the background** (a thread per rank, no collective: training's collectives own the process group),
 each rank writes its pieces to a file, waits for every rank's, assembles the whole tensors it was given
