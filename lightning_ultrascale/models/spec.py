@@ -43,6 +43,9 @@ class ModelSpec:
     n_experts: int = 0
     #: The blocks whose ``moe`` module is a mixture of experts (expert parallelism splits those).
     moe_blocks: tuple[int, ...] = ()
+    #: Multi-token-prediction blocks after the ``n_layers`` main ones (``layers`` keys ``n_layers ..``): they run
+    #: after the final norm, on the main output, and need every token of the sequence and the embedding.
+    mtp_depth: int = 0
     embedding: str = "tok_embeddings"
     layers: str = "layers"
     final_norm: str = "norm"

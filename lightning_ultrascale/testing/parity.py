@@ -141,8 +141,8 @@ class ParityRecorder(L.Callback):
         if "train/loss" in metrics:
             # The module's own loss of the step: every labelled token of the global batch once
             # (a mean of rank means is not that when ranks hold unequal labelled tokens), plus
-            # the balancing losses it trains with, per token.
-            step_loss = metrics["train/loss"] + metrics.get("train/aux_loss", 0.0)
+            # the balancing losses it trains with, per token, and multi-token prediction's cross-entropy.
+            step_loss = metrics["train/loss"] + metrics.get("train/aux_loss", 0.0) + metrics.get("train/mtp_loss", 0.0)
         else:
             step_loss = trainer.strategy.reduce(self._loss_sum.to(pl_module.device), reduce_op="mean")
         self.record.losses.append(float(step_loss))

@@ -230,7 +230,13 @@ class LlamaModule(L.LightningModule):
                           document_ids=batch.get("document_ids"))  # fmt: skip
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        self._count_loss(loss, labels)
+        mtp = self.model.pop_mtp_sums()
+        self._count_loss(loss, labels, mtp)
+        if mtp is not None:
+            # DeepSeek-V3's weight / depth times each depth's cross-entropy, a sum over the main loss's tokens like it
+            # (so every layout weighs it as one process does); logged per predicted token (train/mtp_loss).
+            n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+            loss = loss + self.config.mtp_loss_weight / self.config.mtp_depth * mtp[0] / n
         aux = self.model.pop_aux_loss()
         if aux is not None:
             # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.
@@ -238,19 +244,22 @@ class LlamaModule(L.LightningModule):
         return loss
 
     @torch.no_grad()
-    def _count_loss(self, loss: torch.Tensor, labels: torch.Tensor) -> None:
-        """Add a micro-batch's cross-entropy (a mean over its labelled tokens) to its split's sums."""
+    def _count_loss(self, loss: torch.Tensor, labels: torch.Tensor, mtp: torch.Tensor | None = None) -> None:
+        """Add a micro-batch's cross-entropy (a mean over its labelled tokens) to its split's sums, and with
+        multi-token prediction its ``[cross-entropy sum, tokens]`` (``Llama.pop_mtp_sums``)."""
         n = (labels != IGNORE_INDEX).sum()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         # A rank whose part holds no labelled token has a NaN mean: it adds nothing.
         sums = torch.stack((torch.where(n > 0, value.float() * n, 0.0), n.float()))
+        if self.config.mtp_depth:
+            sums = torch.cat((sums, torch.zeros(2, device=sums.device) if mtp is None else mtp.detach().float()))
         split = "train" if self.training else "val"
         self._loss_sums[split] = self._loss_sums[split] + sums if split in self._loss_sums else sums
 
     def _local_sums(self, split: str, more: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's ``[cross-entropy sum, labelled tokens, *more]`` of ``split`` since the last call."""
         local = self._loss_sums.pop(split, None)
-        local = torch.zeros(2, device=self.device) if local is None else local
+        local = torch.zeros(self._n_loss_sums, device=self.device) if local is None else local
         return local if more is None else torch.cat((local, more.to(local.device)))
 
     def _global_sums(self, split: str, more: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,8 +325,10 @@ class LlamaModule(L.LightningModule):
         sums = self._train_sums()
         tokens = sums[1].clamp(min=1)
         metrics = {"train/loss": sums[0] / tokens}
+        if self.config.mtp_depth:
+            metrics["train/mtp_loss"] = sums[2] / sums[3].clamp(min=1)
         if self.config.moe is not None:
-            loads = sums[2:-2].view(len(self.config.moe_blocks()), -1)
+            loads = sums[self._n_loss_sums : -2].view(len(self.config.moe_blocks()), -1)
             self.expert_stats = ExpertStats(loads, sums[-2], sums[-1])
             metrics |= self._balance_experts(loads, sums[-2])
             metrics["train/aux_loss"] = sums[-1] / tokens
@@ -359,6 +370,13 @@ class LlamaModule(L.LightningModule):
         # The cross-entropy of every labelled validation token, not a mean of per-batch means.
         sums = self._global_sums("val")
         self.log("val/loss", sums[0] / sums[1].clamp(min=1), prog_bar=True)
+        if self.config.mtp_depth:
+            self.log("val/mtp_loss", sums[2] / sums[3].clamp(min=1))
+
+    @property
+    def _n_loss_sums(self) -> int:
+        """The loss sums of a split: ``[cross-entropy sum, tokens]``, then MTP's (with ``mtp_depth``)."""
+        return 4 if self.config.mtp_depth else 2
 
     def configure_optimizers(self) -> Any:
         o = self.optim

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError, divisors, is_positive_int
 from lightning_ultrascale.kernels import Kernels, get_kernels, reference
@@ -45,6 +47,7 @@ from lightning_ultrascale.models.common.moe import ExpertStats, MoE, MoEConfig
 from lightning_ultrascale.models.common.tp_plan import llama_tp_plan
 from lightning_ultrascale.models.shard_init import clean_name, init_parameter, param_seed
 from lightning_ultrascale.models.spec import ModelSpec
+from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
 __all__ = [
     "Attention",
@@ -82,7 +85,10 @@ class RopeScaling:
 
 
 #: The settings that decide the weights' shapes (and a router's meaning).
-_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings", "qkv_bias")
+_SHAPE = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings", "qkv_bias",
+    "mtp_depth",
+)  # fmt: skip
 _MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
 
 
@@ -119,6 +125,10 @@ class LlamaConfig:
     qkv_bias: bool = False
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    #: Multi-token prediction (DeepSeek-V3's): this many extra blocks, block ``n_layers + k - 1`` predicting the
+    #: token ``k + 1`` ahead (:class:`MTPBlock`); their mean cross-entropy enters the loss times ``mtp_loss_weight``.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
     name: str = "llama"
     #: The fields that are configs of their own (``model.moe.top_k=4`` on the command line changes
     #: one of their settings), and what each is.
@@ -148,7 +158,7 @@ class LlamaConfig:
         """The blocks whose feed-forward is a mixture of experts."""
         if self.moe is None:
             return ()
-        return tuple(i for i in range(self.n_layers) if self.moe.is_moe_block(i))
+        return tuple(i for i in range(self.n_layers + self.mtp_depth) if self.moe.is_moe_block(i))
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first setting that cannot build a model.
@@ -168,6 +178,10 @@ class LlamaConfig:
         for option in ("norm_eps", "rope_theta"):
             if not getattr(self, option) > 0:
                 raise ConfigError(f"model.{option}={getattr(self, option)!r} must be > 0")
+        if not (isinstance(self.mtp_depth, int) and self.mtp_depth >= 0):
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0: none)")
+        if not self.mtp_loss_weight >= 0:
+            raise ConfigError(f"model.mtp_loss_weight={self.mtp_loss_weight!r} must be >= 0")
         if self.moe is not None:
             self.moe.validate(self.n_layers)
         if self.mla is not None:
@@ -230,12 +244,14 @@ class LlamaConfig:
             attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
             attention += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
         blocks = 0
-        for layer in range(self.n_layers):
+        for layer in range(self.n_layers + self.mtp_depth):
             if self.moe is not None and self.moe.is_moe_block(layer):
                 ffn = self.moe.block_params(self.dim, active)
             else:
                 ffn = 3 * self.dim * self.ffn_hidden_dim
             blocks += attention + ffn + 2 * self.dim
+        # A multi-token-prediction block's own: enorm, hnorm, post_norm and eh_proj ([2 dim -> dim]).
+        blocks += self.mtp_depth * (3 * self.dim + 2 * self.dim * self.dim)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + blocks + self.dim + head
 
@@ -257,11 +273,13 @@ class LlamaConfig:
         matmul_params = self.num_params(active=True) - self.vocab_size * self.dim
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
+        matmul_params += self.mtp_depth * self.vocab_size * self.dim  # each MTP block's logits: the head again
+        blocks = self.n_layers + self.mtp_depth
         if self.mla is not None:  # QK^T over the qk head dim, AV over the v head dim
             qk = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
-            attention = 6 * self.n_layers * self.n_heads * (qk + self.mla.v_head_dim) * seq_len
+            attention = 6 * blocks * self.n_heads * (qk + self.mla.v_head_dim) * seq_len
         else:
-            attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+            attention = 12 * blocks * self.n_heads * self.head_dim * seq_len
         return float(6 * matmul_params + attention)
 
 
@@ -277,6 +295,7 @@ def llama_spec(config: LlamaConfig) -> ModelSpec:
         vocab_size=config.vocab_size,
         n_experts=config.n_experts,
         moe_blocks=config.moe_blocks(),
+        mtp_depth=config.mtp_depth,
         tp_plan=functools.partial(llama_tp_plan, config),
         **_priced_widths(config),
     )
@@ -381,6 +400,29 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MTPBlock(TransformerBlock):
+    """DeepSeek-V3's multi-token-prediction module of depth ``k``: ``post_norm(block(eh_proj([enorm(e); hnorm(h)])))``.
+
+    ``h`` is the previous depth's output (depth 1: the main model's, after its final norm), ``e`` the
+    embedding of the tokens ``k`` ahead; the result predicts the token ``k + 1`` ahead through the shared
+    head and feeds depth ``k + 1``, as transformers' ``MtpLayer`` (``post_norm`` is the HF checkpoint's
+    ``shared_head.norm``).
+    """
+
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__(cfg, layer)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.post_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(  # type: ignore[override]
+        self, h: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(h)), dim=-1))
+        return self.post_norm(super().forward(x, cos, sin, documents))
+
+
 class Llama(nn.Module):
     """Llama 3 decoder: ``forward(tokens [b, s], position_ids [b, s] | None) -> logits [b, s, vocab]``.
 
@@ -423,6 +465,9 @@ class Llama(nn.Module):
         self.spec = llama_spec(config)
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
+        for i in range(config.n_layers, config.n_layers + config.mtp_depth):
+            self.layers[str(i)] = MTPBlock(config, i)
+        self._mtp_sums: Tensor | None = None
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
@@ -455,16 +500,51 @@ class Llama(nn.Module):
 
         With a fused linear cross-entropy kernel the loss never materialises the logits.
         """
-        blocks = list(self.layers.keys())
+        n = self.config.n_layers
+        blocks = [name for name in self.layers.keys() if int(name) < n]  # the main ones (MTP blocks follow)
         embed = self.tok_embeddings is not None
         docs = {"document_ids": document_ids}
         if labels is None:
             return self.forward_stage(tokens, position_ids, blocks, embed=embed, head=self.output is not None, **docs)
         assert self.norm is not None and self.output is not None, "a loss needs the final norm and the head"
         h = self.norm(self.forward_stage(tokens, position_ids, blocks, embed=embed, head=False, **docs))
+        if self.config.mtp_depth:
+            self._mtp_sums = self._multi_token_prediction(h, tokens, labels, position_ids, document_ids)
+        return self._cross_entropy(h, labels)
+
+    def _cross_entropy(self, h: Tensor, labels: Tensor) -> Tensor:
+        """The head's mean cross-entropy of the normed hidden states ``h`` over the labels that are not -100."""
+        assert self.output is not None
         fused = self.kernels.linear_cross_entropy
         # The head's weight is read inside this forward, where FSDP has gathered it.
         return fused(h, self.output.weight, labels) if fused else reference.cross_entropy(self.output(h), labels)
+
+    def _multi_token_prediction(
+        self, h: Tensor, tokens: Tensor, labels: Tensor, position_ids: Tensor | None, document_ids: Tensor | None
+    ) -> Tensor:
+        """``[cross-entropy sum, tokens]`` of the MTP blocks over every depth: depth ``k`` reads the embedding of
+        the tokens ``k`` ahead and predicts the labels ``k`` ahead (the last ``k`` positions of a row predict
+        nothing). The rows must be whole sequences: a pipeline or context parallelism refuses MTP."""
+        assert self.tok_embeddings is not None
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        cos, sin = self._rope_angles(position_ids)
+        docs = {} if document_ids is None else {"documents": document_ids}
+        sums = torch.zeros(2, device=labels.device)
+        for k in range(1, self.config.mtp_depth + 1):
+            ahead = F.pad(tokens[:, k:], (0, k))  # (the padded ids' predictions are not scored)
+            h = self.layers[str(self.config.n_layers + k - 1)](h, self.tok_embeddings(ahead), cos, sin, **docs)
+            target = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
+            n = (target != IGNORE_INDEX).sum()
+            mean = self._cross_entropy(h, target)
+            mean = mean.full_tensor() if isinstance(mean, DTensor) else mean
+            sums = sums + torch.stack((torch.where(n > 0, mean.float() * n, 0.0), n.float()))
+        return sums
+
+    def pop_mtp_sums(self) -> Tensor | None:
+        """The last forward's multi-token-prediction ``[cross-entropy sum, tokens]`` over its depths (once)."""
+        sums, self._mtp_sums = self._mtp_sums, None
+        return sums
 
     def forward_stage(
         self,

@@ -51,7 +51,14 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
     if sequence_parallel:
         top["norm"] = SequenceParallel()
     moe_blocks = set(cfg.moe_blocks())
-    blocks = {str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers)}
+    blocks = {
+        str(i): attention | (moe if i in moe_blocks else dense) | norms for i in range(cfg.n_layers + cfg.mtp_depth)
+    }
+    if sequence_parallel:  # an MTP block's own norms and projection are per token: they run on sequence shards
+        mtp = {name: SequenceParallel() for name in ("enorm", "hnorm", "post_norm")}
+        mtp["eh_proj"] = SequenceParallel(use_local_output=True)  # the block's input, local as the residual stream
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+            blocks[str(i)] |= mtp
     return top, blocks
 
 

@@ -107,6 +107,13 @@ class ContextParallel(ParallelPlugin):
         return {"method": self.method, "kernel": self.kernel}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
+        if self.size > 1 and spec.mtp_depth:
+            raise ConfigError(
+                f"{option(self, 'size', self.size)} with model.mtp_depth={spec.mtp_depth}: multi-token prediction "
+                "reads the tokens ahead of each position, which another rank's chunk holds, and does not run under "
+                "context parallelism yet; valid: model.mtp_depth=0, or a layout of data, ZeRO, tensor and expert "
+                "parallelism"
+            )
         if self.size > 1 and self.method == "all_to_all":
             heads = spec.n_heads // dims.tp
             if heads % self.size:

@@ -133,6 +133,12 @@ class PipelineParallel(ParallelPlugin):
         return {"schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
+        if self.size > 1 and spec.mtp_depth:
+            raise ConfigError(
+                f"{option(self, 'size', self.size)} with model.mtp_depth={spec.mtp_depth}: multi-token prediction "
+                "does not run under a pipeline yet (its blocks need the embedding on the last stage); valid: "
+                "model.mtp_depth=0, or a layout of data, ZeRO, tensor and expert parallelism"
+            )
         if spec.n_layers < self.n_stages:
             raise ConfigError(
                 f"{option(self, 'size', self.size)} x {option(self, 'virtual_stages', self.virtual_stages)} = "

@@ -1,0 +1,106 @@
+"""Multi-token prediction (DeepSeek-V3's, ``mtp_depth``): trained in every layout that holds whole sequences on
+one rank, equal to one process; refused by name where it cannot run."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from llama_runs import DEEPSEEK_V3_TINY, SGD, run_tiny_llama
+
+from lightning_ultrascale import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    LlamaModule,
+    PipelineParallel,
+    TensorParallel,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.models import get_model_config
+from lightning_ultrascale.models.common.decoder import TransformerBlock
+from lightning_ultrascale.models.llama import Llama
+from lightning_ultrascale.testing.parity import assert_parity
+
+DEEPSEEK_MTP = replace(DEEPSEEK_V3_TINY, name="deepseek_v3_tiny_mtp", mtp_depth=1)
+LLAMA_MTP2 = replace(get_model_config("llama_tiny"), name="llama_tiny_mtp2", mtp_depth=2, mtp_loss_weight=0.3)
+
+#: name -> (plugins, world size, data-parallel size, model)
+LAYOUTS = {
+    "ep2": (lambda: [ExpertParallel(2)], 2, 2, DEEPSEEK_MTP),
+    "ep2_zero3": (lambda: [ExpertParallel(2), ZeRO(3)], 2, 2, DEEPSEEK_MTP),
+    "tp2_sp": (lambda: [TensorParallel(2, sequence_parallel=True, loss_parallel=True)], 2, 1, DEEPSEEK_MTP),
+    "zero1_depth2": (lambda: [ZeRO(1)], 2, 2, LLAMA_MTP2),
+    "tp2_depth2": (lambda: [TensorParallel(2, sequence_parallel=True, loss_parallel=True)], 2, 1, LLAMA_MTP2),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {cfg.name: run_tiny_llama(SGD, model=cfg, steps=3) for cfg in (DEEPSEEK_MTP, LLAMA_MTP2)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_trains_as_one_process_does(layout, references):
+    plugins, world_size, dp, model = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, plugins, world_size=world_size, dp=dp, model=model, steps=3)
+    assert_parity(run, references[model.name], rtol=1e-5)
+
+
+def test_the_mtp_blocks_learn_and_their_loss_is_weighted(references):
+    one = references[DEEPSEEK_MTP.name]
+    prefix = f"model.layers.{DEEPSEEK_MTP.n_layers}."  # the blocks, then the MTP block
+    mtp = [n for n in one.grads[0] if n.startswith(prefix)]
+    assert {f"{prefix}{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "post_norm")} <= set(mtp)
+    assert all(one.grads[0][n].abs().sum() > 0 for n in mtp)
+    # Weight 0 (a dense model: an MTP block's MoE balancing loss would still reach the main blocks, as every MoE
+    # block's does): the main parameters' gradients are those of the model without MTP; the MTP blocks get none.
+    plain = run_tiny_llama(SGD, model="llama_tiny", steps=1)
+    off = run_tiny_llama(SGD, model=replace(LLAMA_MTP2, mtp_loss_weight=0.0), steps=1)
+    for name, grad in plain.grads[0].items():
+        torch.testing.assert_close(off.grads[0][name], grad, rtol=1e-6, atol=1e-9)
+    extra = set(off.grads[0]) - set(plain.grads[0])
+    assert extra and all(off.grads[0][n].abs().sum() == 0 for n in extra)
+
+
+def test_the_mtp_loss_is_deepseeks_written_out():
+    # Depth 1 by hand: the block reads [enorm(embed(t[i+1])); hnorm(main output after its norm)] through eh_proj,
+    # its post-normed output predicts t[i+2] through the shared head (the last two positions predict nothing).
+    cfg = replace(get_model_config("llama_tiny"), mtp_depth=1, mtp_loss_weight=0.3)
+    model = Llama(cfg)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat((tokens[:, 1:], torch.full((2, 1), -100)), dim=1)
+    main = model(tokens, labels=labels)
+    got = model.pop_mtp_sums()
+    with torch.no_grad():
+        h = model.norm(model.forward_stage(tokens, None, ["0", "1", "2", "3"], embed=True, head=False))
+        block = model.layers["4"]
+        cos, sin = model._rope_angles(torch.arange(16)[None])
+        ahead = torch.cat((tokens[:, 1:], torch.zeros(2, 1, dtype=torch.long)), dim=1)
+        x = block.eh_proj(torch.cat((block.enorm(model.tok_embeddings(ahead)), block.hnorm(h)), dim=-1))
+        out = block.post_norm(TransformerBlock.forward(block, x, cos, sin))
+        target = torch.cat((tokens[:, 2:], torch.full((2, 2), -100)), dim=1)
+        logits = model.output(out).flatten(0, 1)
+        want = torch.nn.functional.cross_entropy(logits, target.flatten(), ignore_index=-100, reduction="sum")
+    assert got is not None and got[1] == 2 * 14
+    torch.testing.assert_close(got[0].detach(), want, rtol=1e-5, atol=0)
+    # The training loss: the main mean plus weight / depth x the MTP sum over the main loss's tokens.
+    module = LlamaModule(cfg)
+    module.model = model
+    loss = module._loss({"input_ids": tokens, "labels": labels})
+    torch.testing.assert_close(loss.detach(), (main + 0.3 * want / 30).detach(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("plugin", "message"),
+    [
+        (lambda: PipelineParallel(2), r"PipelineParallel\(size=2\) with model\.mtp_depth=1: multi-token prediction"),
+        (lambda: ContextParallel(2), r"ContextParallel\(size=2\) with model\.mtp_depth=1: multi-token prediction"),
+    ],
+)
+def test_mtp_under_a_pipeline_or_context_parallelism_is_refused_by_name(plugin, message):
+    strategy = UltraScaleStrategy(plugin(), DataParallel())
+    with pytest.raises(ConfigError, match=message):
+        strategy.validate(LlamaModule(DEEPSEEK_MTP).model_spec, None, world_size=2)
