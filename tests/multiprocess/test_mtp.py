@@ -1,6 +1,7 @@
 """Multi-token prediction (DeepSeek-V3's, ``mtp_depth``): trained in every layout that holds whole sequences on
 one rank, equal to one process; refused by name where it cannot run."""
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -104,3 +105,75 @@ def test_mtp_under_a_pipeline_or_context_parallelism_is_refused_by_name(plugin, 
     strategy = UltraScaleStrategy(plugin(), DataParallel())
     with pytest.raises(ConfigError, match=message):
         strategy.validate(LlamaModule(DEEPSEEK_MTP).model_spec, None, world_size=2)
+
+
+def _hf_directory_with_mtp(directory) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3-tiny with an MTP layer as an HF directory laid out as DeepSeek releases it: one tensor per
+    expert, and copies of the embedding and head in the MTP layer."""
+    from safetensors.torch import save_file
+
+    from lightning_ultrascale.models.hf.convert import hf_config_json, hf_file_tensors
+
+    model = Llama(DEEPSEEK_MTP)
+    model.init_weights(seed=3)
+    sd = model.state_dict()
+    files = hf_file_tensors(DEEPSEEK_MTP)
+    hf = {name: (sd[key] if expert is None else sd[key][expert]).clone() for name, (key, expert) in files.items()}
+    directory.mkdir()
+    save_file(hf, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf_config_json(DEEPSEEK_MTP, "float32")))
+    return hf
+
+
+def test_an_hf_deepseek_v3_directory_with_mtp_round_trips_every_tensor(tmp_path):
+    from lightning_ultrascale.models.hf.convert import (
+        hf_directory_config,
+        hf_file_tensors,
+        load_hf_weights,
+        state_dict_from_hf,
+        state_dict_to_hf,
+    )
+
+    hf = _hf_directory_with_mtp(tmp_path / "hf")
+    n = DEEPSEEK_MTP.n_layers
+    for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "embed_tokens", "shared_head.head"):
+        assert f"model.layers.{n}.{name}.weight" in hf
+    assert any(k.startswith(f"model.layers.{n}.self_attn.") for k in hf)
+    assert any(k.startswith(f"model.layers.{n}.mlp.experts.") for k in hf)
+    # Import: the directory's config has the MTP layer, and every file tensor lands in the model.
+    cfg = hf_directory_config(tmp_path / "hf")
+    assert cfg.mtp_depth == 1 and not cfg.architecture_differences(DEEPSEEK_MTP)
+    imported = Llama(cfg)
+    load_hf_weights(imported, tmp_path / "hf")
+    # Export again: every file tensor, under its name, equal (the copies are the shared embedding and head).
+    sd = imported.state_dict()
+    files = hf_file_tensors(cfg)
+    assert set(files) == set(hf)
+    for name, (key, expert) in files.items():
+        assert torch.equal(sd[key] if expert is None else sd[key][expert], hf[name]), name
+    # In memory too (transformers' fused experts): to HF and back is the identity.
+    back = state_dict_from_hf(state_dict_to_hf(sd, cfg), cfg)
+    assert set(back) == set(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    # transformers reads the config's MTP layer count.
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").num_mtp_layers == 1
+
+
+def test_an_mtp_copy_that_differs_from_the_shared_embedding_is_refused(tmp_path):
+    from lightning_ultrascale.models.hf.convert import load_hf_weights, state_dict_from_hf, state_dict_to_hf
+
+    model = Llama(DEEPSEEK_MTP)
+    model.init_weights(seed=3)
+    hf = state_dict_to_hf(model.state_dict(), DEEPSEEK_MTP)
+    name = f"model.layers.{DEEPSEEK_MTP.n_layers}.embed_tokens.weight"
+    hf[name] = hf[name] + 1
+    with pytest.raises(ConfigError, match=rf"{name} differs from the model's model.embed_tokens.weight"):
+        state_dict_from_hf(hf, DEEPSEEK_MTP)
+    # From a directory's files as well.
+    from safetensors.torch import save_file
+
+    files = _hf_directory_with_mtp(tmp_path / "hf")
+    files[name] = files[name] + 1
+    save_file(files, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"{name} differs from the model's model.embed_tokens.weight"):
+        load_hf_weights(Llama(DEEPSEEK_MTP), tmp_path / "hf")

@@ -42,6 +42,7 @@ def deepseek_v3_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_scaling": None if y is None else {"type": "yarn", **dataclasses.asdict(y)},
         "rope_interleave": True,  # MLAttention reads DeepSeek's interleaved rotary rows
+        "num_nextn_predict_layers": cfg.mtp_depth,  # (transformers 5 reads it as num_mtp_layers)
     }
 
 

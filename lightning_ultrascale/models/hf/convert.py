@@ -25,7 +25,9 @@ Example (fine-tune from a downloaded checkpoint):
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -43,6 +45,8 @@ from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepsee
 from lightning_ultrascale.models.hf.parts import RankParts
 from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
 from lightning_ultrascale.models.mixtral.hf import mixtral_from_hf, mixtral_to_hf
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "config_from_hf",
@@ -91,6 +95,17 @@ _KEY_PAIRS = (
         if ours not in ("wq", "wo")
     ),
 )
+# DeepSeek-V3's multi-token-prediction layers (``model.layers.{n_layers + k}``, LlamaConfig.mtp_depth): the block's keys
+# are the pairs above; its own norms and projection; ``shared_head.norm`` is the norm before the shared head.
+_MTP_PAIRS = (
+    ("model.layers.{}.enorm.weight", "layers.{}.enorm.weight"),
+    ("model.layers.{}.hnorm.weight", "layers.{}.hnorm.weight"),
+    ("model.layers.{}.eh_proj.weight", "layers.{}.eh_proj.weight"),
+    ("model.layers.{}.shared_head.norm.weight", "layers.{}.post_norm.weight"),
+)
+_KEY_PAIRS = _KEY_PAIRS + _MTP_PAIRS
+#: What DeepSeek's checkpoints store again in each MTP layer: copies of the shared embedding and head.
+_MTP_COPIES = (("embed_tokens.weight", "tok_embeddings.weight"), ("shared_head.head.weight", "output.weight"))
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)gate_up_proj")
 # Older HF checkpoints saved the RoPE frequencies; they are recomputed from the config.
 _HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
@@ -119,6 +134,11 @@ def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
         ('DeepseekV3Config', 'DeepseekV3ForCausalLM')
     """
     moe = cfg.moe
+    if cfg.mtp_depth and not (moe is not None and cfg.mla is not None and moe.router == "sigmoid"):
+        raise ConfigError(
+            f"model {cfg.name} with mtp_depth={cfg.mtp_depth}: multi-token prediction layers have a Hugging Face "
+            "counterpart in DeepSeek-V3 only (MLA with a sigmoid router); valid: mtp_depth=0 for this architecture"
+        )
     if moe is None and cfg.mla is None:
         return ("Qwen2Config", "Qwen2ForCausalLM") if cfg.qkv_bias else ("LlamaConfig", "LlamaForCausalLM")
     if cfg.qkv_bias:
@@ -304,6 +324,7 @@ def state_dict_from_hf(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
         >>> sd = state_dict_from_hf(hf_model.state_dict(), cfg)  # doctest: +SKIP
         >>> Llama(cfg).load_state_dict(sd)  # doctest: +SKIP
     """
+    hf_sd = _check_mtp_copies(hf_sd, cfg)
     sd = _rename(_split_experts(hf_sd), list(_KEY_PAIRS), ignore=_HF_IGNORED)
     if cfg.tie_embeddings and "tok_embeddings.weight" in sd:
         sd.setdefault("output.weight", sd["tok_embeddings.weight"])
@@ -337,7 +358,32 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tenso
     ours = {k for k in _our_keys(cfg) if not (_softmax_router(cfg) and k.endswith("router.expert_bias"))}
     expected = {_fused_key(k) for k in _rename({k: k for k in ours}, pairs, ignore=None)}
     _check_complete(hf_sd, expected, cfg, "our state dict")
+    for hf, key in _mtp_copy_names(cfg).items():  # as DeepSeek's checkpoints hold them
+        hf_sd[hf] = sd[key]
     return hf_sd
+
+
+def _mtp_copy_names(cfg: LlamaConfig) -> dict[str, str]:
+    """HF name -> our key of the embedding and head copies in each MTP layer of ``cfg``'s checkpoint."""
+    layers = range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)
+    return {f"model.layers.{i}.{hf}": ours for i in layers for hf, ours in _MTP_COPIES}
+
+
+def _check_mtp_copies(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """``hf_sd`` without the MTP layers' copies of the embedding and head, each checked equal to the model's (ours
+    shares them: a copy that differs would be dropped silently)."""
+    copies = _mtp_copy_names(cfg)
+    main = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    for hf, ours in copies.items():
+        if hf not in hf_sd:
+            continue  # (a checkpoint that stores them once)
+        reference = hf_sd.get(main[ours], hf_sd.get("model.embed_tokens.weight"))
+        if reference is None or not torch.equal(hf_sd[hf], reference):
+            raise ConfigError(
+                f"the HF state dict's {hf} differs from the model's {main[ours]}: our multi-token prediction shares "
+                "the embedding and the head; valid: a checkpoint whose MTP copies equal them"
+            )
+    return {k: v for k, v in hf_sd.items() if k not in copies}
 
 
 def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Llama:
@@ -401,8 +447,11 @@ def hf_file_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, int | None]]:
         and not (cfg.tie_embeddings and k == "output.weight")
     ]  # fmt: skip
     renamed = _rename({k: k for k in ours}, [(o, h) for h, o in _KEY_PAIRS], ignore=None)
+    copies: dict[str, tuple[str, int | None]] = {hf: (our, None) for hf, our in _mtp_copy_names(cfg).items()}
+    if cfg.tie_embeddings:
+        copies = {hf: ("tok_embeddings.weight", None) for hf in copies}
     if cfg.moe is None:
-        return {hf: (our, None) for hf, our in sorted(renamed.items())}
+        return {hf: (our, None) for hf, our in sorted(renamed.items())} | copies
     block, names = _FILE_EXPERTS[hf_architecture(cfg)[1]]
     out: dict[str, tuple[str, int | None]] = {}
     for hf, our in sorted(renamed.items()):
@@ -413,7 +462,7 @@ def hf_file_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, int | None]]:
                 out[f"model.layers.{m.group(1)}.{block}.experts.{j}.{name}.weight"] = (our, j)
         else:
             out[hf.replace(".mlp.gate.", f".{block}.gate.")] = (our, None)
-    return out
+    return out | copies
 
 
 def hf_directory_config(path: str | os.PathLike[str], option: str | None = None) -> LlamaConfig:
@@ -428,7 +477,46 @@ def hf_directory_config(path: str | os.PathLike[str], option: str | None = None)
     defaults = {"tie_word_embeddings": False, "num_key_value_heads": None, "max_position_embeddings": 2048}
     fields = {**defaults, **json.loads(config_file.read_text())}
     _check_model_type(fields.get("model_type"), where)
-    return config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
+    config = config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
+    depth = int(fields.get("num_nextn_predict_layers") or 0) if config.mla is not None else 0
+    if depth:
+        from lightning_ultrascale.models.hf.weights import file_keys
+
+        if f"model.layers.{config.n_layers}.eh_proj.weight" not in file_keys(path):
+            log.warning(
+                "%s: config.json names %d multi-token-prediction layer(s) that its files do not hold (as "
+                "transformers' save_pretrained writes DeepSeek-V3): read without them (mtp_depth=0)",
+                where,
+                depth,
+            )
+            depth = 0
+    return dataclasses.replace(config, mtp_depth=depth)
+
+
+def _check_loaded_copies(
+    path: str | os.PathLike[str], copies: dict[str, str], files: dict[str, tuple[str, int | None]], loaded: dict
+) -> None:
+    """Read the MTP layers' copies of the embedding and head a directory holds (this rank's parts) and refuse
+    one that differs from what was loaded as the model's own (ours shares them)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    from lightning_ultrascale.models.hf.weights import file_keys
+
+    main = {key: hf for hf, (key, expert) in files.items() if hf not in copies and expert is None}
+    present = set(file_keys(path))
+    wanted = {
+        hf: torch.empty_like(loaded[main[key]]) for hf, key in copies.items() if hf in present and main[key] in loaded
+    }
+    if not wanted:
+        return
+    load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+    for hf, value in wanted.items():
+        if not torch.equal(value, loaded[main[copies[hf]]]):
+            raise ConfigError(
+                f"model.init_from=hf:{path}: {hf} differs from the model's {main[copies[hf]]}: our multi-token "
+                "prediction shares the embedding and the head; valid: a checkpoint whose MTP copies equal them"
+            )
 
 
 def _check_model_type(model_type: Any, where: str) -> None:
@@ -465,5 +553,11 @@ def load_hf_weights(model: Llama, path: str | os.PathLike[str]) -> None:
     held = {n: p.detach() for n, p in model.named_parameters()}
     held |= {n: b for n, b in model.named_buffers() if n.endswith("router.expert_bias")}
     part = RankParts(held)
-    targets = {hf: t for hf, (key, expert) in hf_file_tensors(ours).items() if (t := part(key, expert)) is not None}
+    copies = _mtp_copy_names(ours)
+    files = hf_file_tensors(ours)
+    targets = {
+        hf: t for hf, (key, expert) in files.items() if hf not in copies and (t := part(key, expert)) is not None
+    }
     load(targets, storage_reader=HuggingFaceStorageReader(str(path)))
+    if copies:
+        _check_loaded_copies(path, copies, files, targets)
