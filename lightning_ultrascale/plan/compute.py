@@ -64,7 +64,9 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
 
     matmul = attention = memory = 0.0
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
-    for layer in rank.layers:
+    # Multi-token prediction's blocks run after the head, where it is (a pipeline refuses MTP: every rank).
+    mtp = range(spec.n_layers, spec.n_layers + spec.mtp_depth) if rank.last else range(0)
+    for layer in [*rank.layers, *mtp]:
         moe = spec.is_moe_block(layer)
         matmul += _attention_gemms(linear, rank) + (
             _moe_gemms(gemm, linear, rank) if moe else _dense_gemms(linear, rank)
@@ -81,9 +83,9 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
             per_token = EAGER_ELEMENTS[0] * s.h / s.sp + EAGER_ELEMENTS[1] * f + routed
         memory += t * per_token * e / byte_rate
         ops += OPS_PER_MOE_BLOCK if moe else OPS_PER_DENSE_BLOCK
-    if rank.last:
-        matmul += gemm(t, s.h, s.vocab / s.tp, 3)
-        memory += 4 * 4 * t * s.vocab / s.tp / byte_rate  # log-softmax: read, write; and back
+    if rank.last:  # the head, and again per MTP depth with its [2h -> h] projection before the block
+        matmul += gemm(t, s.h, s.vocab / s.tp, 3) * (1 + len(mtp)) + gemm(t, 2 * s.h, s.h, 3 * len(mtp))
+        memory += 4 * 4 * t * s.vocab / s.tp / byte_rate * (1 + len(mtp))  # log-softmax: read, write; and back
     m = rank.forwards
     moe_blocks = sum(1 for i in rank.layers if spec.is_moe_block(i))
     per_block = sum(gpu.host_overhead(h) * (moe_blocks if h == "expert" else len(rank.layers)) for h in hosts)
