@@ -24,7 +24,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.kernels import check_kernels, get_kernels, reference
 from lightning_ultrascale.models import LlamaConfig, get_model_config
-from lightning_ultrascale.models.common.decoder import Llama
+from lightning_ultrascale.models.common.decoder import MTP_KEYS, Llama
 from lightning_ultrascale.models.common.moe import ExpertStats
 from lightning_ultrascale.models.spec import ModelSpec
 from lightning_ultrascale.parallel.muon import Muon, muon_param_groups
@@ -226,8 +226,9 @@ class LlamaModule(L.LightningModule):
         labels = batch["labels"]
         assert self.model is not None, "configure_model() builds the model"
         # ``document_ids`` (data.documents=mask): attention stays inside each packed document.
+        ahead = {k: batch[k] for k in MTP_KEYS if k in batch} or None  # (made before context parallelism's cut)
         loss = self.model(batch["input_ids"], batch.get("position_ids"), labels=labels,
-                          document_ids=batch.get("document_ids"))  # fmt: skip
+                          document_ids=batch.get("document_ids"), mtp=ahead)  # fmt: skip
         # Vocab-sharded logits (tensor parallel) give a replicated DTensor: hand Lightning its value.
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         mtp = self.model.pop_mtp_sums()
@@ -251,7 +252,7 @@ class LlamaModule(L.LightningModule):
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         # A rank whose part holds no labelled token has a NaN mean: it adds nothing.
         sums = torch.stack((torch.where(n > 0, value.float() * n, 0.0), n.float()))
-        if self.config.mtp_depth:
+        if self._mtp_depth:
             sums = torch.cat((sums, torch.zeros(2, device=sums.device) if mtp is None else mtp.detach().float()))
         split = "train" if self.training else "val"
         self._loss_sums[split] = self._loss_sums[split] + sums if split in self._loss_sums else sums
@@ -325,7 +326,7 @@ class LlamaModule(L.LightningModule):
         sums = self._train_sums()
         tokens = sums[1].clamp(min=1)
         metrics = {"train/loss": sums[0] / tokens}
-        if self.config.mtp_depth:
+        if self._mtp_depth:
             metrics["train/mtp_loss"] = sums[2] / sums[3].clamp(min=1)
         if self.config.moe is not None:
             loads = sums[self._n_loss_sums : -2].view(len(self.config.moe_blocks()), -1)
@@ -370,13 +371,18 @@ class LlamaModule(L.LightningModule):
         # The cross-entropy of every labelled validation token, not a mean of per-batch means.
         sums = self._global_sums("val")
         self.log("val/loss", sums[0] / sums[1].clamp(min=1), prog_bar=True)
-        if self.config.mtp_depth:
+        if self._mtp_depth:
             self.log("val/mtp_loss", sums[2] / sums[3].clamp(min=1))
 
     @property
     def _n_loss_sums(self) -> int:
         """The loss sums of a split: ``[cross-entropy sum, tokens]``, then MTP's (with ``mtp_depth``)."""
-        return 4 if self.config.mtp_depth else 2
+        return 4 if self._mtp_depth else 2
+
+    @property
+    def _mtp_depth(self) -> int:
+        """The model's multi-token-prediction depth (0 for a module without our config: ``HFCausalLMModule``)."""
+        return int(getattr(getattr(self, "config", None), "mtp_depth", 0) or 0)
 
     def configure_optimizers(self) -> Any:
         o = self.optim

@@ -400,6 +400,24 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+#: Batch entries of multi-token prediction made before a sequence is cut (context parallelism): ``[b, s, depth]``.
+MTP_KEYS = ("mtp_input_ids", "mtp_labels")
+
+
+def mtp_targets(tokens: Tensor, labels: Tensor, depth: int) -> dict[str, Tensor]:
+    """The tokens and labels ``k`` ahead of each position, ``k = 1 .. depth`` (``[b, s, depth]``; padded with
+    token 0 and label -100): what depth ``k`` reads and predicts, made on whole sequences.
+
+    Example:
+        >>> t = torch.tensor([[5, 6, 7, 8]])
+        >>> mtp_targets(t, torch.tensor([[6, 7, 8, -100]]), 1)["mtp_labels"][..., 0]
+        tensor([[   7,    8, -100, -100]])
+    """
+    ahead = [F.pad(tokens[:, k:], (0, k)) for k in range(1, depth + 1)]
+    targets = [F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX) for k in range(1, depth + 1)]
+    return {"mtp_input_ids": torch.stack(ahead, dim=-1), "mtp_labels": torch.stack(targets, dim=-1)}
+
+
 class MTPBlock(TransformerBlock):
     """DeepSeek-V3's multi-token-prediction module of depth ``k``: ``post_norm(block(eh_proj([enorm(e); hnorm(h)])))``.
 
@@ -495,10 +513,12 @@ class Llama(nn.Module):
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
         document_ids: Tensor | None = None,
+        mtp: dict[str, Tensor] | None = None,
     ) -> Tensor:
         """Logits ``[b, s, vocab]``; with ``labels [b, s]`` the mean cross-entropy over those not -100 instead.
 
-        With a fused linear cross-entropy kernel the loss never materialises the logits.
+        With a fused linear cross-entropy kernel the loss never materialises the logits. ``mtp``: the
+        :func:`mtp_targets` of whole sequences, where a rank holds a part of each (context parallelism).
         """
         n = self.config.n_layers
         blocks = [name for name in self.layers.keys() if int(name) < n]  # the main ones (MTP blocks follow)
@@ -509,7 +529,8 @@ class Llama(nn.Module):
         assert self.norm is not None and self.output is not None, "a loss needs the final norm and the head"
         h = self.norm(self.forward_stage(tokens, position_ids, blocks, embed=embed, head=False, **docs))
         if self.config.mtp_depth:
-            self._mtp_sums = self._multi_token_prediction(h, tokens, labels, position_ids, document_ids)
+            targets = mtp or mtp_targets(tokens, labels, self.config.mtp_depth)
+            self._mtp_sums = self._multi_token_prediction(h, targets, position_ids, document_ids)
         return self._cross_entropy(h, labels)
 
     def _cross_entropy(self, h: Tensor, labels: Tensor) -> Tensor:
@@ -520,21 +541,22 @@ class Llama(nn.Module):
         return fused(h, self.output.weight, labels) if fused else reference.cross_entropy(self.output(h), labels)
 
     def _multi_token_prediction(
-        self, h: Tensor, tokens: Tensor, labels: Tensor, position_ids: Tensor | None, document_ids: Tensor | None
+        self, h: Tensor, targets: dict[str, Tensor], position_ids: Tensor | None, document_ids: Tensor | None
     ) -> Tensor:
         """``[cross-entropy sum, tokens]`` of the MTP blocks over every depth: depth ``k`` reads the embedding of
-        the tokens ``k`` ahead and predicts the labels ``k`` ahead (the last ``k`` positions of a row predict
-        nothing). The rows must be whole sequences: a pipeline or context parallelism refuses MTP."""
+        the tokens ``k`` ahead and predicts the labels ``k`` ahead (:func:`mtp_targets`; the last ``k``
+        positions of a sequence predict nothing)."""
         assert self.tok_embeddings is not None
+        ahead, labels = targets["mtp_input_ids"], targets["mtp_labels"]
         if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            position_ids = torch.arange(ahead.shape[1], device=ahead.device)[None]
         cos, sin = self._rope_angles(position_ids)
         docs = {} if document_ids is None else {"documents": document_ids}
         sums = torch.zeros(2, device=labels.device)
         for k in range(1, self.config.mtp_depth + 1):
-            ahead = F.pad(tokens[:, k:], (0, k))  # (the padded ids' predictions are not scored)
-            h = self.layers[str(self.config.n_layers + k - 1)](h, self.tok_embeddings(ahead), cos, sin, **docs)
-            target = F.pad(labels[:, k:], (0, k), value=IGNORE_INDEX)
+            block = self.layers[str(self.config.n_layers + k - 1)]
+            h = block(h, self.tok_embeddings(ahead[..., k - 1]), cos, sin, **docs)
+            target = labels[..., k - 1]
             n = (target != IGNORE_INDEX).sum()
             mean = self._cross_entropy(h, target)
             mean = mean.full_tensor() if isinstance(mean, DTensor) else mean

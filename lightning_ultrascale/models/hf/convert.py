@@ -480,7 +480,7 @@ def hf_directory_config(path: str | os.PathLike[str], option: str | None = None)
     config = config_from_hf(SimpleNamespace(**fields), name=Path(path).name)
     depth = int(fields.get("num_nextn_predict_layers") or 0) if config.mla is not None else 0
     if depth:
-        from lightning_ultrascale.models.hf.weights import file_keys
+        from lightning_ultrascale.models.hf.files import file_keys
 
         if f"model.layers.{config.n_layers}.eh_proj.weight" not in file_keys(path):
             log.warning(
@@ -501,7 +501,7 @@ def _check_loaded_copies(
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    from lightning_ultrascale.models.hf.weights import file_keys
+    from lightning_ultrascale.models.hf.files import file_keys
 
     main = {key: hf for hf, (key, expert) in files.items() if hf not in copies and expert is None}
     present = set(file_keys(path))

@@ -15,7 +15,6 @@ and every parameter a file tensor: anything else is refused by name.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models.hf.adapter import tied_names
+from lightning_ultrascale.models.hf.files import file_keys
 from lightning_ultrascale.models.hf.parts import RankParts
 from lightning_ultrascale.models.shard_init import clean_name, local_indices
 from lightning_ultrascale.models.spec import piece
@@ -43,24 +43,6 @@ _EXPERT_KEY = re.compile(r"(.*\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weig
 #: Expert tensors read whole then cut: (the whole tensor, the rank's DTensor, half of a fused gate/up).
 Later = list[tuple[Tensor, Tensor, int | None]]
 _MIXTRAL_ROUTER = re.compile(r"(.*\.layers\.\d+)\.block_sparse_moe\.gate\.weight")
-
-
-def file_keys(path: str | Path) -> list[str]:
-    """The tensor names of an HF directory's safetensors files (from the index where there is one)."""
-    where = Path(path)
-    index = where / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(json.loads(index.read_text())["weight_map"])
-    files = sorted(where.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.path={path} holds no *.safetensors files; valid: a directory save_pretrained wrote")
-    from safetensors import safe_open
-
-    keys: list[str] = []
-    for file in files:
-        with safe_open(str(file), "pt") as handle:
-            keys.extend(handle.keys())
-    return sorted(keys)
 
 
 def _model_name(key: str, model_type: str) -> tuple[str, int | None, int | None]:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_ultrascale.errors import ConfigError, divisors, nearby_multiples, option, require_positive_int
+from lightning_ultrascale.models.common.decoder import MTP_KEYS, mtp_targets
 from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.models.spec import (
     ModelSpec,
@@ -91,6 +92,7 @@ class ContextParallel(ParallelPlugin):
         self.method = method
         self.kernel = kernel
         self._tp = 1
+        self._mtp_depth = 0  # the model's multi-token prediction: its shifted tokens are cut like the tokens
         self._rank = 0
         self._probe: PositionProbe | None = None  # the first batch's positions: did the model read them?
         self._probed = False
@@ -107,13 +109,6 @@ class ContextParallel(ParallelPlugin):
         return {"method": self.method, "kernel": self.kernel}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
-        if self.size > 1 and spec.mtp_depth:
-            raise ConfigError(
-                f"{option(self, 'size', self.size)} with model.mtp_depth={spec.mtp_depth}: multi-token prediction "
-                "reads the tokens ahead of each position, which another rank's chunk holds, and does not run under "
-                "context parallelism yet; valid: model.mtp_depth=0, or a layout of data, ZeRO, tensor and expert "
-                "parallelism"
-            )
         if self.size > 1 and self.method == "all_to_all":
             heads = spec.n_heads // dims.tp
             if heads % self.size:
@@ -190,6 +185,7 @@ class ContextParallel(ParallelPlugin):
         self._rank = cp_mesh.get_local_rank()
         self._index = {}
         self._tp = layout.dims.tp
+        self._mtp_depth = spec.mtp_depth
         fn = self._noting_forwards(attention_fn(self.method, cp_mesh.get_group(), self.kernel))
         for block in model.get_submodule(spec.layers).values():
             attention = block.get_submodule(spec.attention)
@@ -228,7 +224,9 @@ class ContextParallel(ParallelPlugin):
         out = dict(batch)
         if "position_ids" not in out:
             out["position_ids"] = torch.arange(seq_len, device=tokens.device).expand(tokens.shape[0], -1)
-        for key in SEQUENCE_KEYS:
+        if self._mtp_depth:  # the tokens and labels k ahead of each position, taken before the cut
+            out |= mtp_targets(tokens, batch["labels"], self._mtp_depth)
+        for key in SEQUENCE_KEYS + MTP_KEYS:
             if key in out:
                 out[key] = out[key].index_select(1, index)
         return self._handshake(out)

@@ -137,7 +137,7 @@ class PipelineParallel(ParallelPlugin):
             raise ConfigError(
                 f"{option(self, 'size', self.size)} with model.mtp_depth={spec.mtp_depth}: multi-token prediction "
                 "does not run under a pipeline yet (its blocks need the embedding on the last stage); valid: "
-                "model.mtp_depth=0, or a layout of data, ZeRO, tensor and expert parallelism"
+                "model.mtp_depth=0, or a layout of data, ZeRO, tensor, context and expert parallelism"
             )
         if spec.n_layers < self.n_stages:
             raise ConfigError(
