@@ -50,9 +50,8 @@ def evaluate_checkpoint(
     if text_tokenizer is None:
         raise ConfigError(f"{checkpoint} records no tokenizer: give the one its data was made with, --tokenizer SPEC")
     import lm_eval  # (after the checks: it starts a thread, see training/evaluation.py)
-    from lm_eval.tasks import TaskManager
 
-    from lightning_ultrascale.training.evaluation import LayoutLM
+    from lightning_ultrascale.training.evaluation import LayoutLM, task_manager
 
     model = Llama(config)
     state = {f"state_dict.model.{name}": tensor for name, tensor in model.state_dict().items()}
@@ -60,7 +59,7 @@ def evaluate_checkpoint(
     lm = LayoutLM(model.eval(), text_tokenizer, batch_size, max_length=config.max_seq_len)
     with torch.no_grad():
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, limit=limit, task_manager=TaskManager(include_path=include_path),
+            model=lm, tasks=tasks, limit=limit, task_manager=task_manager(tasks, include_path),
             bootstrap_iters=0, log_samples=False, verbosity="WARNING",
         )  # fmt: skip
     return _metrics(out["results"])

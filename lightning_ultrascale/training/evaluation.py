@@ -46,7 +46,8 @@ from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.parallel.step import StepRunner
 from lightning_ultrascale.utils.loss import IGNORE_INDEX
 
-__all__ = ["LMEvaluation", "row_scores", "run_tokenizer"]  # and LayoutLM, made on first use (__getattr__)
+#: and LayoutLM, made on first use (module __getattr__)
+__all__ = ["LMEvaluation", "row_scores", "run_tokenizer", "task_manager"]
 
 
 def __getattr__(name: str) -> Any:
@@ -359,12 +360,11 @@ class LMEvaluation(L.Callback):
 
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, dict[str, float]]:
         import lm_eval
-        from lm_eval.tasks import TaskManager
 
         getattr(trainer.strategy, "wait_for_parameters", lambda: None)()  # ZeRO-1/2's gathers in flight
         lm = self._model(trainer, pl_module)
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=self.tasks, limit=self.limit, task_manager=TaskManager(include_path=self.include_path),
+            model=lm, tasks=self.tasks, limit=self.limit, task_manager=task_manager(self.tasks, self.include_path),
             bootstrap_iters=0, log_samples=False, verbosity="WARNING",
             # lm-eval seeds Python, numpy and torch by default: the run's own random streams must go on as they were
             random_seed=None, numpy_random_seed=None, torch_random_seed=None,
@@ -385,6 +385,18 @@ class LMEvaluation(L.Callback):
             payload = {"step": trainer.global_step, "tasks": self.tasks, "results": metrics}
             (folder / f"step_{trainer.global_step}.json").write_text(json.dumps(payload, indent=1))
         return metrics
+
+
+def task_manager(tasks: Sequence[str], include_path: str | None) -> Any:
+    """lm-eval's ``TaskManager`` for ``tasks``: the ``include_path`` folder alone when it holds them all (indexing
+    lm-eval's own ~15,000 task files takes seconds in every process), else with lm-eval's tasks too."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if set(tasks) <= set(own.all_tasks):
+            return own
+    return TaskManager(include_path=include_path)
 
 
 def _metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -83,3 +83,16 @@ def test_lm_eval_metrics_in_every_layout_equal_one_process(references, include_p
         for task, metrics in reference.items():
             for name, value in metrics.items():
                 assert abs(got[task][name] - value) <= 1e-4 * abs(value), (layout, rank, task, name, got[task], value)
+
+
+def _task_managers(include_path: str) -> tuple[list[str], bool]:
+    from lightning_ultrascale.training.evaluation import task_manager
+
+    own = task_manager(list(TASKS), include_path).all_tasks
+    return own, "hellaswag" in task_manager(["tiny_choice", "hellaswag"], include_path).all_tasks
+
+
+def test_local_tasks_skip_indexing_lm_evals_own_and_a_hub_task_still_finds_them(include_path):
+    # (in a fresh fork: lm-eval's task index imports pyarrow, see the module docstring)
+    [(own, with_defaults)] = run_workers(_task_managers, 1, include_path)
+    assert sorted(own) == sorted(TASKS) and with_defaults

@@ -189,13 +189,12 @@ def _lm_eval_scores(root: str, include_path: str) -> list[tuple[str, dict[str, f
     import lm_eval
     from eval_tasks import TASKS
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from lightning_ultrascale.cli.evaluate import main
     from lightning_ultrascale.data.tokenizer import ByteTokenizer
-    from lightning_ultrascale.training.evaluation import LayoutLM, _metrics
+    from lightning_ultrascale.training.evaluation import LayoutLM, _metrics, task_manager
 
-    tasks = TaskManager(include_path=include_path)
+    tasks = task_manager(list(TASKS), include_path)
 
     def scores(lm, task: str) -> dict[str, float]:
         out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tasks, bootstrap_iters=0)
