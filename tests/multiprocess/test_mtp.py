@@ -194,3 +194,40 @@ def test_the_planner_prices_the_mtp_blocks_and_their_second_head():
     slower = costs[0].tokens_per_s / costs[1].tokens_per_s
     assert flops[1] / flops[0] <= slower <= 1.2 * flops[1] / flops[0], (slower, flops)
     assert costs[1].peak - costs[0].peak >= 16 * 251_678_720 / 8  # the MTP block's params x 16 bytes / 8 ranks
+
+
+def test_the_mtp_block_computes_what_transformers_mtp_layer_does():
+    # transformers' own MtpLayer (what its DeepSeek-V3 speculative decoding runs) on the same weights, embeddings
+    # and main-model output: an implementation we did not write.
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_layers import MtpLayer
+
+    from lightning_ultrascale.models.hf.convert import config_to_hf, hf_architecture, state_dict_to_hf
+
+    ours = Llama(DEEPSEEK_MTP)
+    ours.init_weights(seed=5)
+    config = getattr(transformers, hf_architecture(DEEPSEEK_MTP)[0])(**config_to_hf(DEEPSEEK_MTP))
+    config._attn_implementation = "eager"
+    main = getattr(transformers, hf_architecture(DEEPSEEK_MTP)[1])(config).eval()
+    n = DEEPSEEK_MTP.n_layers
+    layer = MtpLayer(config, type(main.model.layers[-1]), type(main.model.norm), n).eval()
+    prefix, own = f"model.layers.{n}.", ("enorm.", "hnorm.", "eh_proj.")
+    weights = {}
+    for name, tensor in state_dict_to_hf(ours.state_dict(), DEEPSEEK_MTP).items():
+        if not name.startswith(prefix) or name.endswith(("embed_tokens.weight", "shared_head.head.weight")):
+            continue
+        rest = name[len(prefix) :]
+        rest = "post_norm.weight" if rest == "shared_head.norm.weight" else rest
+        weights[rest if rest.startswith((*own, "post_norm.")) else f"mtp_block.{rest}"] = tensor
+    assert set(weights) == set(layer.state_dict())
+    layer.load_state_dict(weights)
+    tokens = torch.randint(0, DEEPSEEK_MTP.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(24)[None].expand(2, -1)
+    with torch.no_grad():
+        h = ours.norm(ours.forward_stage(tokens, None, [str(i) for i in range(n)], embed=True, head=False))
+        embedded = ours.tok_embeddings(torch.roll(tokens, -1, 1))
+        cos, sin = ours._rope_angles(positions)
+        causal = torch.full((24, 24), float("-inf")).triu(1)[None, None].expand(2, 1, 24, 24)  # (eager's mask)
+        want = layer(embedded, h, main.model.rotary_emb(embedded, positions), causal, positions, None)
+        got = ours.layers[str(n)](h, embedded, cos, sin)
+    assert (got - want).norm() / want.norm() < 1e-5
