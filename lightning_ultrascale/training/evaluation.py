@@ -363,8 +363,15 @@ class LMEvaluation(L.Callback):
 
         getattr(trainer.strategy, "wait_for_parameters", lambda: None)()  # ZeRO-1/2's gathers in flight
         lm = self._model(trainer, pl_module)
+        tasks = task_manager(self.tasks, self.include_path)
+        if lm.group is not None:
+            # The tasks' data go through the datasets cache, which every rank of a node shares: rank 0 fills it
+            # first, the others then read it (ranks writing one cache entry at once race).
+            if trainer.is_global_zero:
+                lm_eval.tasks.get_task_dict(self.tasks, tasks)
+            trainer.strategy.barrier()
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=self.tasks, limit=self.limit, task_manager=task_manager(self.tasks, self.include_path),
+            model=lm, tasks=self.tasks, limit=self.limit, task_manager=tasks,
             bootstrap_iters=0, log_samples=False, verbosity="WARNING",
             # lm-eval seeds Python, numpy and torch by default: the run's own random streams must go on as they were
             random_seed=None, numpy_random_seed=None, torch_random_seed=None,
