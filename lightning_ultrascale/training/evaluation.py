@@ -242,7 +242,7 @@ class _LayoutLMMethods:
         self.module.eval()
         try:
             if self.runner is None:
-                scores = row_scores(self.module(ids.to(self._device)), batch["labels"], batch["position_ids"])
+                scores = row_scores(self.module(batch["input_ids"]), batch["labels"], batch["position_ids"])
             else:
                 scores = self.runner.score(self.module, batch, row_scores)
         finally:
