@@ -50,6 +50,10 @@ class StepRunner:
 
     #: Whether checkpoints must be sharded (DCP): ranks hold parameters no other rank has.
     requires_sharded_checkpoint: ClassVar[bool] = False
+    #: Whether every :meth:`score` batch should have one shape (a pipeline's: each shape builds a schedule),
+    #: and what its rows must be a multiple of (the microbatches).
+    score_fixed: ClassVar[bool] = False
+    score_rows: int = 1
 
     def __init__(self) -> None:
         self._layout: Layout | None = None
@@ -131,11 +135,6 @@ class StepRunner:
         assert totals is not None, "the agreement read no token totals for a step that counted tokens"
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self.tokens.scale(grads, totals, accumulate)
-
-    #: Whether every :meth:`score` batch should have one shape (a pipeline's: each shape builds a schedule),
-    #: and what its rows must be a multiple of (the microbatches).
-    score_fixed: bool = False
-    score_rows: int = 1
 
     @torch.no_grad()
     def score(self, module: Any, batch: dict[str, torch.Tensor], scorer: Scorer) -> torch.Tensor:
