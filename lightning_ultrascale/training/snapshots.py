@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -391,23 +392,25 @@ def _write_snapshot(
     keys = plan.merges.get(plan.rank, [])
     if keys:
         out: dict[str, torch.Tensor] = {}
-        for key in keys:
-            whole = _assemble(key, plan, pieces, safe_open)
-            for name, expert in plan.hf[key]:
-                out[name] = (whole if expert is None else whole[expert]).to(dtype).contiguous()
+        with contextlib.ExitStack() as stack:  # each rank's file opened once (its header read once), not per piece
+            files = [stack.enter_context(safe_open(str(pieces / f"rank_{r}.safetensors"), framework="pt"))
+                     for r in range(plan.world)]  # fmt: skip
+            for key in keys:
+                whole = _assemble(key, plan, files)
+                for name, expert in plan.hf[key]:
+                    out[name] = (whole if expert is None else whole[expert]).to(dtype).contiguous()
         _save(save_file, out, partial / plan.files[plan.rank])
     _mark(partial / f".merged_{plan.rank}", "")
     if plan.rank == 0:
         _wait(partial, [partial / f".merged_{r}" for r in range(plan.world)], deadline)
 
 
-def _assemble(key: str, plan: SnapshotPlan, pieces: Path, safe_open: Any) -> torch.Tensor:
-    """The whole tensor ``key`` from its pieces in the ranks' files; every element written exactly once."""
+def _assemble(key: str, plan: SnapshotPlan, files: list[Any]) -> torch.Tensor:
+    """The whole tensor ``key`` from its pieces in the ranks' open ``files``; every element written exactly once."""
     whole: torch.Tensor | None = None
     filled = torch.zeros(plan.shapes[key], dtype=torch.int8)
     for piece, rank in plan.pieces[key]:
-        with safe_open(str(pieces / f"rank_{rank}.safetensors"), framework="pt") as f:
-            part = f.get_tensor(piece.name)
+        part = files[rank].get_tensor(piece.name)
         if whole is None:
             whole = torch.empty(plan.shapes[key], dtype=part.dtype)
         box = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.shape))
