@@ -195,9 +195,9 @@ def check_module(module: nn.Module, plugins: Sequence[Any]) -> None:
             return
 
 
-def check_batch(batch: Any, technique: str) -> dict[str, Any]:
-    """``batch`` if it is a dict of :data:`BATCH_KEYS` with ``input_ids`` and ``labels``; else a
-    :class:`ContractError` naming the expected format (``technique`` splits every key of it)."""
+def check_batch(batch: Any, technique: str, also: Sequence[str] = ()) -> dict[str, Any]:
+    """``batch`` if it is a dict of :data:`BATCH_KEYS` (and the keys ``also`` names) with ``input_ids`` and
+    ``labels``; else a :class:`ContractError` naming the expected format (``technique`` splits every key of it)."""
     if not isinstance(batch, dict):
         raise ContractError(
             f"{technique} needs each batch as a dict of [batch, seq] tensors ({', '.join(BATCH_KEYS)}; input_ids "
@@ -205,11 +205,11 @@ def check_batch(batch: Any, technique: str) -> dict[str, Any]:
             "or into microbatches) and cannot split what it cannot name. Return such a dict from your DataModule "
             "(UltraScaleDataModule does)"
         )
-    unknown = sorted(set(batch) - set(BATCH_KEYS))
+    unknown = sorted(set(batch) - set(BATCH_KEYS) - set(also))
     absent = [k for k in ("input_ids", "labels") if k not in batch]
     if unknown or absent:
         raise ContractError(
-            f"{technique} handles each key of a batch by name, and knows {', '.join(BATCH_KEYS)}; got "
+            f"{technique} handles each key of a batch by name, and knows {', '.join((*BATCH_KEYS, *also))}; got "
             f"{', '.join(map(repr, batch))}"
             + (f" (unknown: {', '.join(unknown)})" if unknown else "")
             + (f" (missing: {', '.join(absent)})" if absent else "")

@@ -145,7 +145,8 @@ class StagedModel(Protocol):
 
     ``forward_stage`` embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs
     the named ``blocks`` in order; applies the final norm and head if ``head``. ``document_ids``
-    (packed documents) is passed where the batch has them. The contract's row:
+    (packed documents) is passed where the batch has them; a model whose spec has ``mtp_depth`` also takes
+    ``mtp=`` (the microbatch's tokens and labels ahead) on its last stage. The contract's row:
     :mod:`lightning_ultrascale.models.contract` (``forward_stage``).
     """
 

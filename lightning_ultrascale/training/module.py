@@ -219,8 +219,12 @@ class LlamaModule(L.LightningModule):
             )
             self._warned_unfused = True
         loss = reference.cross_entropy(logits, labels)
-        self._count_loss(loss, labels)
-        return loss
+        mtp = self.model.pop_mtp_sums() if self._mtp_depth and self.model is not None else None
+        self._count_loss(loss, labels, mtp)
+        if mtp is None:
+            return loss
+        # Vocab-sharded logits (tensor parallel) give a replicated DTensor; the MTP sums are plain: add values.
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss) + self._mtp_term(mtp, labels)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
@@ -234,15 +238,19 @@ class LlamaModule(L.LightningModule):
         mtp = self.model.pop_mtp_sums()
         self._count_loss(loss, labels, mtp)
         if mtp is not None:
-            # DeepSeek-V3's weight / depth times each depth's cross-entropy, a sum over the main loss's tokens like it
-            # (so every layout weighs it as one process does); logged per predicted token (train/mtp_loss).
-            n = (labels != IGNORE_INDEX).sum().clamp(min=1)
-            loss = loss + self.config.mtp_loss_weight / self.config.mtp_depth * mtp[0] / n
+            loss = loss + self._mtp_term(mtp, labels)
         aux = self.model.pop_aux_loss()
         if aux is not None:
             # MoE balancing losses are sums over tokens: weighted per token like the cross-entropy.
             loss = loss + aux / (labels != IGNORE_INDEX).sum().clamp(min=1)
         return loss
+
+    def _mtp_term(self, mtp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction's share of the loss: DeepSeek-V3's weight / depth times each depth's cross-entropy,
+        a sum over the main loss's tokens like it (so every layout, and a pipeline's microbatches, weigh it as one
+        process does); logged per predicted token (``train/mtp_loss``)."""
+        n = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return self.config.mtp_loss_weight / self.config.mtp_depth * mtp[0] / n
 
     @torch.no_grad()
     def _count_loss(self, loss: torch.Tensor, labels: torch.Tensor, mtp: torch.Tensor | None = None) -> None:

@@ -1,5 +1,5 @@
-"""Multi-token prediction (DeepSeek-V3's, ``mtp_depth``): trained under DP, ZeRO, TP/SP, EP and CP as one process
-trains it; refused by name under a pipeline; through Hugging Face with every tensor accounted for; priced."""
+"""Multi-token prediction (DeepSeek-V3's, ``mtp_depth``): trained under DP, ZeRO, TP/SP, EP, CP and PP as one process
+trains it; through Hugging Face with every tensor accounted for; priced."""
 
 import json
 from dataclasses import replace
@@ -10,7 +10,6 @@ from llama_runs import DEEPSEEK_V3_TINY, SGD, run_tiny_llama
 
 from lightning_ultrascale import (
     ContextParallel,
-    DataParallel,
     ExpertParallel,
     LlamaModule,
     PipelineParallel,
@@ -37,6 +36,19 @@ LAYOUTS = {
     # Context parallelism: the tokens and labels ahead are taken on whole sequences, then cut (zig-zag).
     "cp2": (lambda: [ContextParallel(2)], 2, 1, DEEPSEEK_MTP),
     "cp2_depth2": (lambda: [ContextParallel(2)], 2, 1, LLAMA_MTP2),
+    # A pipeline: the MTP block runs on the last stage, which keeps a copy of the embedding (1F1B: on the other
+    # rank, gradients summed; ZBV: the first and last stage share a rank and one Parameter).
+    "pp2_1f1b": (lambda: [PipelineParallel(2, "1f1b", microbatches=2)], 2, 1, DEEPSEEK_MTP),
+    "pp2_zbv": (lambda: [PipelineParallel(2, "zbv", microbatches=2)], 2, 1, DEEPSEEK_MTP),
+    # Depth 2 under a split backward: the last stage computes its weight gradients with its input gradients.
+    "pp2_zbv_depth2": (lambda: [PipelineParallel(2, "zbv", microbatches=2)], 2, 1, LLAMA_MTP2),
+    # Vocab-sharded logits on the last stage: the MTP term joins a replicated loss.
+    "pp2_tp2": (
+        lambda: [PipelineParallel(2, "1f1b", microbatches=2), TensorParallel(2, sequence_parallel=True)],
+        4,
+        1,
+        DEEPSEEK_MTP,
+    ),
 }
 
 
@@ -97,13 +109,13 @@ def test_the_mtp_loss_is_deepseeks_written_out():
     torch.testing.assert_close(loss.detach(), (main + 0.3 * want / 30).detach(), rtol=1e-5, atol=0)
 
 
-def test_mtp_under_a_pipeline_is_refused_by_name():
-    strategy = UltraScaleStrategy(PipelineParallel(2), DataParallel())
-    message = (
-        r"PipelineParallel\(size=2\) with model\.mtp_depth=1: multi-token prediction does not run under a pipeline"
-    )
+def test_mtp_under_a_v_shaped_pipeline_with_zero3_is_refused_by_name():
+    # The rank holding the first and the last stage runs the embedding in both, and FSDP2 shards it for one.
+    strategy = UltraScaleStrategy(PipelineParallel(2, "zbv", microbatches=2), ZeRO(3))
+    message = r"PipelineParallel\(schedule='zbv'\) with model\.mtp_depth=1 and ZeRO\(stage=3"
     with pytest.raises(ConfigError, match=message):
-        strategy.validate(LlamaModule(DEEPSEEK_MTP).model_spec, None, world_size=2)
+        strategy.validate(LlamaModule(DEEPSEEK_MTP).model_spec, None, world_size=4)
+    UltraScaleStrategy(PipelineParallel(2, "1f1b"), ZeRO(3)).validate(LlamaModule(DEEPSEEK_MTP).model_spec, None, 4)
 
 
 def _hf_directory_with_mtp(directory) -> dict[str, torch.Tensor]:

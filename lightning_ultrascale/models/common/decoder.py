@@ -577,12 +577,15 @@ class Llama(nn.Module):
         embed: bool,
         head: bool,
         document_ids: Tensor | None = None,
+        mtp: dict[str, Tensor] | None = None,
     ) -> Tensor:
         """Run a part of the model: a pipeline stage (see :mod:`lightning_ultrascale.parallel.pipeline`).
 
         Embeds ``x`` (tokens) if ``embed``, else takes it as the hidden state; runs the named
         blocks in order; applies the final norm and the output head if ``head``. The MoE blocks'
-        auxiliary losses wait for :meth:`pop_aux_loss`.
+        auxiliary losses wait for :meth:`pop_aux_loss`. With ``head`` and ``mtp`` (the microbatch's
+        :func:`mtp_targets`: the last stage of a pipeline) the MTP blocks run on the normed hidden state and
+        their sums wait for :meth:`pop_mtp_sums`.
         """
         h = self.tok_embeddings(x) if embed else x
         if position_ids is None:
@@ -594,7 +597,10 @@ class Llama(nn.Module):
         for name in blocks:
             h = self.layers[name](h, cos, sin, **docs)
         if head:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if mtp is not None and self.config.mtp_depth:
+                self._mtp_sums = self._multi_token_prediction(h, mtp, position_ids, document_ids)
+            h = self.output(h)
         return h
 
     def moe_layers(self, blocks: Sequence[str] | None = None) -> dict[str, MoE]:

@@ -55,7 +55,7 @@ from lightning_ultrascale.parallel.pricing import (
     SearchPoint,
     add_traffic,
 )
-from lightning_ultrascale.parallel.tied import TiedCopy, find_tied
+from lightning_ultrascale.parallel.tied import TiedCopy, TiedGroup, find_tied
 from lightning_ultrascale.utils.memo import memoized
 
 
@@ -115,6 +115,7 @@ class PipelineParallel(ParallelPlugin):
         self.local: list[int] = []  # the stages this rank runs
         self.group: dist.ProcessGroup | None = None
         self.stages: list[StageModule] = []
+        self._mtp_depth = 0  # the model's multi-token prediction depth (validate's, for validate_with)
 
     # ----------------------------------------------------------------------------- configuration
     @property
@@ -133,12 +134,7 @@ class PipelineParallel(ParallelPlugin):
         return {"schedule": self.schedule, "microbatches": self.microbatches, "virtual_stages": self.virtual_stages}
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
-        if self.size > 1 and spec.mtp_depth:
-            raise ConfigError(
-                f"{option(self, 'size', self.size)} with model.mtp_depth={spec.mtp_depth}: multi-token prediction "
-                "does not run under a pipeline yet (its blocks need the embedding on the last stage); valid: "
-                "model.mtp_depth=0, or a layout of data, ZeRO, tensor, context and expert parallelism"
-            )
+        self._mtp_depth = spec.mtp_depth
         if spec.n_layers < self.n_stages:
             raise ConfigError(
                 f"{option(self, 'size', self.size)} x {option(self, 'virtual_stages', self.virtual_stages)} = "
@@ -156,6 +152,17 @@ class PipelineParallel(ParallelPlugin):
                 f"(or microbatches among the divisors {', '.join(map(str, divisors(data.micro_batch_size)))})"
             )
 
+    def validate_with(self, plugins: Sequence[ParallelPlugin]) -> None:
+        sharded = [p for p in plugins if type(p).__name__ == "ZeRO" and getattr(p, "stage", 0) == 3]
+        if self.size > 1 and self._mtp_depth and self.stage_ranks[0] == self.stage_ranks[-1] and sharded:
+            # Both of the rank's stages run the embedding module, and FSDP2 lets a module belong to one root unit.
+            raise ConfigError(
+                f"{option(self, 'schedule', self.schedule)} with model.mtp_depth={self._mtp_depth} and "
+                f"{sharded[0]!r}: the V-shaped schedule puts the first and the last stage on one rank, both run the "
+                "embedding (multi-token prediction reads it on the last stage), and FSDP2 shards a module for one "
+                "stage only; valid: schedule 1f1b, interleaved_1f1b or zero_bubble, or ZeRO stage 0-2"
+            )
+
     # ----------------------------------------------------------------------------- model
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         spec = require_spec(model)
@@ -171,8 +178,11 @@ class PipelineParallel(ParallelPlugin):
         self.local = [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]
         last = self.n_stages - 1
         kept = {b for s in self.local for b in self.ranges[s]}
+        # Multi-token prediction's embedding is held on the first and the last stage: one name, two ranks.
+        embedding = [n for n, _ in model.named_parameters() if n.startswith(f"{spec.embedding}.")]
+        shared = [(n,) for n in embedding if spec.mtp_depth and not any(n in group for group in layout.tied)]
         layout.dropped |= prune_to_stages(model, spec, kept, first=0 in self.local, last=last in self.local)
-        self._tie_across_ranks(layout, spec, pp_rank)
+        self._tie_across_ranks(layout, [*layout.tied, *shared], spec, pp_rank)
         self.model, self.spec = model, spec
         self.stages = [StageModule(model, spec, s, self.ranges[s], first=s == 0, last=s == last) for s in self.local]
         # Facts for the plugins after this one: FSDP roots, parameters re-gathered per microbatch,
@@ -259,26 +269,29 @@ class PipelineParallel(ParallelPlugin):
 
     def _holders(self, spec: ModelSpec, ranges: Sequence[range], name: str) -> set[int]:
         """The pipeline ranks that hold parameter ``name`` (what :func:`prune_to_stages` leaves them)."""
-        blocks = f"{spec.layers}."
+        blocks, first, last = f"{spec.layers}.", self.stage_ranks[0], self.stage_ranks[-1]
         if name.startswith(blocks):
             block = int(name[len(blocks) :].split(".")[0])
+            if block >= spec.n_layers:  # multi-token prediction's
+                return {last}
             return {self.stage_ranks[s] for s, r in enumerate(ranges) if block in r}
-        if name.startswith(f"{spec.embedding}."):
-            return {self.stage_ranks[0]}
+        if name.startswith(f"{spec.embedding}."):  # (multi-token prediction embeds on the last stage too)
+            return {first, last} if spec.mtp_depth else {first}
         if name.startswith((f"{spec.final_norm}.", f"{spec.head}.")):
             return {self.stage_ranks[-1]}
         return set(range(self.size))  # outside the pieces a pipeline splits: kept on every rank
 
-    def _tie_across_ranks(self, layout: Layout, spec: ModelSpec, pp_rank: int) -> None:
+    def _tie_across_ranks(self, layout: Layout, groups: Sequence[TiedGroup], spec: ModelSpec, pp_rank: int) -> None:
         """A tied weight whose names land on several pipeline ranks (the embedding on the first stage,
-        the head on the last): one copy per rank, equal by construction (Megatron's "embedding group").
+        the head on the last; multi-token prediction's embedding on both): one copy per rank, equal by
+        construction (Megatron's "embedding group").
 
         The rank holding its first name holds the original; the copies' gradients are summed
         before each optimizer step, and the gradient norm counts the original only. Every rank
         creates every group, in the same order (``new_group`` is collective).
         """
         ranks = layout.mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
-        for group in layout.tied:
+        for group in groups:
             holders = {name: self._holders(spec, self.ranges, name) for name in group}
             pp_ranks = sorted(set().union(*holders.values()))
             if len(pp_ranks) < 2:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +31,11 @@ class StageModule(nn.Module):
     objective through this stage's own backward, weighted by ``aux_loss_scale()`` (the weight of
     one token's loss in the step), instead of carrying them to the last stage; ``aux_total`` adds
     up their weighted values for the reported loss.
+
+    Multi-token prediction (``spec.mtp_depth``) runs on the last stage: it holds the MTP blocks (after the
+    main ones, not run among them) and the token embedding (a copy of the first stage's, kept equal:
+    :class:`~lightning_ultrascale.parallel.tied.TiedCopy`), and gets each microbatch's tokens and labels
+    ahead beside the positions; the model keeps the MTP sums for the loss function.
     """
 
     def __init__(self, model: nn.Module, spec: ModelSpec, index: int, blocks: Sequence[int], first: bool, last: bool):
@@ -40,22 +46,35 @@ class StageModule(nn.Module):
         self.first = first
         self.last = last
         self.block_names = [str(i) for i in blocks]
+        mtp = range(spec.n_layers, spec.n_layers + spec.mtp_depth) if last else range(0)
+        self.mtp_names = [str(i) for i in mtp]  # held and run after the head's norm, not among the blocks
         self.aux_loss_scale: Callable[[], Tensor | float] = lambda: 1.0
         self.aux_total: Tensor | None = None
         self._tracking = True
         layers = model.get_submodule(spec.layers)
-        if first:
+        if first or self.mtp_names:
             _attach(self, spec.embedding, model.get_submodule(spec.embedding))
-        _attach(self, spec.layers, nn.ModuleDict({name: layers[name] for name in self.block_names}))
+        held = self.block_names + self.mtp_names
+        _attach(self, spec.layers, nn.ModuleDict({name: layers[name] for name in held}))
         if last:
             _attach(self, spec.final_norm, model.get_submodule(spec.final_norm))
             _attach(self, spec.head, model.get_submodule(spec.head))
 
-    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor,
+        document_ids: Tensor | None = None,
+        mtp_input_ids: Tensor | None = None,
+        mtp_labels: Tensor | None = None,
+    ) -> Tensor:
         model = self.__dict__["_model"]
-        docs = {} if document_ids is None else {"document_ids": document_ids}
-        out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last, **docs)
-        aux = model.pop_aux_loss(self.block_names) if declares(model, AuxLossModel) else None
+        kwargs: dict[str, Any] = {} if document_ids is None else {"document_ids": document_ids}
+        if self.mtp_names and mtp_input_ids is not None and mtp_labels is not None:
+            kwargs["mtp"] = {"mtp_input_ids": mtp_input_ids, "mtp_labels": mtp_labels}
+        out: Tensor = model.forward_stage(x, position_ids, self.block_names, embed=self.first, head=self.last, **kwargs)
+        blocks = self.block_names + self.mtp_names
+        aux = model.pop_aux_loss(blocks) if declares(model, AuxLossModel) else None
         if aux is not None and self._tracking:
             scale = self.aux_loss_scale()
             out = attach_aux_loss(out, aux, scale)
@@ -75,6 +94,8 @@ class StageModule(nn.Module):
             yield
         finally:
             self._tracking = True
+            if self.mtp_names:
+                self.__dict__["_model"].pop_mtp_sums()
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
@@ -100,12 +121,15 @@ def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: 
     Returns the names of the dropped modules (the Layout's ``dropped``).
     """
     dropped: set[str] = set()
+    if last:  # multi-token prediction's blocks (after the main ones) run on the last stage, with the embedding
+        blocks = blocks | set(range(spec.n_layers, spec.n_layers + spec.mtp_depth))
     layers = model.get_submodule(spec.layers)
     for name in list(layers.keys()):
         if int(name) not in blocks:
             del layers[name]
             dropped.add(f"{spec.layers}.{name}")
-    pieces = ([] if first else [spec.embedding]) + ([] if last else [spec.final_norm, spec.head])
+    embeds = first or (last and spec.mtp_depth > 0)
+    pieces = ([] if embeds else [spec.embedding]) + ([] if last else [spec.final_norm, spec.head])
     for piece in pieces:
         drop_piece(model, piece)
         dropped.add(piece)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_ultrascale.errors import ConfigError, option
+from lightning_ultrascale.models.common.decoder import MTP_KEYS, mtp_targets
 from lightning_ultrascale.models.contract import check_batch
 from lightning_ultrascale.models.spec import PipelineLoss, declares
 from lightning_ultrascale.parallel.pipeline.buffers import FreeingStage, SendLedger, tracking_sends
@@ -149,7 +150,7 @@ class PipelineStep(StepRunner):
         the data-parallel ranks).
         """
         pipeline = self.pipeline
-        tokens, labels = check_batch(batch, repr(pipeline))["input_ids"], batch["labels"]
+        tokens, labels = check_batch(batch, repr(pipeline), also=MTP_KEYS)["input_ids"], batch["labels"]
         self._loss_fn = _loss_fn_of(module)
         if tokens.shape[0] % pipeline.microbatches:
             raise ConfigError(
@@ -165,6 +166,9 @@ class PipelineStep(StepRunner):
         target = labels if holds_last else None
         schedule = self._torch_schedule()
         kwargs = _stage_kwargs(batch)
+        depth = pipeline.spec.mtp_depth if pipeline.spec is not None else 0
+        if depth:  # the tokens and labels ahead travel to the last stage (made before context parallelism's cut)
+            kwargs |= {k: batch[k] for k in MTP_KEYS if k in batch} or mtp_targets(tokens, labels, depth)
         if train:
             with tracking_sends(self._sends):
                 schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
@@ -201,10 +205,13 @@ class PipelineStep(StepRunner):
 
         pipeline = self.pipeline
         stage_class = _stage_class()
+        # A stage running multi-token prediction computes its weight gradients with its input gradients (torch's
+        # split of a backward into the two fails on the MTP chain of depth >= 2): its W is a no-op.
         stages = [
-            stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group)
+            stage_class(m, m.index, pipeline.n_stages, first_param_device(m), group=pipeline.group,
+                        dw_builder=_nothing_left if m.mtp_names and pipeline.splits_backward else None)
             for m in pipeline.stages
-        ]
+        ]  # fmt: skip
         for stage in stages:
             stage.init_freeing(self._sends)
         for module in pipeline.stages:
@@ -277,6 +284,11 @@ def _stage_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
     kwargs = {"position_ids": position_ids, "document_ids": batch.get("document_ids")}
     return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _nothing_left() -> Callable[[], None]:
+    """A W action with nothing to do (the stage's I ran the whole backward)."""
+    return lambda: None
 
 
 def _shape_only_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
