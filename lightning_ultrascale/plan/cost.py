@@ -420,16 +420,20 @@ def activation_memory(
     t = c.micro_batch_size * workload.seq_len / c.cp  # tokens per microbatch on this rank
     cp_method = c.cp_method if c.cp > 1 else None
     blocks = sum(_kept(spec, s, e, i, c, cp_method) for i in layers) * t
+    depth = spec.mtp_depth if last else 0  # multi-token prediction's blocks run on the head's rank
+    for i in range(spec.n_layers, spec.n_layers + depth):
+        # A block, and what it reads: enorm, hnorm, their concatenation into eh_proj, post_norm.
+        blocks += (_kept(spec, s, e, i, c, cp_method) + 3 * _norm(s, e) + 2 * s.h * e) * t
     rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
     if last:
-        ids += 8 * t  # labels
+        ids += 8 * t * (1 + 2 * depth)  # labels, and each depth's tokens and labels ahead
         if workload.fused_cross_entropy:
             head_working = s.h * e * t + 2 * 4 * s.vocab / s.tp * min(t, 1024)
         else:
             log_softmax = 4 * s.vocab / s.tp
-            head = (_norm(s, e) + log_softmax) * t
+            head = (_norm(s, e) + log_softmax) * t * (1 + depth)  # (each MTP depth's logits too)
             # Backward of the loss: the gradients of the log-softmax and of the logits (loss
             # parallelism keeps two more vocabulary-wide tensors), then of the hidden state.
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t

@@ -206,6 +206,11 @@ def test_the_planner_prices_the_mtp_blocks_and_their_second_head():
     slower = costs[0].tokens_per_s / costs[1].tokens_per_s
     assert flops[1] / flops[0] <= slower <= 1.2 * flops[1] / flops[0], (slower, flops)
     assert costs[1].peak - costs[0].peak >= 16 * 251_678_720 / 8  # the MTP block's params x 16 bytes / 8 ranks
+    # Its activations: a block's, its norms and eh_proj's input, and a second head's fp32 log-softmax (8192 tokens
+    # x 128256 ids) kept for backward: more than a block and those logits, less than a block and twice them.
+    extra = costs[1].memory["activations"] - costs[0].memory["activations"]
+    block, logits = costs[0].memory["activations"] / 32, 8192 * 4 * 128256
+    assert block + logits < extra < block + 2 * logits, (extra, block)
 
 
 def test_the_mtp_block_computes_what_transformers_mtp_layer_does():
