@@ -74,6 +74,7 @@ from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.models.common.decoder import LlamaConfig, llama_spec
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
+from lightning_ultrascale.parallel.expert.placement import ExpertPlacement, balance_experts
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.muon import muon_cost
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
@@ -286,22 +287,27 @@ class Cost:
 
 
 # ----------------------------------------------------------------------------- activations
-def expert_load(loads: torch.Tensor, ep: int) -> float:
+def expert_load(loads: torch.Tensor, ep: int, redundant: int | None = None, nodes: int = 1, groups: int = 1) -> float:
     """:attr:`Workload.expert_load` from a run's tokens per expert ``loads [MoE blocks, experts]``.
 
     Expert rank ``r`` of ``ep`` holds experts ``r E/ep ..``; per block, its rows are the sum of
     its experts' loads; the result is the busiest rank's over the mean, averaged over the blocks
-    (``LlamaModule.expert_stats.loads`` after a step holds the global loads of that step).
+    (``LlamaModule.expert_stats.loads`` after a step holds the global loads of that step). With
+    ``redundant`` (0 or more extra slots per block), the balance EPLB's placement computed from these
+    loads leaves (:func:`~lightning_ultrascale.parallel.expert.placement.balance_experts`, on ``nodes``
+    nodes, experts in ``groups`` routing groups): for loads that persist, as a hot expert does.
 
     Example:
-        >>> round(expert_load(torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), ep=2), 4)  # (4/3 + 1) / 2
-        1.1667
+        >>> loads = torch.tensor([[3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+        >>> round(expert_load(loads, ep=2), 4), round(expert_load(loads, ep=2, redundant=2), 4)  # (4/3 + 1) / 2
+        (1.1667, 1.0)
     """
-    if loads.ndim != 2 or loads.shape[1] % ep:
+    if loads.ndim != 2 or (redundant is None and loads.shape[1] % ep):
         raise ConfigError(f"expert_load needs loads [MoE blocks, experts] with experts divisible by ep={ep}")
-    per_rank = loads.float().view(loads.shape[0], ep, -1).sum(-1)
-    busiest = per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-9)
-    return float(busiest.mean())
+    blocks, experts = loads.shape
+    if redundant is None:
+        return ExpertPlacement.contiguous(blocks, experts, ep).max_over_mean(loads)
+    return balance_experts(loads, ep, redundant, nodes, groups).max_over_mean(loads)
 
 
 def widths(spec: ModelSpec, c: Candidate) -> Widths:

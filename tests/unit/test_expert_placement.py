@@ -1,0 +1,89 @@
+"""EPLB's expert placement (``parallel/expert/placement.py``): DeepSeek's own example reproduced, and the
+properties a placement must have on loads our tests did not pick."""
+
+import pytest
+import torch
+
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.expert.placement import ExpertPlacement, balance_experts
+from lightning_ultrascale.plan import expert_load
+
+#: DeepSeek's EPLB README: two MoE layers of 12 experts in 4 groups, 4 redundant slots, 2 nodes of 4 GPUs.
+DEEPSEEK_LOADS = torch.tensor(
+    [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+)
+DEEPSEEK_PLACEMENT = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+
+
+def test_deepseeks_example_placement_is_reproduced():
+    # The hierarchical policy: groups packed onto nodes, replicas within nodes, slots packed onto GPUs.
+    placed = balance_experts(DEEPSEEK_LOADS, ep=8, redundant=4, nodes=2, groups=4)
+    assert placed.slots.tolist() == DEEPSEEK_PLACEMENT
+
+
+def _skewed_loads(blocks: int, experts: int, seed: int) -> torch.Tensor:
+    """Token counts with a few hot experts, as a router shows early in training."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(blocks, experts, generator=g) ** 4 * 1000).round() + 1
+
+
+@pytest.mark.parametrize(("experts", "ep", "redundant", "nodes", "groups"), [
+    (8, 2, 0, 1, 1), (8, 4, 4, 1, 1), (16, 4, 4, 2, 4), (64, 8, 8, 2, 8), (12, 4, 4, 2, 3),
+])  # fmt: skip
+def test_every_placement_holds_every_expert_and_evens_the_ranks(experts, ep, redundant, nodes, groups):
+    loads = _skewed_loads(6, experts, seed=experts + ep)
+    placed = balance_experts(loads, ep, redundant, nodes, groups)
+    slots = experts + redundant
+    assert placed.slots.shape == (6, slots) and placed.slots_per_rank == slots // ep
+    counts = placed.replicas(experts)
+    assert (counts >= 1).all() and (counts.sum(1) == slots).all()
+    # The rows are all received, split over the replicas; fewer on the busiest rank than experts r E/ep .. leave.
+    per_rank = placed.rank_loads(loads)
+    torch.testing.assert_close(per_rank.sum(1), loads.double().sum(1))
+    contiguous = ExpertPlacement.contiguous(6, experts, ep)
+    assert placed.max_over_mean(loads) <= contiguous.max_over_mean(loads)
+    # A rank holds a second replica of an expert only where the expert has more replicas than its node has ranks
+    # (two replicas on one rank split nothing).
+    for block, row in enumerate(placed.slots.view(6, ep, -1)):
+        for rank in row:
+            held = torch.bincount(rank, minlength=experts)
+            assert (held <= -(-counts[block] // (ep // nodes))).all(), (block, rank)
+    # Replicas go to the experts with the most rows: a replicated expert is at least as hot as any unreplicated one.
+    for block in range(6):
+        replicated, single = loads[block][counts[block] > 1], loads[block][counts[block] == 1]
+        if len(replicated):
+            assert replicated.min() >= single.max() / 2
+
+
+def test_a_hierarchical_placement_keeps_each_group_on_one_node():
+    loads = _skewed_loads(4, 16, seed=1)
+    placed = balance_experts(loads, ep=4, redundant=4, nodes=2, groups=4)
+    for row in placed.slots.view(4, 2, -1):  # [node, its slots]
+        nodes_of_group = [{n for n in range(2) if (row[n] // 4 == g).any()} for g in range(4)]
+        assert all(len(nodes) == 1 for nodes in nodes_of_group), nodes_of_group
+
+
+def test_the_planner_prices_the_balance_a_placement_leaves():
+    loads = _skewed_loads(3, 8, seed=0)
+    before = expert_load(loads, ep=4)
+    after = expert_load(loads, ep=4, redundant=4)
+    assert before == pytest.approx(ExpertPlacement.contiguous(3, 8, 4).max_over_mean(loads))
+    assert 1.0 <= after < before
+    assert expert_load(torch.ones(2, 8), ep=4, redundant=0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"ep": 3}, r"8 experts \+ redundant=0 slots must split evenly over ep=3"),
+    ({"ep": 4, "redundant": 2}, r"redundant=2 slots must split evenly over ep=4 .* valid redundant: multiples of 4"),
+    ({"ep": 4, "redundant": -1}, r"redundant=-1 must be an integer >= 0"),
+    ({"ep": 0}, r"ep=0 must be a positive integer"),
+    ({"ep": 4, "groups": 3}, r"the experts over groups=3"),
+])  # fmt: skip
+def test_a_placement_that_cannot_split_evenly_is_refused_by_name(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        balance_experts(torch.ones(1, 8), **kwargs)
+    with pytest.raises(ConfigError, match="every expert a slot"):
+        ExpertPlacement(torch.zeros(1, 4, dtype=torch.int64), ep=2).rank_loads(torch.ones(1, 4))
