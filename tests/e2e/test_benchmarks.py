@@ -91,6 +91,7 @@ SMOKE = {
     "context": ("Longest sequence", (), ()),
     "pipeline": ("Pipeline bubble", _PIPELINE_OPS, ()),
     "expert": ("Load imbalance", (), ()),
+    "expert_placement": ("Busiest rank's rows over the mean", (), ()),
     # Cold inductor compiles take most of a minute per graph: --quick traces through aot_eager, times nothing.
     # (the graphs' keys are the region kinds a layout compiles)
     "compile": ("Compiled blocks against one eager process", ("parity[].graphs",), ("speed",)),
@@ -278,6 +279,27 @@ def test_expert_parameters_shard_by_ep_and_the_grouped_gemm_equals_the_loop():
         assert row["equal_within_tolerance"], row
         assert row["grouped_mm_ms"] > 0 and row["loop_ms"] > 0
     assert all(v > 0 for v in result["speed"]["tokens_per_s"].values())
+
+
+def test_expert_placement_evens_the_ranks_the_bias_alone_leaves_uneven():
+    result = _committed("expert_placement")
+    assert not result["quick"] and result["step_time"] == "not measured"
+    rows = {(r["method"], r["ep"], r["placement"]): r["mean_max_over_mean"] for r in result["rows"]}
+    assert set(rows) == {(m, ep, p) for m in ("aux_free_bias", "neither") for ep in (2, 4)
+                         for p in ("contiguous", "eplb_r0", f"eplb_r{ep}")}  # fmt: skip
+    for ep in (2, 4):
+        # The skew left alone: experts 0 and 2 hold most rows; a placement from the last 10 steps' loads evens the
+        # ranks (at ep 4 only with replicas: each hot expert alone is more than a quarter of the rows).
+        assert rows[("neither", ep, "contiguous")] > 1.8
+        assert rows[("neither", ep, f"eplb_r{ep}")] < 0.7 * rows[("neither", ep, "contiguous")]
+        # With the aux-loss-free bias, which only nudges routing over many steps: less imbalance still.
+        assert rows[("aux_free_bias", ep, f"eplb_r{ep}")] < rows[("aux_free_bias", ep, "contiguous")]
+    assert (
+        rows[("neither", 2, "eplb_r0")] < 1.1
+        and rows[("neither", 4, "eplb_r4")] < 0.8 * rows[("neither", 4, "eplb_r0")]
+    )
+    first = {(r["method"], r["ep"], r["placement"]): r["first_half"] for r in result["rows"]}
+    assert first[("aux_free_bias", 4, "eplb_r4")] < 0.9 * first[("aux_free_bias", 4, "contiguous")]
 
 
 def test_expert_balancing_brings_the_imbalance_below_1_3_and_the_control_does_not():
