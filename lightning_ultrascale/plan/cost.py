@@ -377,6 +377,13 @@ def _kept(spec: ModelSpec, s: Widths, e: int, layer: int, c: Candidate, cp_metho
     return _block_kept(spec, s, e, layer, cp_method)
 
 
+def _mtp_kept(spec: ModelSpec, s: Widths, e: int, c: Candidate, cp_method: str | None, depth: int) -> float:
+    """Bytes per token multi-token prediction's ``depth`` blocks keep: each a block, and what it reads (enorm,
+    hnorm, their concatenation into eh_proj, post_norm); their heads are counted with the head's."""
+    layers = range(spec.n_layers, spec.n_layers + depth)
+    return sum(_kept(spec, s, e, i, c, cp_method) + 3 * _norm(s, e) + 2 * s.h * e for i in layers)
+
+
 def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
     """(microbatches' worth of this rank's activations held at once, pipeline stages on the rank)."""
     if c.timeline is None:
@@ -427,9 +434,7 @@ def activation_memory(
     cp_method = c.cp_method if c.cp > 1 else None
     blocks = sum(_kept(spec, s, e, i, c, cp_method) for i in layers) * t
     depth = spec.mtp_depth if last else 0  # multi-token prediction's blocks run on the head's rank
-    for i in range(spec.n_layers, spec.n_layers + depth):
-        # A block, and what it reads: enorm, hnorm, their concatenation into eh_proj, post_norm.
-        blocks += (_kept(spec, s, e, i, c, cp_method) + 3 * _norm(s, e) + 2 * s.h * e) * t
+    blocks += _mtp_kept(spec, s, e, c, cp_method, depth) * t
     rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
