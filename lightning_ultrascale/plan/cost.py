@@ -432,9 +432,8 @@ def activation_memory(
     s = widths(spec, c)
     t = c.micro_batch_size * workload.seq_len / c.cp  # tokens per microbatch on this rank
     cp_method = c.cp_method if c.cp > 1 else None
-    blocks = sum(_kept(spec, s, e, i, c, cp_method) for i in layers) * t
     depth = spec.mtp_depth if last else 0  # multi-token prediction's blocks run on the head's rank
-    blocks += _mtp_kept(spec, s, e, c, cp_method, depth) * t
+    blocks = (sum(_kept(spec, s, e, i, c, cp_method) for i in layers) + _mtp_kept(spec, s, e, c, cp_method, depth)) * t
     rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
@@ -448,11 +447,9 @@ def activation_memory(
             # Backward of the loss: the gradients of the log-softmax and of the logits (loss
             # parallelism keeps two more vocabulary-wide tensors), then of the hidden state.
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t
-    in_flight, stages = _in_flight(c, pp_rank)
-    per_microbatch = blocks + head + ids + rope
-    held = (in_flight, stages)
+    held = _in_flight(c, pp_rank)
     outputs = _stage_outputs(c, s, e, t, last, held, pp_rank, polled) if c.pp > 1 else 0.0
-    kept = per_microbatch * in_flight + outputs
+    kept = (blocks + head + ids + rope) * held[0] + outputs
     # The block moment: the last block of the rank's forward starts its backward.
     block_moment = 0.0
     if layers:
