@@ -355,6 +355,7 @@ class LlamaModule(L.LightningModule):
         ranges = self.model.expert_bias_ranges() if ranges is None else ranges
         if self.config.moe.bias_update_rate > 0:
             self.model.update_expert_bias(loads)
+        self.model.observe_expert_loads(loads)  # (expert placement: ExpertParallel(rebalance_every=N))
         imbalance = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
         metrics = {"moe/max_over_mean": imbalance.max(), "moe/drop_rate": dropped / loads.sum().clamp(min=1)}
         metrics |= {f"moe/layer{b}/max_over_mean": v for b, v in zip(self.config.moe_blocks(), imbalance)}

@@ -390,11 +390,14 @@ def test_bad_moe_options_name_the_option_the_value_and_what_is_valid(change, mes
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-EP_LAYOUTS = {"one": (1, list, 1), "ep2": (2, lambda: [ExpertParallel(2)], 2)}
+EP_LAYOUTS = {"one": (1, list, 1)}
 EP_LAYOUTS["ep2-zero3"] = (2, lambda: [ExpertParallel(2), ZeRO(stage=3)], 2)
 # A sharded optimizer's flat ranges of the 3-D expert weights are several 3-D boxes (saving failed).
 EP_LAYOUTS["zero1-dp2"] = (2, lambda: [ZeRO(stage=1)], 2)
-CHAIN_STEPS = 10
+# Experts run on a placement re-computed after each step (saved after two re-placements), resumed under ep4.
+EP_LAYOUTS["ep2-eplb"] = (2, lambda: [ExpertParallel(2, redundant_experts=2, rebalance_every=1)], 2)
+EP_LAYOUTS["ep4"] = (4, lambda: [ExpertParallel(4)], 4)
+CHAIN_STEPS = 12
 
 
 def _fit_moe(layout: str, stop_at: int, ckpt_path: str | None, save_to: str | None) -> RunRecord:
@@ -415,9 +418,9 @@ def test_expert_checkpoints_reshard_between_ep_layouts(tmp_path):
     # The experts are one global Shard(0) dim: DCP reshards them like any other DTensor.
     # A chain: each layout resumes from the last one's checkpoint, trains 2 AdamW steps (the second
     # one's loss reads the restored moments) and saves for the next. Each layout saves once and
-    # loads once, and every link changes how the experts lie (whole, Shard(0) over ep, also split
-    # inside each expert, whole with flat optimizer ranges).
-    chain = ["one", "ep2", "ep2-zero3", "zero1-dp2", "one"]
+    # loads once, and every link changes how the experts lie (whole, Shard(0) over ep run on a placement
+    # with replicas, Shard(0) over 4 ranks, also split inside each expert, whole with flat optimizer ranges).
+    chain = ["one", "ep2-eplb", "ep4", "ep2-zero3", "zero1-dp2", "one"]
     assert 2 * len(chain) == CHAIN_STEPS
     full = run_tiny_llama(ADAMW, steps=CHAIN_STEPS, model="moe_tiny")
     saved = None

@@ -646,6 +646,13 @@ class Llama(nn.Module):
             moe.router.update_bias(loads[row])
 
     @torch.no_grad()
+    def observe_expert_loads(self, loads: Tensor) -> None:
+        """Hand every MoE block held its row of the step's global ``loads`` (:meth:`expert_stats`): an expert
+        placement's dispatcher re-places its experts from them (``parallel/expert/comms.py``)."""
+        for row, moe in self._held_moe_rows():
+            moe.dispatcher.observe(loads[row])
+
+    @torch.no_grad()
     def expert_bias_ranges(self) -> Tensor:
         """``max - min`` of each MoE block's selection bias ``[MoE blocks of the config]``; 0 for blocks not held."""
         ranges = torch.zeros(len(self.config.moe_blocks()), device=self.rope_inv_freq.device)

@@ -48,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -248,14 +249,25 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
 
-    def forward(self, x: Tensor, counts: Tensor, grad_scale: float = 1.0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        counts: Tensor,
+        grad_scale: float = 1.0,
+        place: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
+    ) -> Tensor:
         """``x [n, dim]``: rows of local expert ``i`` contiguous and ``counts[i]`` of them, then rows of none.
 
         Rows past ``sum(counts)`` (tokens over capacity) are left undefined: the caller masks them.
         Under autocast the experts run in its dtype: ``_grouped_mm`` is not an autocast op, and on
         CUDA only bf16 takes its grouped fast path (fp32 falls back to a loop reading offsets).
+        ``place`` maps this rank's ``w1, w2, w3`` to the weights the rows run with (expert placement:
+        ``parallel/expert/comms.py``), inside this forward, where a ZeRO-3 unit has gathered them.
         """
-        w1, w2, w3 = (_scale_grad(local_tensor(w), grad_scale) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        if place is not None:
+            w1, w2, w3 = place(w1, w2, w3)
+        w1, w2, w3 = (_scale_grad(w, grad_scale) for w in (w1, w2, w3))
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
@@ -341,6 +353,10 @@ class Dispatcher:
 
     def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
         return experts(x, counts)
+
+    def observe(self, load: Tensor) -> None:
+        """The step's global tokens per expert of this block, after each optimizer step (an expert placement's
+        input: ``parallel/expert/comms.py``); nothing here."""
 
 
 def _in_backward() -> bool:

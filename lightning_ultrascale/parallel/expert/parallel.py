@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_ultrascale.errors import ConfigError, option, require_positive_int
+from lightning_ultrascale.models.common.moe import GroupedExperts
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
 from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
-from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher
+from lightning_ultrascale.parallel.expert.comms import AllToAllDispatcher, PlacedDispatcher
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import (
@@ -46,19 +47,47 @@ class ExpertParallel(ParallelPlugin):
     Args:
         size: expert-parallel degree ``ep``; must divide the model's routed experts and the
             data-parallel ranks ``dp_replicate x dp_shard x cp``.
+        redundant_experts: ``R`` extra expert slots per MoE block (EPLB's redundant experts: the hottest
+            experts replicated, each replica running part of the expert's rows); ``E + R`` must split
+            evenly over the ``size`` ranks.
+        rebalance_every: re-place the experts every this many optimizer steps from the loads they measured
+            (EPLB's placement, :mod:`~lightning_ultrascale.parallel.expert.placement`); ``None``: never
+            (with ``redundant_experts``, experts ``0 .. R-1`` are the replicated ones).
+
+    With either set, each forward sends every slot its expert's weights and backward sends their gradients
+    back (:class:`~lightning_ultrascale.parallel.expert.comms.PlacedDispatcher`): parameters, optimizer state
+    and checkpoints stay as without a placement, and training computes the same.
 
     Example:
         >>> from lightning_ultrascale import ExpertParallel, UltraScaleStrategy, ZeRO
         >>> strategy = UltraScaleStrategy(ExpertParallel(4), ZeRO(stage=3))
+        >>> balanced = ExpertParallel(4, redundant_experts=4, rebalance_every=100)
     """
 
     applies_at = "expert"
     plan_order = 40
     plan_names = ("ep",)
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, redundant_experts: int = 0, rebalance_every: int | None = None) -> None:
         require_positive_int(self, "size", size)
+        if not (isinstance(redundant_experts, int) and redundant_experts >= 0):
+            raise ConfigError(
+                f"{option(self, 'redundant_experts', redundant_experts)} must be an integer >= 0 (extra expert "
+                "slots per MoE block; 0: none)"
+            )
+        if rebalance_every is not None:
+            require_positive_int(self, "rebalance_every", rebalance_every)
+        placed = redundant_experts > 0 or rebalance_every is not None
+        if placed and size == 1:
+            raise ConfigError(
+                f"{option(self, 'redundant_experts', redundant_experts)} and "
+                f"{option(self, 'rebalance_every', rebalance_every)} place experts over expert-parallel ranks, but "
+                f"{option(self, 'size', size)} has one; valid: size > 1, or redundant_experts=0 and "
+                "rebalance_every=None"
+            )
         self.size = size
+        self.redundant_experts = redundant_experts
+        self.rebalance_every = rebalance_every
 
     @property
     def active(self) -> bool:
@@ -73,6 +102,27 @@ class ExpertParallel(ParallelPlugin):
                 f"{option(self, 'size', self.size)} splits MoE experts, but model {spec.name} has none; "
                 "use an MoE model (e.g. model=moe_tiny) or size 1"
             )
+        slots = spec.n_experts + self.redundant_experts
+        if self.size > 1 and self.redundant_experts and slots % self.size:
+            valid = [r for r in range(1, 2 * self.size + 1) if (spec.n_experts + r) % self.size == 0][:2]
+            raise ConfigError(
+                f"{option(self, 'redundant_experts', self.redundant_experts)}: model {spec.name}'s "
+                f"{spec.n_experts} experts + {self.redundant_experts} slots do not split evenly over "
+                f"{option(self, 'size', self.size)} ranks; valid: {', '.join(map(str, valid))}, ... (multiples of "
+                f"{self.size} where it divides the experts)"
+            )
+
+    @property
+    def placed(self) -> bool:
+        """Experts run on a placement (:class:`PlacedDispatcher`) rather than where their parameters are."""
+        return self.size > 1 and (self.redundant_experts > 0 or self.rebalance_every is not None)
+
+    def settings(self) -> dict[str, Any]:
+        return (
+            {"redundant_experts": self.redundant_experts, "rebalance_every": self.rebalance_every}
+            if self.placed
+            else {}
+        )
 
     @classmethod
     def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
@@ -116,7 +166,8 @@ class ExpertParallel(ParallelPlugin):
         ep_mesh = meshes["ep"]
         layout.mesh.add("ep", ep_mesh)
         layout.mesh.add("edp", meshes["edp"])
-        dispatcher = AllToAllDispatcher(ep_mesh.get_group())
+        group = ep_mesh.get_group()
+        dispatcher = AllToAllDispatcher(group)
         layers = model.get_submodule(spec.layers)
         names = set()
         for block in spec.moe_blocks:
@@ -128,9 +179,19 @@ class ExpertParallel(ParallelPlugin):
                 sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]), param.requires_grad)
                 moe.experts.register_parameter(name, sharded)
                 names.add(f"{prefix}.experts.{name}")
-            moe.dispatcher = dispatcher
+            moe.dispatcher = self._placed_dispatcher(moe, prefix, group, spec) if self.placed else dispatcher
         layout.declare_gradient_group("experts", ("edp",), names)
         return model
+
+    def _placed_dispatcher(self, moe: nn.Module, name: str, group: Any, spec: ModelSpec) -> PlacedDispatcher:
+        if not isinstance(moe.experts, GroupedExperts):
+            raise ConfigError(
+                f"{option(self, 'redundant_experts', self.redundant_experts)} / "
+                f"{option(self, 'rebalance_every', self.rebalance_every)}: {name}.experts is a "
+                f"{type(moe.experts).__name__}, and an expert placement sends slots the weights of GroupedExperts "
+                "(our Llama, Mixtral and DeepSeek models); valid: redundant_experts=0 and rebalance_every=None"
+            )
+        return PlacedDispatcher(group, spec.n_experts, self.redundant_experts, self.rebalance_every)
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).

@@ -1,0 +1,132 @@
+"""Expert placement while training (``ExpertParallel(redundant_experts=R, rebalance_every=N)``): re-placed from the
+measured loads mid-run, the hottest expert's rows split over its replicas on other ranks, and training computes what
+one process computes, in every layout it composes with."""
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from llama_runs import DEEPSEEK_V3_TINY, GLOBAL_BATCH, SEQ_LEN, SGD, run_tiny_llama
+
+from lightning_ultrascale import (
+    ExpertParallel,
+    LlamaModule,
+    PipelineParallel,
+    UltraScaleDataModule,
+    UltraScaleStrategy,
+    ZeRO,
+)
+from lightning_ultrascale.errors import ConfigError
+from lightning_ultrascale.parallel.expert.comms import PlacedDispatcher
+from lightning_ultrascale.parallel.expert.placement import ExpertPlacement
+from lightning_ultrascale.testing import run_pooled
+from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
+
+
+def _placed(ep: int) -> ExpertParallel:
+    return ExpertParallel(ep, redundant_experts=ep, rebalance_every=1)
+
+
+#: name -> (plugins, world size, data-parallel size); re-placed after every step, so steps 2 and 3 run on placements
+#: computed from the loads of steps 1 and 2.
+LAYOUTS = {
+    "ep2": (lambda: [_placed(2)], 2, 2),
+    "ep4": (lambda: [_placed(4)], 4, 4),
+    "ep2_zero3": (lambda: [_placed(2), ZeRO(3)], 2, 2),
+    # Each pipeline stage's MoE blocks, placed from their own rows of the loads.
+    "ep2_pp2": (lambda: [PipelineParallel(2, "1f1b", microbatches=2), _placed(2)], 4, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_tiny_llama(SGD, model=DEEPSEEK_V3_TINY, steps=3)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_on_a_placement_re_computed_mid_run_equals_one_process(layout, reference):
+    plugins, world_size, dp = LAYOUTS[layout]
+    run = run_tiny_llama(SGD, plugins, world_size=world_size, dp=dp, model=DEEPSEEK_V3_TINY, steps=3)
+    assert_parity(run, reference, rtol=1e-5)
+
+
+class _Placements(L.Callback):
+    """Expert 0 hot in every MoE block (its selection bias raised); after each step each block's placement it
+    ran on, the rows this rank's slots received, the step's global loads, and the placement for the next step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.ran_on: dict[str, list[int]] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for moe in pl_module.model.moe_layers().values():
+            moe.router.expert_bias[0] += 1.0
+        self.ran_on = {name: moe.dispatcher.slots.tolist() for name, moe in self._layers(pl_module).items()}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        loads = pl_module.expert_stats.loads
+        step = {}
+        for row, (name, moe) in enumerate(self._layers(pl_module).items()):
+            dispatcher = moe.dispatcher
+            step[name] = {
+                "ran_on": self.ran_on[name],
+                "received": dispatcher.received.tolist(),
+                "loads": loads[row].tolist(),
+                "placements": dispatcher.placements,
+            }
+            dispatcher.received = None
+            self.ran_on[name] = dispatcher.slots.tolist()
+        self.steps.append(step)
+
+    @staticmethod
+    def _layers(pl_module) -> dict[str, Any]:
+        layers = pl_module.model.moe_layers()
+        assert all(isinstance(moe.dispatcher, PlacedDispatcher) for moe in layers.values())
+        return layers
+
+
+def _fit_placed(ep: int, redundant: int, every: int, steps: int) -> list[dict[str, Any]]:
+    record = _Placements()
+    strategy = UltraScaleStrategy(ExpertParallel(ep, redundant_experts=redundant, rebalance_every=every))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=ep, strategy=strategy, max_steps=steps, callbacks=[record], **QUIET_TRAINER
+    )
+    data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // ep, seed=0)
+    trainer.fit(LlamaModule(DEEPSEEK_V3_TINY, optim=SGD), datamodule=data)
+    return record.steps
+
+
+def test_the_hot_expert_is_replicated_and_the_ranks_receive_what_the_placement_says():
+    ranks = run_pooled(_fit_placed, 2, 2, 2, 2, 4, timeout_s=300)
+    for step, layers in enumerate(ranks[0]):
+        for name, layer in layers.items():
+            assert layer["placements"] == (step + 1) // 2  # re-placed after steps 2 and 4
+            slots = torch.tensor(layer["ran_on"])
+            loads = torch.tensor(layer["loads"])
+            received = torch.tensor([r[step][name]["received"] for r in ranks])  # [rank, its slots]
+            assert received.sum() == loads.sum()  # every routed row ran once
+            # Each rank's rows: its slots' experts', a replicated expert's split over its replicas (the split is
+            # per sending rank, in whole rows: within a row per sender of the placement's even split).
+            predicted = ExpertPlacement(slots[None], 2).rank_loads(loads[None])[0]
+            assert (received.sum(1).double() - predicted).abs().max() <= 2 * 5, (received, predicted)
+            if step >= 2:  # on a placement from measured loads: the hot expert on both ranks
+                assert (slots.view(2, -1) == 0).any(1).all(), slots
+                contiguous = ExpertPlacement.contiguous(1, 8, 2).max_over_mean(loads[None])
+                assert ExpertPlacement(slots[None], 2).max_over_mean(loads[None]) < contiguous
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"size": 2, "redundant_experts": -1}, r"ExpertParallel\(redundant_experts=-1\) must be an integer >= 0"),
+    ({"size": 2, "rebalance_every": 0}, r"rebalance_every=0"),
+    ({"size": 1, "redundant_experts": 2}, r"has one; valid: size > 1, or redundant_experts=0"),
+])  # fmt: skip
+def test_bad_placement_options_are_refused_by_name(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ExpertParallel(**kwargs)
+
+
+def test_redundant_slots_that_do_not_split_over_the_ranks_are_refused_before_any_process_group():
+    strategy = UltraScaleStrategy(ExpertParallel(2, redundant_experts=1))
+    with pytest.raises(ConfigError, match=r"8 experts \+ 1 slots do not split evenly over .*size=2.* ranks; valid: 2"):
+        strategy.validate(LlamaModule(DEEPSEEK_V3_TINY).model_spec, None, world_size=2)
