@@ -130,3 +130,25 @@ def test_redundant_slots_that_do_not_split_over_the_ranks_are_refused_before_any
     strategy = UltraScaleStrategy(ExpertParallel(2, redundant_experts=1))
     with pytest.raises(ConfigError, match=r"8 experts \+ 1 slots do not split evenly over .*size=2.* ranks; valid: 2"):
         strategy.validate(LlamaModule(DEEPSEEK_V3_TINY).model_spec, None, world_size=2)
+
+
+def test_the_planner_prices_the_weights_a_placement_sends():
+    from lightning_ultrascale.models.llama import Llama
+    from lightning_ultrascale.plan import Candidate, Workload, estimate, get_hardware
+
+    with torch.device("meta"):
+        model = Llama(DEEPSEEK_V3_TINY)
+    costs = {}
+    for name, ep in (("plain", ExpertParallel(2)), ("placed", _placed(2))):
+        candidate = Candidate.from_plugins([ep, ZeRO(0)], 2, 1)
+        [costs[name]] = estimate(
+            Workload(DEEPSEEK_V3_TINY, SEQ_LEN, GLOBAL_BATCH), candidate, model, get_hardware("h100")
+        )
+    # Each forward sends every slot (5 a rank: 8 experts + 2 slots over 2) its expert's w1, w2, w3; backward their
+    # gradients back; in every MoE block.
+    view, cfg = costs["placed"].view, DEEPSEEK_V3_TINY
+    weights = 5 * 3 * cfg.dim * cfg.moe.moe_ffn_dim * view.element_bytes
+    moe_blocks = len(cfg.moe_blocks())
+    sent = costs["placed"].comm["ep:all_to_all"] - costs["plain"].comm["ep:all_to_all"]
+    assert sent == 2 * weights * moe_blocks * view.forwards
+    assert costs["placed"].memory["working"] - costs["plain"].memory["working"] == 2 * weights

@@ -156,6 +156,13 @@ class ExpertParallel(ParallelPlugin):
         rows = rank.tokens * spec.top_k * rank.widths.h * rank.element_bytes
         # (+ the split sizes: one count per expert each way)
         payload = (4 * rows + 8 * spec.n_experts) * moe_layers * rank.forwards
+        if self.placed:
+            # A placement: each forward sends every slot its expert's weights, backward their gradients back;
+            # the slots' weights and gradients live through the layer's forward and backward.
+            slots = (spec.n_experts + self.redundant_experts) // self.size
+            weights = slots * 3 * rank.widths.h * spec.expert_ffn_dim * rank.element_bytes
+            payload += 2 * weights * moe_layers * rank.forwards
+            terms.working += 2 * weights
         add_traffic(terms.traffic, "ep", "all_to_all", payload)
         return terms
 
