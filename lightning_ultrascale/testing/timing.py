@@ -193,19 +193,22 @@ def fit_tokens_per_s(
     micro_batch: int,
     data_ranks: int,
     warmup: int = 2,
+    callbacks: Sequence[L.Callback] = (),
 ) -> float:
     """Train ``module`` for ``steps`` batches of the bundled corpus under ``strategy`` on ``devices`` CPU
     processes and return the tokens per second after ``warmup`` steps: the one speed worker of the
     benchmarks' side-by-side tables (run it on every rank, through ``run_workers``).
 
-    ``data_ranks`` is how many ranks read different samples (the data-parallel size: 1 for pure TP).
+    ``data_ranks`` is how many ranks read different samples (the data-parallel size: 1 for pure TP);
+    ``callbacks``: the Trainer's besides the timer.
     """
     from lightning_ultrascale.data.datamodule import UltraScaleDataModule
     from lightning_ultrascale.testing.parity import QUIET_TRAINER
 
     timer = StepTimer()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer], **QUIET_TRAINER
-    )
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[timer, *callbacks],
+        **QUIET_TRAINER,
+    )  # fmt: skip
     trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=seq_len, micro_batch_size=micro_batch))
     return data_ranks * micro_batch * seq_len * timer.steps_per_s(warmup)

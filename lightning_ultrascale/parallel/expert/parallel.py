@@ -174,7 +174,6 @@ class ExpertParallel(ParallelPlugin):
         layout.mesh.add("ep", ep_mesh)
         layout.mesh.add("edp", meshes["edp"])
         group = ep_mesh.get_group()
-        dispatcher = AllToAllDispatcher(group)
         layers = model.get_submodule(spec.layers)
         names = set()
         for block in spec.moe_blocks:
@@ -186,7 +185,10 @@ class ExpertParallel(ParallelPlugin):
                 sharded = nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]), param.requires_grad)
                 moe.experts.register_parameter(name, sharded)
                 names.add(f"{prefix}.experts.{name}")
-            moe.dispatcher = self._placed_dispatcher(moe, prefix, group, spec) if self.placed else dispatcher
+            # One dispatcher a block: each counts the rows its experts received (and holds its placement).
+            moe.dispatcher = (
+                self._placed_dispatcher(moe, prefix, group, spec) if self.placed else AllToAllDispatcher(group)
+            )
         layout.declare_gradient_group("experts", ("edp",), names)
         return model
 

@@ -9,26 +9,29 @@ replicas), and the slots are packed onto ranks so each rank's rows even out. Hie
 DeepSeek's ``rebalance_experts``: expert groups (group-limited routing) are first packed onto nodes,
 so a token's groups stay within few nodes; replicas are made within each node; then the node's slots
 are packed onto its ranks. Where the nodes do not divide the groups, globally (one node, one group).
+Two departures from DeepSeek's code, each never worse for the busiest rank: how many redundant slots go to
+the hot experts is chosen by packing (greedy replication can make more hot slots than ranks can share
+evenly), and a rank takes a second replica of an expert only where it cannot be avoided.
 
 A placement is a layout fact computed from loads (``LlamaModule.expert_stats().loads``: tokens per
 expert of every MoE block, summed over the global batch): the same on every rank, since every rank
 reads the same global loads.
 
-What runs today: the placement and the balance it leaves (:meth:`ExpertPlacement.rank_loads`),
-measured on real routing statistics by ``benchmarks/expert_placement.py`` and priced by the planner
-(:func:`~lightning_ultrascale.plan.expert_load` with ``redundant``). Expert parallelism itself still
-holds experts ``r E/ep ..`` on rank ``r`` (:meth:`ExpertPlacement.contiguous`): moving the experts'
-weights and optimizer state to a placement during training is not built yet.
+Training runs on a placement with ``ExpertParallel(redundant_experts=R, rebalance_every=N)``
+(:class:`~lightning_ultrascale.parallel.expert.comms.PlacedDispatcher`); the balance a placement leaves
+(:meth:`ExpertPlacement.rank_loads`) is measured by ``benchmarks/expert_placement.py`` and priced by the
+planner (:func:`~lightning_ultrascale.plan.expert_load` with ``redundant``). Without a placement, expert
+parallelism holds experts ``r E/ep ..`` on rank ``r`` (:meth:`ExpertPlacement.contiguous`).
 
 Example:
     >>> loads = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86]])  # tokens per expert
     >>> round(ExpertPlacement.contiguous(1, 12, ep=4).max_over_mean(loads), 3)  # experts 0-2 on rank 0, ...
     1.278
     >>> placed = balance_experts(loads, ep=4, redundant=4)  # 16 slots, 4 per rank
-    >>> placed.slots.view(4, 4).tolist()  # rank by rank: the hottest (10, 5, 1, 4) twice, on two ranks
-    [[10, 8, 1, 7], [10, 1, 3, 4], [0, 5, 4, 2], [11, 5, 9, 6]]
+    >>> placed.slots.view(4, 4).tolist()  # rank by rank: the hottest two (10, 5) on two ranks each
+    [[1, 5, 2, 7], [4, 5, 9, 6], [10, 0, 3, 6], [10, 11, 8, 7]]
     >>> placed.rank_loads(loads).tolist(), round(placed.max_over_mean(loads), 3)
-    ([[234.5, 270.5, 264.5, 263.5]], 1.047)
+    ([[256.5, 262.0, 262.0, 252.5]], 1.015)
 """
 
 from __future__ import annotations
@@ -102,12 +105,9 @@ def balance_experts(loads: Tensor, ep: int, redundant: int = 0, nodes: int = 1, 
     first = (group_node * (groups // nodes) + group_rank) * group_size  # [blocks, groups]: its first node-major id
     to_major = (first[..., None] + torch.arange(group_size)).flatten(1)  # logical -> node-major
     from_major = _inverse(to_major)
-    # 2. Replicate within each node: [blocks x nodes, experts per node] -> its slots.
+    # 2. Replicate within each node: [blocks x nodes, experts per node] -> its slots; 3. pack them onto its ranks.
     node_weight = weight.gather(1, from_major).view(blocks * nodes, per_node)
-    slot_expert, counts = _replicate(node_weight, slots // nodes)
-    # 3. Pack each node's slots onto its ranks.
-    slot_weight = (node_weight / counts).gather(1, slot_expert)
-    rank, rank_slot = _pack(slot_weight, ep // nodes, labels=slot_expert)
+    slot_expert, rank, rank_slot = _replicate_and_pack(node_weight, slots // nodes, ep // nodes)
     position = _inverse(rank * (slots // ep) + rank_slot)  # [.., position on the node] -> the node's slot
     major = slot_expert.gather(1, position).view(blocks, nodes, -1) + (torch.arange(nodes) * per_node)[:, None]
     return ExpertPlacement(from_major.gather(1, major.flatten(1)), ep)
@@ -150,7 +150,28 @@ def _pack(weight: Tensor, packs: int, labels: Tensor | None = None) -> tuple[Ten
             pack[row, item], position[row, item] = chosen, filled[chosen]
             totals[chosen] += float(weight[row, item])
             filled[chosen] += 1
+        if labels is not None:
+            _separate(weight[row], labels[row], pack[row], position[row])
     return pack, position
+
+
+def _separate(weight: Tensor, labels: Tensor, pack: Tensor, position: Tensor) -> None:
+    """Where the last items left a pack two of one label, swap one with the item of the closest weight in a pack
+    that has neither's label (in place)."""
+    for item in range(len(labels)):
+        mates = [j for j in range(len(labels)) if pack[j] == pack[item] and labels[j] == labels[item]]
+        if len(mates) < 2 or mates[0] == item:
+            continue
+        mine = {int(labels[j]) for j in range(len(labels)) if pack[j] == pack[item]}
+        swaps = [
+            j for j in range(len(labels))
+            if pack[j] != pack[item] and int(labels[j]) not in mine
+            and not any(pack[i] == pack[j] and labels[i] == labels[item] for i in range(len(labels)))
+        ]  # fmt: skip
+        if swaps:
+            other = min(swaps, key=lambda j: abs(float(weight[j] - weight[item])))
+            pack[item], pack[other] = int(pack[other]), int(pack[item])
+            position[item], position[other] = int(position[other]), int(position[item])
 
 
 def _replicate(weight: Tensor, slots: int) -> tuple[Tensor, Tensor]:
@@ -165,6 +186,37 @@ def _replicate(weight: Tensor, slots: int) -> tuple[Tensor, Tensor]:
         slot_expert[:, slot] = hottest
         counts[every, hottest] += 1
     return slot_expert, counts
+
+
+def _replicate_and_pack(weight: Tensor, slots: int, packs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Replicate each row's experts into ``slots`` and pack them into ``packs``: ``(expert of each slot, its pack,
+    its position in the pack)``, each ``[rows, slots]``.
+
+    One choice DeepSeek's greedy replication does not make: how many of the redundant slots replicate the hot
+    experts. Greedy lowers the hottest *replica*'s rows, not the busiest *rank*'s: with two experts holding every
+    row, 4 ranks of 3 slots and 4 redundant slots, greedy gives each 3 replicas (6 hot slots on 4 ranks: the
+    busiest has 1.33x the mean), where 2 each are even. So the first ``k`` greedy replicas, ``k`` from all of them
+    down to none (the others replicating the coldest experts, which moves nothing that matters), are each packed,
+    and the fewest rows on the busiest rank wins; on a tie the most replicas (DeepSeek's own placement).
+    """
+    rows, n = weight.shape
+    greedy, _ = _replicate(weight, slots)
+    out = [torch.empty(rows, slots, dtype=torch.int64) for _ in range(3)]
+    for row in range(rows):
+        coldest = weight[row].argsort(stable=True).tolist() * (slots // n + 1)
+        best: tuple[float, Tensor, Tensor, Tensor] | None = None
+        for k in range(slots - n, -1, -1):
+            slot_expert = torch.tensor([*range(n), *greedy[row, n : n + k].tolist(), *coldest[: slots - n - k]])
+            counts = torch.bincount(slot_expert, minlength=n)
+            slot_weight = (weight[row] / counts)[slot_expert]
+            pack, position = _pack(slot_weight[None], packs, labels=slot_expert[None])
+            busiest = float(torch.zeros(packs, dtype=slot_weight.dtype).index_add_(0, pack[0], slot_weight).max())
+            if best is None or busiest < best[0] * (1 - 1e-9):
+                best = (busiest, slot_expert, pack[0], position[0])
+        assert best is not None
+        for target, value in zip(out, best[1:]):
+            target[row] = value
+    return out[0], out[1], out[2]
 
 
 def _inverse(permutation: Tensor) -> Tensor:
