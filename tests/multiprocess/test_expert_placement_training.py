@@ -55,13 +55,14 @@ class _Placements(L.Callback):
     """Expert 0 hot in every MoE block (its selection bias raised); after each step each block's placement it
     ran on, the rows this rank's slots received, the step's global loads, and the placement for the next step."""
 
-    def __init__(self) -> None:
+    def __init__(self, skew: bool = True) -> None:
         self.steps: list[dict[str, Any]] = []
         self.ran_on: dict[str, list[int]] = {}
+        self.skew = skew
 
     def on_train_start(self, trainer, pl_module) -> None:
         for moe in pl_module.model.moe_layers().values():
-            moe.router.expert_bias[0] += 1.0
+            moe.router.expert_bias[0] += 1.0 if self.skew else 0.0
         self.ran_on = {name: moe.dispatcher.slots.tolist() for name, moe in self._layers(pl_module).items()}
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
@@ -114,6 +115,37 @@ def test_the_hot_expert_is_replicated_and_the_ranks_receive_what_the_placement_s
                 assert (slots.view(2, -1) == 0).any(1).all(), slots
                 contiguous = ExpertPlacement.contiguous(1, 8, 2).max_over_mean(loads[None])
                 assert ExpertPlacement(slots[None], 2).max_over_mean(loads[None]) < contiguous
+
+
+def _fit_on_two_nodes() -> tuple[Any, list[dict[str, Any]]]:
+    """ep4 as if ranks 0-1 and 2-3 were two nodes (torchrun's GROUP_RANK): the placement is hierarchical."""
+    import os
+
+    from lightning_ultrascale.testing.parity import ParityRecorder
+
+    os.environ["GROUP_RANK"] = str(int(os.environ["RANK"]) // 2)
+    try:
+        recorder, placements = ParityRecorder(), _Placements(skew=False)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=4, strategy=UltraScaleStrategy(_placed(4)), max_steps=3,
+            callbacks=[recorder, placements], **QUIET_TRAINER,
+        )  # fmt: skip
+        data = UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH // 4, seed=0)
+        trainer.fit(LlamaModule(DEEPSEEK_V3_TINY, optim=SGD), datamodule=data)
+        return recorder.record, placements.steps
+    finally:
+        del os.environ["GROUP_RANK"]
+
+
+def test_on_two_nodes_each_routing_group_stays_on_one_node(reference):
+    # DeepSeek-V3-tiny routes within 4 groups of 2 experts: a hierarchical placement puts each group's experts and
+    # their replicas on one node's ranks, so a token's groups cross few nodes; training is unchanged.
+    record, steps = run_pooled(_fit_on_two_nodes, 4, timeout_s=300)[0]
+    assert_parity(record, reference, rtol=1e-5)
+    for layer in steps[-1].values():
+        nodes = torch.tensor(layer["ran_on"]).view(2, -1)  # [node, its slots]
+        for group in range(4):
+            assert sum(bool((nodes[n] // 2 == group).any()) for n in range(2)) == 1, (group, nodes)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

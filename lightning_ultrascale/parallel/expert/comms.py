@@ -73,19 +73,24 @@ class PlacedDispatcher(AllToAllDispatcher):
     its expert's weights (one all-to-all of this rank's ``E/ep`` experts, a replicated one to each of its
     slots), and backward sends the slots' gradients back, summed into the expert's: the placement changes where
     the rows are computed, never what. A replicated expert's rows (sorted by expert, the rank's own) are split
-    over its replicas in contiguous, nearly equal parts. Every ``every`` optimizer steps (:meth:`observe`: the
-    steps' global tokens per expert, the same on every rank, no collective) the placement is re-computed
+    over its replicas in contiguous, nearly equal parts. Hierarchical over ``nodes`` (the group's ranks
+    ``n ep/nodes ..`` on node ``n``) when they divide the routing ``groups``. Every ``every`` optimizer steps
+    (:meth:`observe`: the steps' global tokens per expert, the same on every rank, no collective) the placement
+    is re-computed
     (:func:`~lightning_ultrascale.parallel.expert.placement.balance_experts`); before the first, the experts
     ``0 .. R-1`` are replicated.
     """
 
-    def __init__(self, group: dist.ProcessGroup, experts: int, redundant: int, every: int | None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, experts: int, redundant: int, every: int | None, nodes: int = 1, groups: int = 1
+    ) -> None:
         super().__init__(group)
         self.experts, self.redundant, self.every = experts, redundant, every
+        self.nodes, self.groups = nodes, groups  # hierarchical placement: the group's nodes, the routing groups
         self._window: Tensor | None = None  # tokens per expert since the last placement
         self._steps = 0
         self.placements = 0  # how many times the placement was re-computed from loads
-        self.place(balance_experts(torch.ones(1, experts), self.size, redundant).slots[0])
+        self.place(balance_experts(torch.ones(1, experts), self.size, redundant, nodes, groups).slots[0])
 
     def place(self, slots: Tensor) -> None:
         """Run on the placement ``slots [P]`` (the logical expert of each slot, rank-major) from the next forward."""
@@ -146,6 +151,7 @@ class PlacedDispatcher(AllToAllDispatcher):
         self._window = load if self._window is None else self._window + load
         self._steps += 1
         if self._steps % self.every == 0:
-            self.place(balance_experts(self._window[None], self.size, self.redundant).slots[0])
+            placement = balance_experts(self._window[None], self.size, self.redundant, self.nodes, self.groups)
+            self.place(placement.slots[0])
             self._window = None
             self.placements += 1

@@ -17,8 +17,11 @@ tokens, and the ``ep`` groups are made of ranks with the same tp coordinate.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -200,7 +203,9 @@ class ExpertParallel(ParallelPlugin):
                 f"{type(moe.experts).__name__}, and an expert placement sends slots the weights of GroupedExperts "
                 "(our Llama, Mixtral and DeepSeek models); valid: redundant_experts=0 and rebalance_every=None"
             )
-        return PlacedDispatcher(group, spec.n_experts, self.redundant_experts, self.rebalance_every)
+        nodes = _nodes(group)
+        groups = getattr(getattr(moe, "cfg", None), "n_group", 1)
+        return PlacedDispatcher(group, spec.n_experts, self.redundant_experts, self.rebalance_every, nodes, groups)
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
@@ -213,3 +218,22 @@ class ExpertParallel(ParallelPlugin):
             for name in [n for n in plan.shapes if n.startswith(prefix) and "." not in n[len(prefix) :]]:
                 plan.shard(name, 0, "ep")
                 plan.groups[name] = ("edp",)
+
+
+def _node() -> str:
+    """This process's node: torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``, else the host name."""
+    for variable in ("GROUP_RANK", "SLURM_NODEID"):
+        if variable in os.environ:
+            return f"{variable}={os.environ[variable]}"
+    return socket.gethostname()
+
+
+def _nodes(group: Any) -> int:
+    """How many nodes the expert-parallel ``group`` spans, where each holds the same number of its ranks in order
+    (ranks ``n ep/nodes ..`` on node ``n``: a hierarchical placement packs them so); otherwise 1 (global)."""
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, _node(), group=group)
+    names = list(dict.fromkeys(hosts))
+    per_node = len(hosts) // len(names)
+    in_order = hosts == [name for name in names for _ in range(per_node)]
+    return len(names) if in_order else 1
