@@ -2,6 +2,7 @@
 measured loads mid-run, the hottest expert's rows split over its replicas on other ranks, and training computes what
 one process computes, in every layout it composes with."""
 
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -42,6 +43,13 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference():
     return run_tiny_llama(SGD, model=DEEPSEEK_V3_TINY, steps=3)
+
+
+def test_rows_over_capacity_stay_dropped_on_a_placement():
+    # Capacity 1.0 drops rows: they sort past every slot and come back as zeros, as without a placement.
+    capped = replace(DEEPSEEK_V3_TINY, name="capped", moe=replace(DEEPSEEK_V3_TINY.moe, capacity_factor=1.0))
+    run = run_tiny_llama(SGD, lambda: [_placed(2)], world_size=2, dp=2, model=capped, steps=3)
+    assert_parity(run, run_tiny_llama(SGD, model=capped, steps=3), rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
