@@ -100,3 +100,21 @@ def test_a_placement_that_cannot_split_evenly_is_refused_by_name(kwargs, message
         balance_experts(torch.ones(1, 8), **kwargs)
     with pytest.raises(ConfigError, match="every expert a slot"):
         ExpertPlacement(torch.zeros(1, 4, dtype=torch.int64), ep=2).rank_loads(torch.ones(1, 4))
+
+
+def test_keep_home_gives_each_rank_the_set_holding_most_of_its_own_experts():
+    from lightning_ultrascale.parallel.expert.comms import keep_home
+
+    loads = _skewed_loads(1, 16, seed=3)
+    for nodes in (1, 2):
+        slots = balance_experts(loads, ep=4, redundant=4, nodes=nodes, groups=4).slots[0]
+        kept = keep_home(slots, ranks=4, experts=16, nodes=nodes)
+        before, after = slots.view(4, -1), kept.view(4, -1)
+        # The same sets, each moved within its node only, and at least as many slots at their expert's rank.
+        for node in range(nodes):
+            rows = range(node * 4 // nodes, (node + 1) * 4 // nodes)
+            assert sorted(before[list(rows)].tolist()) == sorted(after[list(rows)].tolist())
+        home = lambda sets: int(sum((sets[r] // 4 == r).sum() for r in range(4)))  # noqa: E731
+        assert home(after) >= home(before)
+        balance = [ExpertPlacement(x[None], 4).max_over_mean(loads) for x in (kept, slots)]
+        assert balance[0] == balance[1]
