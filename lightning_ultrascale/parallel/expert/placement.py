@@ -9,9 +9,10 @@ replicas), and the slots are packed onto ranks so each rank's rows even out. Hie
 DeepSeek's ``rebalance_experts``: expert groups (group-limited routing) are first packed onto nodes,
 so a token's groups stay within few nodes; replicas are made within each node; then the node's slots
 are packed onto its ranks. Where the nodes do not divide the groups, globally (one node, one group).
-Two departures from DeepSeek's code, each never worse for the busiest rank: how many redundant slots go to
-the hot experts is chosen by packing (greedy replication can make more hot slots than ranks can share
-evenly), and a rank takes a second replica of an expert only where it cannot be avoided.
+Two departures from DeepSeek's code (the busiest rank no busier, but for a swap of two cold slots): how
+many redundant slots go to the hot experts is chosen by packing (greedy replication can make more hot
+slots than ranks can share evenly), and a rank takes a second replica of an expert only where it cannot
+be avoided.
 
 A placement is a layout fact computed from loads (``LlamaModule.expert_stats().loads``: tokens per
 expert of every MoE block, summed over the global batch): the same on every rank, since every rank
