@@ -14,6 +14,7 @@ from lightning_ultrascale import (
     ExpertParallel,
     LlamaModule,
     PipelineParallel,
+    Recompute,
     UltraScaleDataModule,
     UltraScaleStrategy,
     ZeRO,
@@ -37,6 +38,8 @@ LAYOUTS = {
     "ep2_zero3": (lambda: [_placed(2), ZeRO(3)], 2, 2),
     # Each pipeline stage's MoE blocks, placed from their own rows of the loads.
     "ep2_pp2": (lambda: [PipelineParallel(2, "1f1b", microbatches=2), _placed(2)], 4, 2),
+    # The recomputed forward sends the slots their weights again, inside backward.
+    "ep2_recompute": (lambda: [_placed(2), Recompute("full")], 2, 2),
 }
 
 
