@@ -195,3 +195,34 @@ def test_the_planner_prices_the_weights_a_placement_sends():
     sent = costs["placed"].comm["ep:all_to_all"] - costs["plain"].comm["ep:all_to_all"]
     assert sent == 2 * weights * moe_blocks * view.forwards
     assert costs["placed"].memory["working"] - costs["plain"].memory["working"] == 2 * weights
+
+
+def _forwards_without_loads(every: int, forwards: int) -> list[str]:
+    import logging
+
+    import torch.distributed as dist
+
+    from lightning_ultrascale.models.common.moe import GroupedExperts
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning_ultrascale.parallel.expert.comms")
+    logger.addHandler(handler)
+    try:  # (a pooled worker lives on: the handler goes)
+        experts = GroupedExperts(4, 8, 8)
+        for w in experts.parameters():
+            torch.nn.init.normal_(w)
+        dispatcher = PlacedDispatcher(dist.group.WORLD, 4, 0, every)
+        for _ in range(forwards):
+            dispatcher(experts, torch.randn(6, 8), torch.tensor([2, 1, 3, 0]))
+    finally:
+        logger.removeHandler(handler)
+    return messages
+
+
+def test_a_run_that_never_hands_over_its_loads_is_told():
+    # A LightningModule other than LlamaModule that does not call observe_expert_loads: said once, after 64 x N.
+    [messages] = run_pooled(_forwards_without_loads, 1, 2, 64 * 2 + 5, timeout_s=120)
+    assert len(messages) == 1
+    assert "ExpertParallel(rebalance_every=2): 128 training forwards and no loads observed" in messages[0]

@@ -11,6 +11,7 @@ other ranks when routing is uniform; backward the same again.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -20,6 +21,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from lightning_ultrascale.models.common.moe import Dispatcher, GroupedExperts
 from lightning_ultrascale.parallel.expert.placement import balance_experts
+
+log = logging.getLogger(__name__)
+#: Training forwards per ``rebalance_every`` after which a run that never handed over its loads is told.
+_UNOBSERVED_FORWARDS = 64
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -89,6 +94,7 @@ class PlacedDispatcher(AllToAllDispatcher):
         self.nodes, self.groups = nodes, groups  # hierarchical placement: the group's nodes, the routing groups
         self._window: Tensor | None = None  # tokens per expert since the last placement
         self._steps = 0
+        self._forwards = 0  # training forwards, to tell a run that never hands the loads over (:meth:`observe`)
         self.placements = 0  # how many times the placement was re-computed from loads
         self.place(balance_experts(torch.ones(1, experts), self.size, redundant, nodes, groups).slots[0])
 
@@ -118,6 +124,16 @@ class PlacedDispatcher(AllToAllDispatcher):
 
     def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
         """``x`` sorted by logical expert with ``counts [E]``: each row to a slot of its expert, then as the base."""
+        if self.every is not None and torch.is_grad_enabled() and self._steps == 0:
+            self._forwards += 1
+            if self._forwards == _UNOBSERVED_FORWARDS * self.every and dist.get_rank() == 0:
+                log.warning(
+                    "ExpertParallel(rebalance_every=%d): %d training forwards and no loads observed, so the experts "
+                    "stay on their first placement. The LightningModule must call "
+                    "model.observe_expert_loads(global tokens per expert) after each optimizer step (LlamaModule "
+                    "does); training is unaffected either way",
+                    self.every, self._forwards,
+                )  # fmt: skip
         device, total, n_slots = x.device, x.shape[0], self.slots.numel()
         # Rows past sum(counts) (over capacity) belong to none: "expert E", one "slot P" after every slot.
         counts = torch.cat((counts, (total - counts.sum())[None]))
