@@ -121,6 +121,7 @@ class PlacedDispatcher(AllToAllDispatcher):
         self._weight_recv = [sources.count(q) for q in range(self.size)]
         arrival = sorted(range(per_rank), key=lambda slot: sources[slot])  # (stable: slot order per source)
         self._slot_order = torch.tensor(arrival).argsort()  # my slot -> its row among those received
+        self._on_device: dict[tuple[str, torch.device], Tensor] = {}  # the tables above, copied once per placement
 
     def __call__(self, experts: GroupedExperts, x: Tensor, counts: Tensor) -> Tensor:
         """``x`` sorted by logical expert with ``counts [E]``: each row to a slot of its expert, then as the base."""
@@ -139,9 +140,9 @@ class PlacedDispatcher(AllToAllDispatcher):
         counts = torch.cat((counts, (total - counts.sum())[None]))
         expert = torch.arange(self.experts + 1, device=device).repeat_interleave(counts, output_size=total)
         within = torch.arange(total, device=device) - (counts.cumsum(0) - counts)[expert]
-        replicas = self._replica_count.to(device)[expert]
+        replicas = self._table("_replica_count", device)[expert]
         replica = within * replicas // counts[expert].clamp(min=1)  # contiguous, nearly equal parts
-        slot = self._replica_slots.to(device)[expert, replica]
+        slot = self._table("_replica_slots", device)[expert, replica]
         order = slot.argsort(stable=True)
         slot_counts = torch.zeros(n_slots + 1, dtype=torch.long, device=device).scatter_add_(
             0, slot, torch.ones_like(slot)
@@ -152,13 +153,20 @@ class PlacedDispatcher(AllToAllDispatcher):
     def _run(self, experts: GroupedExperts, rows: Tensor, counts: Tensor) -> Tensor:
         return experts(rows, counts, grad_scale=1.0 / self.size, place=self._slot_weights)
 
+    def _table(self, name: str, device: torch.device) -> Tensor:
+        """One of the placement's index tables on ``device`` (copied there once, not every forward)."""
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = getattr(self, name).to(device)
+        return self._on_device[key]
+
     def _slot_weights(self, w1: Tensor, w2: Tensor, w3: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's experts' weights (``[E/ep, ...]`` each) -> its slots' (``[P/ep, ...]``), by one all-to-all."""
         shapes = [w.shape[1:] for w in (w1, w2, w3)]
         rows = torch.cat([w.flatten(1) for w in (w1, w2, w3)], dim=1)
-        sent = rows.index_select(0, self._send_index.to(rows.device))
+        sent = rows.index_select(0, self._table("_send_index", rows.device))
         received = all_to_all_single_autograd(sent, self._weight_recv, self._weight_send, self.group)
-        mine = received.index_select(0, self._slot_order.to(rows.device))
+        mine = received.index_select(0, self._table("_slot_order", rows.device))
         parts = mine.split([math.prod(shape) for shape in shapes], dim=1)
         w1, w2, w3 = (p.reshape(-1, *shape) for p, shape in zip(parts, shapes))
         return w1, w2, w3
