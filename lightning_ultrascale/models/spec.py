@@ -46,6 +46,9 @@ class ModelSpec:
     #: Multi-token-prediction blocks after the ``n_layers`` main ones (``layers`` keys ``n_layers ..``): they run
     #: after the final norm, on the main output, and need every token of the sequence and the embedding.
     mtp_depth: int = 0
+    #: The routed experts run on weights handed to them (``GroupedExperts.forward(place=)``), so expert parallelism
+    #: can place them over slots of its own (``ExpertParallel(redundant_experts=, rebalance_every=)``).
+    expert_placement: bool = False
     embedding: str = "tok_embeddings"
     layers: str = "layers"
     final_norm: str = "norm"

@@ -226,3 +226,16 @@ def test_a_run_that_never_hands_over_its_loads_is_told():
     [messages] = run_pooled(_forwards_without_loads, 1, 2, 64 * 2 + 5, timeout_s=120)
     assert len(messages) == 1
     assert "ExpertParallel(rebalance_every=2): 128 training forwards and no loads observed" in messages[0]
+
+
+def test_experts_that_cannot_be_placed_are_refused_before_any_process_group():
+    # transformers' own experts (model=hf) run on their parameters only: refused by name at validation.
+    from lightning_ultrascale.models.spec import ModelSpec
+    from lightning_ultrascale.parallel.dims import ParallelDims
+
+    spec = ModelSpec("qwen3_moe", n_layers=2, n_heads=4, n_kv_heads=2, dim=64, vocab_size=320, n_experts=8,
+                     moe_blocks=(0, 1))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model qwen3_moe's experts run on their own parameters only"):
+        _placed(2).validate(ParallelDims(dp_shard=2), spec, None)
+    ExpertParallel(2).validate(ParallelDims(dp_shard=2), spec, None)
+    assert LlamaModule(DEEPSEEK_V3_TINY).model_spec.expert_placement

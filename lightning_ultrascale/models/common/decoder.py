@@ -296,6 +296,7 @@ def llama_spec(config: LlamaConfig) -> ModelSpec:
         n_experts=config.n_experts,
         moe_blocks=config.moe_blocks(),
         mtp_depth=config.mtp_depth,
+        expert_placement=True,
         tp_plan=functools.partial(llama_tp_plan, config),
         **_priced_widths(config),
     )

@@ -105,6 +105,14 @@ class ExpertParallel(ParallelPlugin):
                 f"{option(self, 'size', self.size)} splits MoE experts, but model {spec.name} has none; "
                 "use an MoE model (e.g. model=moe_tiny) or size 1"
             )
+        if self.placed and not spec.expert_placement:
+            raise ConfigError(
+                f"{option(self, 'redundant_experts', self.redundant_experts)} / "
+                f"{option(self, 'rebalance_every', self.rebalance_every)}: model {spec.name}'s experts run on their "
+                "own parameters only (an expert placement sends slots their weights: our Llama, Mixtral and "
+                "DeepSeek models' GroupedExperts; not transformers' experts); valid: redundant_experts=0 and "
+                "rebalance_every=None"
+            )
         slots = spec.n_experts + self.redundant_experts
         if self.size > 1 and self.redundant_experts and slots % self.size:
             valid = [r for r in range(1, 2 * self.size + 1) if (spec.n_experts + r) % self.size == 0][:2]
