@@ -81,6 +81,11 @@ class ModelSpec:
     def _moe_set(self) -> frozenset[int]:
         return frozenset(self.moe_blocks)
 
+    @property
+    def mtp_blocks(self) -> range:
+        """The global indices of the multi-token-prediction blocks (after the ``n_layers`` main ones)."""
+        return range(self.n_layers, self.n_layers + self.mtp_depth)
+
     def is_moe_block(self, layer: int) -> bool:
         """Whether block ``layer`` (its global index) is a mixture of experts."""
         return layer in self._moe_set

@@ -65,7 +65,7 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     matmul = attention = memory = 0.0
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
     # Multi-token prediction's blocks run after the head, where it is (a pipeline refuses MTP: every rank).
-    mtp = range(spec.n_layers, spec.n_layers + spec.mtp_depth) if rank.last else range(0)
+    mtp = spec.mtp_blocks if rank.last else range(0)
     for layer in [*rank.layers, *mtp]:
         moe = spec.is_moe_block(layer)
         matmul += _attention_gemms(linear, rank) + (

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from lightning_ultrascale.models.common.moe import Dispatcher, GroupedExperts
+from lightning_ultrascale.models.common.moe import Dispatcher, GroupedExperts, _in_backward
 from lightning_ultrascale.parallel.expert.placement import balance_experts
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class AllToAllDispatcher(Dispatcher):
         send = counts.view(ep, -1)  # [destination rank, its local expert]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # [source rank, my local expert]
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if torch.is_grad_enabled() and not _in_backward():  # (a recomputed forward counts nothing again)
             self.received = recv.sum(0) if self.received is None else self.received + recv.sum(0)
         # The one host read of a layer: all_to_all_single takes its split sizes as Python lists.
         splits = torch.cat((send.sum(1), recv.sum(1))).tolist()
@@ -108,7 +108,9 @@ class PlacedDispatcher(AllToAllDispatcher):
         self.slots = keep_home(slots.cpu(), self.size, self.experts, self.nodes)
         held = self.slots.view(self.size, per_rank).tolist()
         me = dist.get_rank(self.group)
-        replicas = [[s for s, e in enumerate(self.slots.tolist()) if e == expert] for expert in range(self.experts)]
+        replicas: list[list[int]] = [[] for _ in range(self.experts)]
+        for slot, expert in enumerate(self.slots.tolist()):
+            replicas[expert].append(slot)
         width = max(len(r) for r in replicas)
         replicas.append([slots.numel()])  # the rows of none: past every slot
         self._replica_slots = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas])  # [E + 1, most]

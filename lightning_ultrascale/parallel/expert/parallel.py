@@ -185,6 +185,7 @@ class ExpertParallel(ParallelPlugin):
         layout.mesh.add("ep", ep_mesh)
         layout.mesh.add("edp", meshes["edp"])
         group = ep_mesh.get_group()
+        nodes = _nodes(group) if self.placed else 1  # (one collective, for every block)
         layers = model.get_submodule(spec.layers)
         names = set()
         for block in spec.moe_blocks:
@@ -198,12 +199,14 @@ class ExpertParallel(ParallelPlugin):
                 names.add(f"{prefix}.experts.{name}")
             # One dispatcher a block: each counts the rows its experts received (and holds its placement).
             moe.dispatcher = (
-                self._placed_dispatcher(moe, prefix, group, spec) if self.placed else AllToAllDispatcher(group)
+                self._placed_dispatcher(moe, prefix, group, nodes, spec) if self.placed else AllToAllDispatcher(group)
             )
         layout.declare_gradient_group("experts", ("edp",), names)
         return model
 
-    def _placed_dispatcher(self, moe: nn.Module, name: str, group: Any, spec: ModelSpec) -> PlacedDispatcher:
+    def _placed_dispatcher(
+        self, moe: nn.Module, name: str, group: Any, nodes: int, spec: ModelSpec
+    ) -> PlacedDispatcher:
         if not isinstance(moe.experts, GroupedExperts):
             raise ConfigError(
                 f"{option(self, 'redundant_experts', self.redundant_experts)} / "
@@ -211,7 +214,6 @@ class ExpertParallel(ParallelPlugin):
                 f"{type(moe.experts).__name__}, and an expert placement sends slots the weights of GroupedExperts "
                 "(our Llama, Mixtral and DeepSeek models); valid: redundant_experts=0 and rebalance_every=None"
             )
-        nodes = _nodes(group)
         groups = getattr(getattr(moe, "cfg", None), "n_group", 1)
         return PlacedDispatcher(group, spec.n_experts, self.redundant_experts, self.rebalance_every, nodes, groups)
 

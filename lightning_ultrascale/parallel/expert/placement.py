@@ -142,16 +142,18 @@ def _pack(weight: Tensor, packs: int, labels: Tensor | None = None) -> tuple[Ten
     for row in range(rows):
         totals, filled = [0.0] * packs, [0] * packs
         held: list[set[int]] = [set() for _ in range(packs)]
+        doubled = False  # a pack took a label it holds (only then is there anything to separate)
         for item in weight[row].sort(descending=True, stable=True).indices.tolist():
             label = -1 if labels is None else int(labels[row, item])
             room = [p for p in range(packs) if filled[p] < per_pack]
             room = [p for p in room if label not in held[p]] or room
             chosen = min(room, key=totals.__getitem__)
+            doubled |= label in held[chosen]
             held[chosen].add(label)
             pack[row, item], position[row, item] = chosen, filled[chosen]
             totals[chosen] += float(weight[row, item])
             filled[chosen] += 1
-        if labels is not None:
+        if labels is not None and doubled:  # (quadratic in the items: only where a pack holds a label twice)
             _separate(weight[row], labels[row], pack[row], position[row])
     return pack, position
 

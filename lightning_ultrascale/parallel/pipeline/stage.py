@@ -46,8 +46,8 @@ class StageModule(nn.Module):
         self.first = first
         self.last = last
         self.block_names = [str(i) for i in blocks]
-        mtp = range(spec.n_layers, spec.n_layers + spec.mtp_depth) if last else range(0)
-        self.mtp_names = [str(i) for i in mtp]  # held and run after the head's norm, not among the blocks
+        # Multi-token prediction's blocks: held, and run after the head's norm, not among the blocks.
+        self.mtp_names = [str(i) for i in spec.mtp_blocks] if last else []
         self.aux_loss_scale: Callable[[], Tensor | float] = lambda: 1.0
         self.aux_total: Tensor | None = None
         self._tracking = True
@@ -122,7 +122,7 @@ def prune_to_stages(model: nn.Module, spec: ModelSpec, blocks: set[int], first: 
     """
     dropped: set[str] = set()
     if last:  # multi-token prediction's blocks (after the main ones) run on the last stage, with the embedding
-        blocks = blocks | set(range(spec.n_layers, spec.n_layers + spec.mtp_depth))
+        blocks = blocks | set(spec.mtp_blocks)
     layers = model.get_submodule(spec.layers)
     for name in list(layers.keys()):
         if int(name) not in blocks:
