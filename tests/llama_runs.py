@@ -36,6 +36,15 @@ MIXTRAL_TINY = replace(
     ffn_hidden_dim=64,  # Mixtral has no dense block: HF's intermediate_size is the experts' width
     moe=MoEConfig(n_routed_experts=8, top_k=2, moe_ffn_dim=64, aux_loss="switch", aux_loss_coeff=0.02),
 )
+# Qwen3-MoE: per-head q/k norms, heads wider than dim / n_heads, softmax top-2 of 8 in every block, the
+# micro-batch's balancing loss and a z-loss (both folded over tp: their windows span the tp ranks).
+QWEN3_MOE_TINY = replace(
+    MIXTRAL_TINY,
+    name="qwen3_moe_tiny",
+    attention_head_dim=32,
+    qk_norm=True,
+    moe=replace(MIXTRAL_TINY.moe, aux_loss_coeff=0.01, z_loss_coeff=1e-3),
+)
 # DeepSeek-V3: MLA with low-rank queries and YaRN, sigmoid router over 4 groups of 2 (top-2 of 2
 # groups) with a scaling factor, one shared expert, first block dense (moe_tiny's MoE part).
 DEEPSEEK_V3_TINY = replace(

@@ -197,7 +197,10 @@ class GuardedSteps(ModelParallelStrategy):
         group = self.batch_group()
         k = 0 if sums is None else sums.numel()
         if sums is not None:
-            total = sum_rows(columns[:, :k], group)
+            # The last `split_step_sums` are split over tensor-parallel peers too (folded MoE statistics): summed
+            # over every rank, the batch group's tp peers included.
+            split = k - getattr(module, "split_step_sums", 0)
+            total = torch.cat((sum_rows(columns[:, :split], group), sum_rows(columns[:, split:k], None)))
             module.agree_step_sums(total.to(device=sums.device, dtype=sums.dtype).view_as(sums))
         if maxima is not None:
             peak = max_rows(columns[:, k:], group)

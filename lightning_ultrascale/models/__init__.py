@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from lightning_ultrascale.errors import ConfigError
-from lightning_ultrascale.models import deepseek, llama, mixtral
+from lightning_ultrascale.models import deepseek, llama, mixtral, qwen3
 from lightning_ultrascale.models.common.decoder import Llama, LlamaConfig, RopeScaling
 from lightning_ultrascale.models.common.mla import MLAConfig
 from lightning_ultrascale.models.common.moe import MoEConfig
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 #: Every family's folder, in the order its presets are listed; each holds ``CONFIGS`` (name -> config).
-FAMILIES = (llama, mixtral, deepseek)
+FAMILIES = (llama, mixtral, deepseek, qwen3)
 
 
 def _gather(families: tuple[ModuleType, ...]) -> dict[str, LlamaConfig]:

@@ -49,6 +49,10 @@ class ModelSpec:
     #: The routed experts run on weights handed to them (``GroupedExperts.forward(place=)``), so expert parallelism
     #: can place them over slots of its own (``ExpertParallel(redundant_experts=, rebalance_every=)``).
     expert_placement: bool = False
+    #: MoE parallel folding: under tensor parallelism each MoE layer runs its tp rank's share of the tokens (the
+    #: modules declare :class:`SharesTokens`), so expert parallelism may span the tp ranks too (``ep`` divides
+    #: ``dp x cp x tp``); otherwise every tp rank routes the same tokens and ``ep`` divides ``dp x cp``.
+    moe_folds_tp: bool = False
     embedding: str = "tok_embeddings"
     layers: str = "layers"
     final_norm: str = "norm"
@@ -129,6 +133,30 @@ class SequenceSplit:
     def world_size(self) -> int:
         return len(self.held)
 
+    def split_further(self, parts: int, part: int, group: Any) -> SequenceSplit:
+        """Each rank's tokens cut again into ``parts`` contiguous shares (tensor parallelism's), this rank
+        holding share ``part``, over ``group``: this split's ranks times ``parts``, the share fastest.
+
+        Every chunk becomes ``parts`` pieces: a rank's ``m`` chunks are ``m parts`` pieces in its token order,
+        and share ``p`` holds pieces ``p m .. (p + 1) m - 1`` of them.
+
+        Example:
+            >>> zigzag = SequenceSplit(group=None, rank=1, chunks=4, held=((0, 3), (1, 2)))
+            >>> folded = zigzag.split_further(2, 1, group=None)
+            >>> folded.chunks, folded.held, folded.mine
+            (8, ((0, 1), (6, 7), (2, 3), (4, 5)), (4, 5))
+        """
+        held = []
+        for chunks in self.held:
+            pieces = [chunk * parts + piece for chunk in chunks for piece in range(parts)]
+            m = len(chunks)
+            held += [tuple(pieces[p * m : (p + 1) * m]) for p in range(parts)]
+        return SequenceSplit(group, self.rank * parts + part, self.chunks * parts, tuple(held))
+
+
+#: One process's split: the whole sequence, one chunk (what tensor parallelism's shares refine without CP).
+WHOLE_SEQUENCE = SequenceSplit(group=None, rank=0, chunks=1, held=((0,),))
+
 
 @runtime_checkable
 class SpecifiedModel(Protocol):
@@ -183,7 +211,9 @@ class StepSums(Protocol):
     """Optional on the LightningModule: sums of a training step the strategy adds up over the global batch
     (each token counted once) in the step's one control collective (``core/agreement.py``), instead of
     a collective of the module's own: ``step_sums`` this rank's (the same length on every rank, taken
-    once per step), ``agree_step_sums`` the totals back, before ``optimizer_step`` returns."""
+    once per step), ``agree_step_sums`` the totals back, before ``optimizer_step`` returns. An optional
+    ``split_step_sums`` attribute (int) says how many of the last sums tensor-parallel peers hold parts of
+    (statistics of layers that run each tp rank's share of the tokens): those are summed over them too."""
 
     def step_sums(self) -> Tensor: ...
 
@@ -234,6 +264,16 @@ class SequenceStatistics(Protocol):
     its ``sequence_split`` so it counts over the whole sequence, whichever chunks its rank holds."""
 
     sequence_split: SequenceSplit | None
+
+
+@runtime_checkable
+class SharesTokens(Protocol):
+    """A module that runs its tensor-parallel rank's share of the tokens (MoE parallel folding,
+    ``ModelSpec.moe_folds_tp``): tensor parallelism tells it ``share_tokens(parts, part, group)``, its share of
+    ``parts`` and the group of the ranks holding one sequence's pieces (``cp x tp``), so it counts per-sequence
+    statistics over all of them and scales its gradients for the average over ``tp`` too."""
+
+    def share_tokens(self, parts: int, part: int, group: Any) -> None: ...
 
 
 def declares(obj: object, protocol: type) -> bool:

@@ -112,12 +112,12 @@ class ParallelDims:
                 f"{world_size} ranks (trainer.devices x trainer.num_nodes); make the product equal "
                 f"{world_size}, e.g. leave one data-parallel size unset so it is inferred"
             )
-        ep_pool = self.dp * self.cp
+        ep_pool = self.dp * self.cp * self.tp
         if ep_pool % self.ep:
             raise ConfigError(
-                f"{self.option('ep')} must divide the data-parallel ranks dp_replicate x dp_shard x cp = "
-                f"{self.dp_replicate} x {self.dp_shard} x {self.cp} = {ep_pool} (experts borrow those ranks); "
-                f"valid: {', '.join(map(str, divisors(ep_pool)))}"
+                f"{self.option('ep')} must divide the data-parallel and tensor-parallel ranks dp_replicate x dp_shard "
+                f"x cp x tp = {self.dp_replicate} x {self.dp_shard} x {self.cp} x {self.tp} = {ep_pool} (experts "
+                f"borrow those ranks); valid: {', '.join(map(str, divisors(ep_pool)))}"
             )
 
     def validate_model(self, spec: ModelSpec) -> None:
@@ -136,6 +136,14 @@ class ParallelDims:
             raise ConfigError(
                 f"{self.option('ep')} must divide n_experts={spec.n_experts} of model {spec.name}; "
                 f"valid: {', '.join(map(str, divisors(spec.n_experts)))}"
+            )
+        data = self.dp * self.cp
+        if self.ep > 1 and self.tp > 1 and not spec.moe_folds_tp and data % self.ep:
+            raise ConfigError(
+                f"{self.option('ep')} must divide the data-parallel ranks dp_replicate x dp_shard x cp = "
+                f"{self.dp_replicate} x {self.dp_shard} x {self.cp} = {data}: model {spec.name}'s MoE layers route "
+                f"the same tokens on every tp rank (no MoE parallel folding), so experts borrow data ranks only; "
+                f"valid: {', '.join(map(str, divisors(data)))}"
             )
 
     def grad_accumulation(self, global_batch_size: int, micro_batch_size: int) -> int:

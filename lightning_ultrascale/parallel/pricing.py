@@ -74,6 +74,12 @@ class Widths:
     sp: int  # divisor of the norms' tensors: tp under sequence parallelism, else 1
 
 
+def moe_fold(spec: Any, widths: Widths) -> int:
+    """How many ranks share an MoE layer's tokens: ``tp`` where the model's MoE layers fold over it (each tp rank
+    routes its share, ``ModelSpec.moe_folds_tp``), else 1 (every tp rank routes them all)."""
+    return widths.tp if spec.moe_folds_tp else 1
+
+
 @dataclass(frozen=True)
 class RankView:
     """One rank of a candidate layout, as the planner prices it (no process, no tensor).
@@ -167,8 +173,9 @@ class SearchContext:
     """What the planner's search knows before it picks a layout: the cluster and the workload.
 
     ``workload``: the planner's ``Workload`` (``seq_len``, ``global_batch_size``, the model's
-    config and precision); ``n_layers`` and ``n_experts`` (routed experts per MoE block, 0 for a
-    dense model) are the model's, as its spec states them.
+    config and precision); ``n_layers``, ``n_experts`` (routed experts per MoE block, 0 for a
+    dense model) and ``moe_folds_tp`` (its MoE layers split tokens over tp) are the model's, as its
+    spec states them.
     """
 
     world_size: int
@@ -176,6 +183,7 @@ class SearchContext:
     workload: Any
     n_layers: int
     n_experts: int = 0
+    moe_folds_tp: bool = False
 
 
 @dataclass(frozen=True)

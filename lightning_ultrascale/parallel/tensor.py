@@ -34,8 +34,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_ultrascale.errors import ConfigError, ContractError, nearby_multiples, option, require_positive_int
-from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
+from lightning_ultrascale.models.spec import ModelSpec, SharesTokens, declares, require_spec
+from lightning_ultrascale.parallel.dims import DATA_DIMS, DataShape, ParallelDims
 from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import (
@@ -93,15 +93,23 @@ class TensorParallel(ParallelPlugin):
                 "(ModelSpec.tp_plan)"
             )
         if data is not None:
-            self.validate_sequence(data)
+            self.validate_sequence(data, folds=folds_moe(spec))
 
-    def validate_sequence(self, data: DataShape) -> None:
-        """Sequence parallelism splits the sequence: it must divide by ``tp``."""
-        if self.size > 1 and self.sequence_parallel and data.seq_len % self.size:
+    def validate_sequence(self, data: DataShape, folds: bool = False) -> None:
+        """Sequence parallelism splits the sequence: it must divide by ``tp``; so must MoE parallel folding."""
+        if self.size == 1 or data.seq_len % self.size == 0:
+            return
+        if self.sequence_parallel:
             raise ConfigError(
                 f"{data.option('seq_len')} must be divisible by {option(self, 'size', self.size)} with sequence "
                 f"parallelism; valid nearby: {nearby_multiples(data.seq_len, self.size)} "
                 f"(or {option(self, 'sequence_parallel', False)})"
+            )
+        if folds:
+            raise ConfigError(
+                f"{data.option('seq_len')} must be divisible by {option(self, 'size', self.size)}: each tp rank runs "
+                f"its share of the sequence through the MoE layers (MoE parallel folding); valid nearby: "
+                f"{nearby_multiples(data.seq_len, self.size)}"
             )
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
@@ -117,6 +125,8 @@ class TensorParallel(ParallelPlugin):
             parallelize_module(block, tp_mesh, plan)
             _localise_head_counts(block.get_submodule(spec.attention), self.size)
         layout.step_contexts.append(_AttentionErrors(self, model, spec).explained)
+        if folds_moe(spec):
+            _fold_moe(model, spec, layout)
         # parallelize_module gives each module a DTensor of its own: tied weights become one again.
         retie(model, layout.tied, by=f"{self!r}'s plan (the spec's tp_plan)")
         if self.loss_parallel:
@@ -153,13 +163,19 @@ class TensorParallel(ParallelPlugin):
         terms.hidden_by_matmul = 1.0 if rank.workload.tp_comm_overlap else 0.0
         c, s = rank.layout, rank.widths
         activation = rank.tokens * s.h * rank.element_bytes * rank.forwards
-        n = 4 * len(rank.layers) + (1 if rank.first else 0) + (1 if rank.last else 0)
+        # A folded MoE sub-layer (each tp rank its share of the tokens) has none of the FFN's collectives; without
+        # SP its output is all-gathered (forward) and its input's gradient too (backward).
+        folded = sum(1 for i in rank.layers if rank.spec.is_moe_block(i)) if folds_moe(rank.spec) else 0
+        n = 4 * len(rank.layers) - 2 * folded + (1 if rank.first else 0) + (1 if rank.last else 0)
         again = {"full": 2, "selective_op": 0 if self.sequence_parallel else 1}.get(c.recompute, 0)
         again *= len(rank.layers) if c.recompute != "selective" else 0
         again += 2 * sum(1 for i in rank.layers if c.recompute == "selective" and c.recomputes(i))
+        again_folded = folded if c.recompute == "full" else 0  # (a folded MoE's forward: no collective of its own)
         ops = ("all_gather", "reduce_scatter") if self.sequence_parallel else ("all_reduce",)
         for op in ops:
-            add_traffic(terms.traffic, "tp", op, (n + again) * activation)
+            add_traffic(terms.traffic, "tp", op, (n + again - again_folded) * activation)
+        if folded and not self.sequence_parallel:  # (and recomputed: the output's all-gather again)
+            add_traffic(terms.traffic, "tp", "all_gather", (2 * folded + again_folded) * activation)
         if rank.last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
             add_traffic(terms.traffic, "tp", "all_reduce", 6 * 4 * rank.tokens * rank.forwards)
         return terms
@@ -169,6 +185,12 @@ class TensorParallel(ParallelPlugin):
         for full, dim in memoized(key, lambda: self._shards(model)):
             if full in plan.shapes:
                 plan.shard(full, dim, "tp")
+        spec = require_spec(model)
+        if folds_moe(spec):  # (as _fold_moe: a folded MoE's own parameters reduce over dp x cp x tp)
+            prefixes = tuple(f"{spec.layers}.{block}.{spec.moe}." for block in spec.moe_blocks)
+            for name in plan.shapes:
+                if name.startswith(prefixes) and name not in plan.groups:
+                    plan.groups[name] = (*DATA_DIMS, "tp")
 
     def _shards(self, model: nn.Module) -> list[tuple[str, int]]:
         """Every parameter the plan splits, with its split dim."""
@@ -182,6 +204,34 @@ class TensorParallel(ParallelPlugin):
                 for param, dim in _sharded_dims(model.get_submodule(prefix + name), style).items():
                     out.append((f"{prefix}{name}.{param}", dim))
         return out
+
+
+def folds_moe(spec: ModelSpec) -> bool:
+    """Whether the model's MoE layers run each tp rank's share of the tokens (``ModelSpec.moe_folds_tp``)."""
+    return bool(spec.moe_blocks) and spec.moe_folds_tp
+
+
+def _fold_moe(model: nn.Module, spec: ModelSpec, layout: Layout) -> None:
+    """Tell each MoE layer held its tp share and the ``cp x tp`` ranks of a sequence; reduce the gradients of its
+    parameters that no other group claims (router, shared experts; the experts without expert parallelism) over
+    ``dp x cp x tp``: each tp rank's are those of its own tokens."""
+    tp_mesh, sequence = layout.mesh["tp"], layout.mesh.over(("cp", "tp"))
+    names, layers = set(), model.get_submodule(spec.layers)
+    for block in spec.moe_blocks:
+        prefix = f"{spec.layers}.{block}.{spec.moe}"
+        if str(block) not in layers:
+            continue  # another pipeline stage's block
+        moe = model.get_submodule(prefix)
+        if not declares(moe, SharesTokens):
+            raise ContractError(
+                f"{prefix} is a {type(moe).__name__} without share_tokens(parts, part, group), but model {spec.name} "
+                "declares moe_folds_tp (each tp rank runs its share of the tokens): implement SharesTokens or set "
+                "ModelSpec.moe_folds_tp=False"
+            )
+        moe.share_tokens(tp_mesh.size(), tp_mesh.get_local_rank(), sequence.get_group())
+        names |= {f"{prefix}.{name}" for name, _ in moe.named_parameters()}
+    claimed = {n for group in layout.gradient_groups if group.params is not None for n in group.params}
+    layout.declare_gradient_group("moe_tokens", (*DATA_DIMS, "tp"), names - claimed)
 
 
 #: Head-count attributes of an attention module that reshapes by them (the model contract):

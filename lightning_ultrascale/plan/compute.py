@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from lightning_ultrascale.parallel.pricing import RankView
+from lightning_ultrascale.parallel.pricing import RankView, moe_fold
 from lightning_ultrascale.plan.fp8 import linear_seconds
 from lightning_ultrascale.plan.hardware import Hardware
 
@@ -74,9 +74,11 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
         pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
         flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
         attention += 3.5 * flops / (peak * gpu.attention_efficiency)
-        # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times
-        f = (spec.top_k + spec.n_shared_experts) * spec.expert_ffn_dim if moe else s.f / s.tp
-        routed = EAGER_ROUTED_ELEMENTS * spec.top_k * s.h * _expert_load(rank) if moe else 0.0
+        # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times (a
+        # tp rank's share of the tokens where its MoE layers fold over tp)
+        fold = moe_fold(spec, s) if moe else 1
+        f = (spec.top_k + spec.n_shared_experts) * spec.expert_ffn_dim / fold if moe else s.f / s.tp
+        routed = EAGER_ROUTED_ELEMENTS * spec.top_k * s.h * _expert_load(rank) / fold if moe else 0.0
         if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
             per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
         else:  # eager, as counted on our block (EAGER_ELEMENTS)
@@ -124,8 +126,10 @@ def _expert_load(rank: RankView) -> float:
 
 
 def _moe_gemms(gemm: Callable[..., float], linear: Callable[..., float], rank: RankView) -> float:
-    """Router; each local expert's share of the routed rows (times the busiest rank's load); shared experts."""
-    spec, s, t = rank.spec, rank.widths, rank.tokens
+    """Router; each local expert's share of the routed rows (times the busiest rank's load); shared experts.
+    Folded over tp, a rank routes its share of the tokens."""
+    spec, s = rank.spec, rank.widths
+    t = rank.tokens / moe_fold(spec, s)
     fe = spec.expert_ffn_dim
     local = spec.n_experts / rank.layout.ep
     rows = t * spec.top_k / local * _expert_load(rank)  # rows per local expert: t x k rows arrive, spread over them

@@ -77,7 +77,7 @@ from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDim
 from lightning_ultrascale.parallel.expert.placement import ExpertPlacement, balance_experts
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.muon import muon_cost
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, Widths, moe_fold
 from lightning_ultrascale.plan.candidate import Candidate
 from lightning_ultrascale.plan.compute import model_compute
 from lightning_ultrascale.plan.fp8 import converted_numel
@@ -340,7 +340,7 @@ def _moe_ffn(spec: ModelSpec, s: Widths, e: int) -> float:
     router = 4 * spec.n_experts + 8 + 32 * k
     routed = k * ((2 * s.h + 4 * fe) * e + s.h * e)
     shared = 4 * fe * spec.n_shared_experts * e
-    return router + routed + shared
+    return (router + routed + shared) / moe_fold(spec, s)  # (folded over tp: a rank runs its share of the tokens)
 
 
 def _block_kept(spec: ModelSpec, s: Widths, e: int, layer: int, cp_method: str | None) -> float:
@@ -357,6 +357,7 @@ def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> 
     if spec.is_moe_block(layer):
         k, fe = spec.top_k, spec.expert_ffn_dim
         ffn = 4 * spec.n_experts + k * (2 * fe + s.h) * e + (2 * fe + s.h) * spec.n_shared_experts * e
+        ffn /= moe_fold(spec, s)
     else:
         ffn = (2 * s.f / s.tp + s.h / s.sp) * e
     return s.h / s.sp * e + attention + wo + ffn
@@ -365,7 +366,7 @@ def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> 
 def _block_working(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
     """Bytes per token of a block's backward working set (the FFN's input and output gradients)."""
     if spec.is_moe_block(layer):
-        return (2 * spec.top_k * spec.expert_ffn_dim + 2 * s.h) * e
+        return (2 * spec.top_k * spec.expert_ffn_dim + 2 * s.h) * e / moe_fold(spec, s)
     return (2 * s.f / s.tp + 2 * s.h) * e
 
 

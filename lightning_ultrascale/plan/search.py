@@ -195,7 +195,9 @@ def context_of(workload: Workload, world: int, gpu: Hardware) -> SearchContext:
     """What the techniques see of the workload and the cluster when they declare their axes."""
     spec = workload.spec
     experts = spec.n_experts if spec.moe_blocks else 0
-    return SearchContext(world, gpu.gpus_per_node, workload, n_layers=spec.n_layers, n_experts=experts)
+    return SearchContext(
+        world, gpu.gpus_per_node, workload, n_layers=spec.n_layers, n_experts=experts, moe_folds_tp=spec.moe_folds_tp
+    )
 
 
 def search_space(context: SearchContext, pins: Mapping[str, Any] | None = None) -> dict[str, PlanAxis]:

@@ -293,6 +293,13 @@ class LlamaModule(L.LightningModule):
         more = None if stats is None else torch.cat((stats.loads.flatten(), stats.dropped[None], stats.aux[None]))
         return self._local_sums("train", more)
 
+    @property
+    def split_step_sums(self) -> int:
+        """How many of the last :meth:`step_sums` tensor-parallel peers hold parts of (summed over them too): the
+        MoE statistics where the MoE layers run each tp rank's share of the tokens (MoE parallel folding)."""
+        folded = self.model is not None and any(m.token_share is not None for m in self.model.moe_layers().values())
+        return len(self.config.moe_blocks()) * self.config.n_experts + 2 if folded else 0
+
     def agree_step_sums(self, sums: torch.Tensor) -> None:
         """The step's :meth:`step_sums` over the global batch (each token counted once), from the strategy."""
         self._agreed_sums = sums

@@ -364,9 +364,13 @@ def test_bad_expert_layouts_fail_before_any_process_group():
     spec = build_model("moe_tiny", device="meta").spec
     with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide n_experts=8 of model moe_tiny; valid: 1, 2, 4"):
         ParallelDims(dp_shard=6, ep=3).validate_model(spec)
-    pool = r"parallel.ep=4 must divide the data-parallel ranks .* = 2 \(experts borrow those ranks\); valid: 1, 2"
+    pool = r"parallel.ep=8 must divide the data-parallel and tensor-parallel ranks .* = 4 \(experts borrow those"
     with pytest.raises(ConfigError, match=pool):
-        ParallelDims(dp_shard=2, tp=2, ep=4).validate(world_size=4)
+        ParallelDims(dp_shard=2, tp=2, ep=8).validate(world_size=4)
+    ParallelDims(dp_shard=2, tp=2, ep=4).validate_model(spec)  # (MoE parallel folding: ep spans the tp ranks)
+    unfolded = replace(spec, moe_folds_tp=False)  # (transformers' MoE layers under model=hf)
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the data-parallel ranks .* = 2: model moe_tiny"):
+        ParallelDims(dp_shard=2, tp=2, ep=4).validate_model(unfolded)
     dense = build_model("llama_tiny", device="meta").spec
     strategy = UltraScaleStrategy(ExpertParallel(2))
     with pytest.raises(ConfigError, match=r"ExpertParallel\(size=2\) splits MoE experts, but model llama_tiny has no"):

@@ -43,7 +43,8 @@ def test_pp_cannot_exceed_layers_and_ep_must_divide_experts():
         ParallelDims(pp=5).validate_model(SPEC)
     with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide n_experts=8 of model m; valid: 1, 2, 4, 8"):
         ParallelDims(dp_shard=6, ep=3).validate_model(SPEC)
-    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the data-parallel ranks .* = 1 x 2 x 1 = 2"):
+    pool = r"parallel.ep=4 must divide the data-parallel and tensor-parallel ranks .* = 1 x 2 x 1 x 1 = 2"
+    with pytest.raises(ConfigError, match=pool):
         ParallelDims(dp_shard=2, ep=4).validate(world_size=2)
 
 

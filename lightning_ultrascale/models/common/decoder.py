@@ -87,7 +87,7 @@ class RopeScaling:
 #: The settings that decide the weights' shapes (and a router's meaning).
 _SHAPE = (
     "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_embeddings", "qkv_bias",
-    "mtp_depth",
+    "mtp_depth", "head_dim", "qk_norm",
 )  # fmt: skip
 _MOE_SHAPE = ("n_routed_experts", "moe_ffn_dim", "n_shared_experts", "first_k_dense", "router")
 
@@ -130,6 +130,10 @@ class LlamaConfig:
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.1
     name: str = "llama"
+    #: Each head's width where it is not ``dim / n_heads`` (Qwen3's: 128 at any width); None: ``dim / n_heads``.
+    attention_head_dim: int | None = None
+    #: RMSNorm over each query and key head before RoPE (Qwen3's ``q_norm``, ``k_norm``).
+    qk_norm: bool = False
     #: The fields that are configs of their own (``model.moe.top_k=4`` on the command line changes
     #: one of their settings), and what each is.
     PARTS: ClassVar[dict[str, str]] = {
@@ -148,7 +152,8 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Each head's width: :attr:`attention_head_dim`, else ``dim / n_heads``."""
+        return self.attention_head_dim or self.dim // self.n_heads
 
     @property
     def n_experts(self) -> int:
@@ -188,13 +193,7 @@ class LlamaConfig:
             self.mla.validate()
             if self.qkv_bias:
                 raise ConfigError("model.qkv_bias=True is for standard attention; valid with model.mla: False")
-        # RoPE rotates pairs of dimensions, so head_dim must be even as well as whole (MLA sets its own).
-        valid_heads = [h for h in divisors(self.dim) if (self.dim // h) % 2 == 0]
-        if self.mla is None and self.n_heads not in valid_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must divide model.dim={self.dim} into an even head_dim; "
-                f"valid: {', '.join(map(str, valid_heads))}"
-            )
+        self._validate_heads()
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}; "
@@ -209,6 +208,23 @@ class LlamaConfig:
                     f"model.rope_scaling.original_max_position_embeddings={s.original_max_position_embeddings} "
                     "must be a positive integer"
                 )
+
+    def _validate_heads(self) -> None:
+        """RoPE rotates pairs of dimensions: each head's width must be even as well as whole (MLA sets its own)."""
+        width = self.attention_head_dim
+        if width is not None and not (is_positive_int(width) and width % 2 == 0):
+            raise ConfigError(f"model.attention_head_dim={width!r} must be an even positive integer, or null")
+        if self.mla is not None and (width is not None or self.qk_norm):
+            raise ConfigError(
+                "model.attention_head_dim and model.qk_norm are for standard attention (MLA sets its own head widths); "
+                "valid with model.mla: null and False"
+            )
+        valid_heads = [h for h in divisors(self.dim) if (self.dim // h) % 2 == 0]
+        if self.mla is None and width is None and self.n_heads not in valid_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must divide model.dim={self.dim} into an even head_dim; "
+                f"valid: {', '.join(map(str, valid_heads))} (or set model.attention_head_dim)"
+            )
 
     def architecture_differences(self, other: LlamaConfig) -> list[str]:
         """``option=mine (model other: its)`` for every setting in which the weights' shapes or meaning differ.
@@ -243,6 +259,7 @@ class LlamaConfig:
         else:
             attention = self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)
             attention += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
+            attention += 2 * self.head_dim if self.qk_norm else 0
         blocks = 0
         for layer in range(self.n_layers + self.mtp_depth):
             if self.moe is not None and self.moe.is_moe_block(layer):
@@ -297,6 +314,7 @@ def llama_spec(config: LlamaConfig) -> ModelSpec:
         moe_blocks=config.moe_blocks(),
         mtp_depth=config.mtp_depth,
         expert_placement=True,
+        moe_folds_tp=True,
         tp_plan=functools.partial(llama_tp_plan, config),
         **_priced_widths(config),
     )
@@ -360,13 +378,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3's per-head norms of queries and keys (before RoPE); tensor parallelism gives each rank its heads.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
         self.rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = reference.rope
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, documents: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, k, cos, sin)
         out = self.attention_fn(q, k, v) if documents is None else self.attention_fn(q, k, v, documents)

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from lightning_ultrascale.errors import ConfigError, divisors, is_positive_int
 from lightning_ultrascale.kernels import cuda
 from lightning_ultrascale.models.common.layers import FeedForward
-from lightning_ultrascale.models.spec import SequenceSplit
+from lightning_ultrascale.models.spec import WHOLE_SEQUENCE, SequenceSplit
 from lightning_ultrascale.utils.tensors import local_tensor
 
 __all__ = [
@@ -382,12 +382,38 @@ class MoE(nn.Module):
         self.dispatcher = Dispatcher()
         #: How context parallelism splits each sequence, for the per-sequence counts.
         self.sequence_split: SequenceSplit | None = None
+        #: Under tensor parallelism with MoE parallel folding: ``(tp, this rank's share, the cp x tp group)``.
+        self.token_share: tuple[int, int, object] | None = None
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
         self._aux: Tensor | None = None
 
+    def share_tokens(self, parts: int, part: int, group: object) -> None:
+        """Run share ``part`` of ``parts`` of every sequence's tokens (tensor parallelism's sequence shards: MoE
+        parallel folding); ``group``: the ranks holding one sequence's pieces (``cp x tp``).
+
+        The router, shared experts and experts then see ``1/parts`` of the tokens: their gradients are the
+        ``parts`` ranks' sum, which the layout's average over ``dp x cp x tp`` makes right by their scale here.
+        """
+        self.token_share = (parts, part, group)
+
+    @property
+    def split(self) -> SequenceSplit | None:
+        """How this rank's tokens cut every sequence: context parallelism's chunks, then tensor parallelism's shares."""
+        if self.token_share is None:
+            return self.sequence_split
+        parts, part, group = self.token_share
+        return (self.sequence_split or WHOLE_SEQUENCE).split_further(parts, part, group)
+
     def forward(self, x: Tensor) -> Tensor:
+        fold = 1 if self.token_share is None else self.token_share[0]
+        # Folded over tp: every parameter's gradient times tp (the layout averages it over the tp shares: their
+        # sum), the input's gradient unchanged (1/tp in, tp out; powers of two are exact).
+        out = self._forward(_scale_grad(x, 1.0 / fold))
+        return _scale_grad(out, float(fold))
+
+    def _forward(self, x: Tensor) -> Tensor:
         b, s, dim = x.shape
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens)
@@ -432,7 +458,7 @@ class MoE(nn.Module):
         chunk before it in the sequence (zig-zag included).
         """
         cfg = self.cfg
-        e, split = cfg.n_routed_experts, self.sequence_split
+        e, split = cfg.n_routed_experts, self.split
         hits = torch.zeros(experts.shape[0], e, dtype=torch.int64, device=experts.device).scatter_(1, experts, 1)
         chunks = 1 if split is None else len(split.mine)
         per_chunk = hits.view(batch, chunks, -1, e)
@@ -466,15 +492,17 @@ class MoE(nn.Module):
             windows = batch if cfg.aux_loss == "sequence" else 1
             per_window = hits.view(windows, -1, e)
             counts = torch.cat((per_window.sum(1), per_window.new_full((windows, 1), per_window.shape[1])), 1)
-            if self.sequence_split is not None:
-                dist.all_reduce(counts, group=self.sequence_split.group)
+            split = self.split
+            if split is not None:
+                dist.all_reduce(counts, group=split.group)
             f = counts[:, :e] * e / (k * counts[:, e:])  # [windows, E]
             probs = routing.probs.view(windows, -1, e)
             aux = aux + cfg.aux_loss_coeff * (probs * f[:, None, :]).sum()
         if cfg.z_loss_coeff > 0:
             aux = aux + cfg.z_loss_coeff * routing.logits.logsumexp(-1).pow(2).sum()
         if not recomputing:
-            self._aux = aux
+            # (folded over tp: the gradient's aux times tp, as the forward's scale does for the main loss)
+            self._aux = aux if self.token_share is None else aux * self.token_share[0]
             self.aux_sum += aux.detach()
 
     def pop_aux_loss(self) -> Tensor | None:

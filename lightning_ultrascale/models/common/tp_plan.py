@@ -12,7 +12,7 @@ from lightning_ultrascale.models.common.mla import mla_tp_plan
 if TYPE_CHECKING:
     from lightning_ultrascale.models.common.decoder import LlamaConfig
 
-__all__ = ["gathered_moe", "llama_tp_plan"]
+__all__ = ["folded_moe", "gathered_moe", "llama_tp_plan"]
 
 
 def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -26,10 +26,12 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
     (``Shard(1)``): norms run on sequence shards, and the attention/MLP inputs are all-gathered
     (the all-reduces become reduce-scatters after wo/w2).
 
-    An MoE feed-forward is not split over ``tp``: its input is gathered, every tp rank routes the
-    same tokens to the same experts (split over ``ep`` instead), and its output is the residual
-    layout again. Splitting experts over tp as well would cut each expert's GEMMs into slivers
-    and add two collectives per MoE layer for weights that expert parallelism already divides.
+    An MoE feed-forward's weights are not split over ``tp``, its tokens are (Megatron's MoE parallel
+    folding, :func:`folded_moe`): each tp rank routes its sequence shard (under SP the residual
+    stream's own shard: no collective; without SP a slice, gathered after) through whole experts,
+    which expert parallelism splits over ``dp x cp x tp`` ranks. Splitting each expert over tp
+    instead would cut its GEMMs into slivers and add two collectives per MoE layer for weights that
+    expert parallelism already divides; keeping the tokens whole would run every expert tp times.
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
@@ -65,7 +67,7 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool) -> tuple[dict[str, 
 def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
     """Heads split over tp: q/k/v column-parallel, wo row-parallel back into the residual layout."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     if cfg.mla is not None:
         return mla_tp_plan(residual, cfg.mla)
@@ -73,7 +75,7 @@ def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
     # one per projection (wq, wk, wv; w1, w3) backward all-reduces the input gradient once per
     # projection, 5 all-reduces per block instead of the playbook's 2 (measured by
     # benchmarks/tp.py). With SP this is also the all-gather of the sequence shards.
-    return {
+    plan = {
         "attention": PrepareModuleInput(
             input_layouts=(residual, None, None), desired_input_layouts=(Replicate(), None, None)
         ),
@@ -82,6 +84,12 @@ def _attention_tp_plan(cfg: LlamaConfig, residual: Any) -> dict[str, Any]:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
     }
+    if cfg.qk_norm:
+        # Per-head norms on the rank's heads ([b, s, heads, head_dim], heads sharded): a replicated weight whose
+        # gradient DTensor sums over the tp ranks (each saw its own heads).
+        per_head = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan |= {"attention.q_norm": per_head, "attention.k_norm": per_head}
+    return plan
 
 
 def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -95,7 +103,23 @@ def _feed_forward_tp_plans(residual: Any) -> tuple[dict[str, Any], dict[str, Any
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
     }
-    return dense, {"feed_forward": gathered_moe(residual)}
+    return dense, {"feed_forward": folded_moe(residual)}
+
+
+def folded_moe(residual: Any) -> Any:
+    """An MoE feed-forward's style under MoE parallel folding: it runs on its tp rank's sequence shard (the
+    residual's own under SP; without SP a local slice on the way in, all-gathered on the way out), local tensors
+    inside; the module must declare :class:`~lightning_ultrascale.models.spec.SharesTokens`."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return PrepareModuleInputOutput(
+        input_layouts=(residual,),
+        desired_input_layouts=(Shard(1),),
+        use_local_input=True,
+        output_layouts=(Shard(1),),
+        desired_output_layouts=(residual,),
+    )
 
 
 def gathered_moe(residual: Any) -> Any:

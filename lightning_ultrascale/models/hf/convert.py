@@ -134,6 +134,12 @@ def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
         ('DeepseekV3Config', 'DeepseekV3ForCausalLM')
     """
     moe = cfg.moe
+    if cfg.qk_norm or cfg.attention_head_dim is not None:
+        raise ConfigError(
+            f"model {cfg.name}: per-head query/key norms (qk_norm) and heads wider than dim / n_heads "
+            "(attention_head_dim) are Qwen3's, which we do not translate to Hugging Face yet; a Qwen3 directory "
+            "trains through model=hf (transformers' own modules)"
+        )
     if cfg.mtp_depth and not (moe is not None and cfg.mla is not None and moe.router == "sigmoid"):
         raise ConfigError(
             f"model {cfg.name} with mtp_depth={cfg.mtp_depth}: multi-token prediction layers have a Hugging Face "

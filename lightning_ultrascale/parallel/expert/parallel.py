@@ -1,18 +1,24 @@
 """ExpertParallel: the playbook's fifth dimension, MoE experts split over ``ep`` ranks.
 
 The ``ep`` ranks are borrowed from the data-parallel ones (``dp_replicate x dp_shard x cp``, inner
-ranks first, as torchtitan borrows ``dp_shard x cp``): no extra GPUs. Each rank of an ``ep`` group
-holds ``E / ep`` of every MoE layer's experts, as one ``Shard(0)`` DTensor per stacked weight (one
-global expert dim, so checkpoints reshard to any ``ep``), and reads its own tokens as before; the
-MoE layer's dispatcher sends each token to the rank of its expert and back (``comms.py``).
+ranks first, as torchtitan borrows ``dp_shard x cp``), and from the tensor-parallel ones where the
+model's MoE layers fold over them (``ModelSpec.moe_folds_tp``, Megatron's MoE parallel folding: each
+tp rank runs its share of the tokens, so ``ep`` divides ``dp x cp x tp``, tp innermost): no extra
+GPUs. Each rank of an ``ep`` group holds ``E / ep`` of every MoE layer's experts, as one ``Shard(0)``
+DTensor per stacked weight (one global expert dim, so checkpoints reshard to any ``ep``), and reads
+its own tokens as before; the MoE layer's dispatcher sends each token to the rank of its expert and
+back (``comms.py``).
 
-The flattened data ranks ``dp_cp`` are unflattened into ``(edp, ep)``: ``edp`` are the ranks that
-hold the same experts. The experts' gradients average over ``edp`` (a gradient group in the
-Layout, so every ZeRO stage applies to them: FSDP2 shards them over ``edp`` under stage 3), the
-rest over ``dp x cp`` as before. Router, shared experts and dense blocks are ordinary parameters.
+The flattened ranks (``dp_cp``, or ``dp_cp x tp`` folded) are unflattened into ``(edp, ep)``: ``edp``
+are the ranks that hold the same experts. The experts' gradients average over ``edp`` (a gradient
+group in the Layout, so every ZeRO stage applies to them: FSDP2 shards them over ``edp`` under stage
+3), the rest over ``dp x cp`` as before (a folded MoE's router and shared experts over ``dp x cp x
+tp``: ``TensorParallel``'s ``moe_tokens`` group). Dense blocks are ordinary parameters.
 
-Tensor parallelism does not split experts (see ``llama_tp_plan``): every tp rank routes the same
-tokens, and the ``ep`` groups are made of ranks with the same tp coordinate.
+Tensor parallelism does not split experts (see ``llama_tp_plan``): folded, every tp rank routes its
+own tokens and the ``ep`` groups hold whole tp groups (or parts of one); a model whose MoE layers do
+not fold (transformers' under ``model=hf``) routes the same tokens on every tp rank, and its ``ep``
+groups are made of ranks with the same tp coordinate.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from lightning_ultrascale.parallel.pricing import (
     SearchContext,
     SearchPoint,
     add_traffic,
+    moe_fold,
     powers_of_two,
 )
 
@@ -49,7 +56,7 @@ class ExpertParallel(ParallelPlugin):
 
     Args:
         size: expert-parallel degree ``ep``; must divide the model's routed experts and the
-            data-parallel ranks ``dp_replicate x dp_shard x cp``.
+            data-parallel ranks ``dp_replicate x dp_shard x cp`` (times ``tp`` where the MoE layers fold).
         redundant_experts: ``R`` extra expert slots per MoE block (EPLB's redundant experts: the hottest
             experts replicated, each replica running part of the expert's rows); ``E + R`` must split
             evenly over the ``size`` ranks.
@@ -146,9 +153,12 @@ class ExpertParallel(ParallelPlugin):
         size = point.get("ep", 1)
         if size == 1:
             return None
-        borrowed = point.dp * point.get("cp", 1)  # (expert ranks are borrowed from the data and context ones)
+        # (expert ranks are borrowed from the data and context ones, and the tensor ones where MoE layers fold)
+        borrowed = point.dp * point.get("cp", 1)
+        folds = point.context is not None and point.context.moe_folds_tp
+        borrowed *= point.get("tp", 1) if folds else 1
         if point.context is not None and borrowed % size:
-            raise NotSearched(f"ep={size} does not divide the {borrowed} data x context ranks")
+            raise NotSearched(f"ep={size} does not divide the {borrowed} data x context{' x tensor' * folds} ranks")
         return cls(size)
 
     def plan_label(self, dims: ParallelDims) -> str:
@@ -164,7 +174,8 @@ class ExpertParallel(ParallelPlugin):
         if not spec.moe_blocks:
             return terms
         moe_layers = sum(1 for i in rank.layers if spec.is_moe_block(i))
-        rows = rank.tokens * spec.top_k * rank.widths.h * rank.element_bytes
+        # (folded over tp, a rank routes its share of the tokens)
+        rows = rank.tokens / moe_fold(spec, rank.widths) * spec.top_k * rank.widths.h * rank.element_bytes
         # (+ the split sizes: one count per expert each way)
         payload = (4 * rows + 8 * spec.n_experts) * moe_layers * rank.forwards
         if self.placed:
@@ -179,7 +190,7 @@ class ExpertParallel(ParallelPlugin):
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         spec = require_spec(model)
-        data = layout.mesh["dp_cp"]
+        data = layout.mesh.over(self.borrowed(layout.dims, spec))
         meshes = data._unflatten(0, (data.size() // self.size, self.size), ("edp", "ep"))
         ep_mesh = meshes["ep"]
         layout.mesh.add("ep", ep_mesh)
@@ -204,6 +215,12 @@ class ExpertParallel(ParallelPlugin):
         layout.declare_gradient_group("experts", ("edp",), names)
         return model
 
+    @staticmethod
+    def borrowed(dims: ParallelDims, spec: ModelSpec) -> tuple[str, ...]:
+        """The mesh dims the ``ep`` ranks come from (flattened, ``ep`` innermost): the data dims, and ``tp``
+        where the model's MoE layers fold over it."""
+        return (*DATA_DIMS, "tp") if dims.tp > 1 and spec.moe_folds_tp else DATA_DIMS
+
     def _placed_dispatcher(
         self, moe: nn.Module, name: str, group: Any, nodes: int, spec: ModelSpec
     ) -> PlacedDispatcher:
@@ -218,11 +235,12 @@ class ExpertParallel(ParallelPlugin):
         return PlacedDispatcher(group, spec.n_experts, self.redundant_experts, self.rebalance_every, nodes, groups)
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
-        # dp_cp, flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
-        n_data, data = plan.flat(DATA_DIMS)
+        # dp_cp (x tp), flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
+        spec = require_spec(model)
+        folded = plan.sizes.get("tp", 1) > 1 and spec.moe_folds_tp
+        n_data, data = plan.flat((*DATA_DIMS, "tp") if folded else DATA_DIMS)
         plan.sizes |= {"ep": self.size, "edp": n_data // self.size}
         plan.coordinate |= {"ep": data % self.size, "edp": data // self.size}
-        spec = require_spec(model)
         for block in spec.moe_blocks:
             prefix = f"{spec.layers}.{block}.{spec.moe}.experts."
             for name in [n for n in plan.shapes if n.startswith(prefix) and "." not in n[len(prefix) :]]:
