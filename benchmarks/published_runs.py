@@ -7,7 +7,8 @@ precision and gradient reduction), prints the table and writes
 with what others measured. Tokens/s per GPU is compared, not MFU (FLOP-counting conventions differ).
 
 A published stack's feature this library lacks is a named switch of the time model, on for the
-runs whose stack has it and stated in ``runs.json`` with its source: ``tp_comm_overlap`` (NeMo's
+runs whose stack has it and stated in ``runs.json`` with its source: ``ep_comm_overlap`` (Megatron's
+combined 1F1B for Qwen3-235B), ``tp_comm_overlap`` (NeMo's
 70B). Roles: a run marked ``fit`` is the one the H100 profile's ``matmul_efficiency`` was fitted on
 (:func:`fit_matmul_efficiency` reproduces it); one marked ``memory`` is judged on memory only (its
 GPU's peak is not published); every other run is judged on throughput with datasheet constants
@@ -53,6 +54,7 @@ def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
         get_model_config(run["model"]), run["seq_len"], run["global_batch_size"],
         precision=run["precision"], reduce_dtype=run["reduce_dtype"], fused_kernels=data_kernels_fused(run),
         tp_comm_overlap=run.get("tp_comm_overlap", False),  # a stack's TP overlap: a named switch, stated per run
+        ep_comm_overlap=run.get("ep_comm_overlap", False),  # a stack's EP all-to-all overlap: the same
         fp8=run.get("fp8"), force_balanced=run.get("force_balanced", False),  # FP8 recipe; forced MoE routing
     )  # fmt: skip
     candidate = Candidate.layout(**run["layout"], reduce_dtype=run["reduce_dtype"])
@@ -61,6 +63,7 @@ def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
     return {
         "layout": candidate.label(),
         "tp_comm_overlap": workload.tp_comm_overlap,
+        "ep_comm_overlap": workload.ep_comm_overlap,
         "tokens_per_s_per_gpu": min(c.tokens_per_s for c in costs) / candidate.world_size,
         "mfu": min(c.mfu for c in costs),
         "peak_memory_gib": worst.peak / GIB,

@@ -73,7 +73,7 @@ from torch import nn
 from lightning_ultrascale.errors import ConfigError, is_positive_int
 from lightning_ultrascale.models.common.decoder import LlamaConfig, llama_spec
 from lightning_ultrascale.models.spec import ModelSpec, require_spec
-from lightning_ultrascale.parallel.dims import DATA_DIMS, MESH_DIMS, ParallelDims
+from lightning_ultrascale.parallel.dims import MESH_DIMS, ParallelDims
 from lightning_ultrascale.parallel.expert.placement import ExpertPlacement, balance_experts
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.muon import muon_cost
@@ -122,6 +122,10 @@ class Workload:
     over capacity are dropped before the dispatch).
     ``force_balanced``: the router sends every expert the same rows (Megatron-Core's
     ``moe_router_force_load_balancing``, which published MoE benchmarks use): an expert load of 1.0.
+    ``ep_comm_overlap``: a time-model switch for stacks that run one microbatch's expert-parallel
+    dispatch and combine beside another microbatch's GEMMs (Megatron-Core's ``moe_a2a_overlap``, which
+    merges the forward and backward of two microbatches in 1F1B's steady state). This library runs
+    them on the critical path: leave it off to price a run of ours.
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
@@ -142,6 +146,7 @@ class Workload:
     expert_load: float | None = None
     force_balanced: bool = False
     tp_comm_overlap: bool = False
+    ep_comm_overlap: bool = False
     #: an FP8 recipe of the blocks' linears (``FP8Precision``'s: tensorwise, rowwise, rowwise_with_gw_hp,
     #: blockwise), on top of ``precision`` (its high-precision part); ``None``: no FP8
     fp8: str | None = None
@@ -507,7 +512,7 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
         for traffic, hidden_by in ((terms.traffic, terms.hidden_by), (terms.forward_traffic, FORWARD_SHARE)):
             spent = 0.0
             for key, payload in traffic.items():
-                dim, took = _collective_seconds(key, payload, c, dims, gpu)
+                dim, took = _collective_seconds(key, payload, c, dims, gpu, moe_fold(cost.view.spec, cost.view.widths))
                 seconds[dim] = seconds.get(dim, 0.0) + took
                 spent += took
             beside = terms.hidden_by_matmul * parts["matmul"] + terms.hidden_by_attention * parts["attention"]
@@ -528,14 +533,16 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
 FORWARD_SHARE = 1 / 3
 
 
-def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware) -> tuple[str, float]:
-    """``(dim, seconds)`` of one ``"dim:op"`` payload on the links its group spans."""
+def _collective_seconds(
+    key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware, fold: int = 1
+) -> tuple[str, float]:
+    """``(dim, seconds)`` of one ``"dim:op"`` payload on the links its group spans (``fold``: tp ranks that share
+    the MoE layers' tokens, whose ep groups then hold neighbouring ranks)."""
     dim, op = key.split(":")
-    if dim == "ep":  # experts borrow data ranks: the group spans them, ep of them take part
-        names, size = [d for d in DATA_DIMS if getattr(dims, d) > 1], c.ep
-    else:
-        names = _mesh_dims(dim)
-        size = math.prod(getattr(dims, d) for d in names)
+    if dim == "ep":  # ep neighbours of the borrowed ranks: tp apart, or neighbours where the MoE folds over tp
+        return dim, _all_to_all_seconds(payload, c.ep, 1 if fold > 1 else dims.tp, gpu)
+    names = _mesh_dims(dim)
+    size = math.prod(getattr(dims, d) for d in names)
     intra = _group_span(dims, names) <= gpu.gpus_per_node
     if intra:
         bandwidth = gpu.intra_node_bandwidth * gpu.link_efficiency
@@ -544,6 +551,24 @@ def _collective_seconds(key: str, payload: int, c: Candidate, dims: ParallelDims
     latency = gpu.intra_node_latency if intra else gpu.inter_node_latency
     wire = wire_bytes(op, int(payload), size)
     return dim, wire / bandwidth + latency * max(1, size - 1)
+
+
+def _all_to_all_seconds(payload: float, size: int, stride: int, gpu: Hardware) -> float:
+    """An all-to-all of ``payload`` bytes a rank over ``size`` ranks ``stride`` apart: ``1/size`` of it to each
+    peer, those on the rank's node over NVLink while the others go over the network (at the same time).
+
+    Example:
+        >>> from lightning_ultrascale.plan.hardware import get_hardware
+        >>> h100 = get_hardware("h100")
+        >>> one_node, four_nodes = (_all_to_all_seconds(1e9, n, 1, h100) for n in (8, 32))
+        >>> round(four_nodes / one_node, 1)  # (3/4 of the bytes leave the node, at the network's rate)
+        6.9
+    """
+    local = max(1, min(size, gpu.gpus_per_node // stride))  # the group's ranks on one node
+    nvlink = payload * (local - 1) / size / (gpu.intra_node_bandwidth * gpu.link_efficiency)
+    network = payload * (size - local) / size / (gpu.inter_node_bandwidth * gpu.network_efficiency)
+    latency = gpu.intra_node_latency if local == size else gpu.inter_node_latency
+    return max(nvlink, network) + latency * max(1, size - 1)
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,46 @@ def test_a_capacity_bounds_the_busiest_expert_rank_s_rows():
     assert Workload(capped, 64, 4, expert_load=2.0).load_for(1) == 1.25
     assert Workload(moe, 64, 4, expert_load=2.0).load_for(1) == 2.0  # dropless: the router's load
     assert Workload(capped, 64, 4, expert_load=1.1).load_for(1) == 1.1
+
+
+# ------------------------------------------------------------------------------------ MoE folding and EP links
+QWEN3_235B = get_model_config("qwen3_235b_a22b")
+
+
+def _qwen3_cost(meta, overlap: bool = False, **layout):
+    workload = Workload(QWEN3_235B, 4096, 8192, fused_kernels=True, force_balanced=True, ep_comm_overlap=overlap)
+    costs = estimate(workload, Candidate.layout(**layout), meta, H100)
+    return min(costs, key=lambda c: c.tokens_per_s)
+
+
+def test_folded_moe_layers_run_a_tp_share_and_their_all_to_all_crosses_only_the_nodes_it_must():
+    meta = build_model("qwen3_235b_a22b", device="meta")
+    layout = dict(dp=16, tp=2, pp=8, schedule="interleaved_1f1b", virtual_stages=4, microbatches=512, zero=1)
+    folded = _qwen3_cost(meta, ep=32, **layout)
+    whole = build_model("qwen3_235b_a22b", device="meta")
+    whole.spec = replace(whole.spec, moe_folds_tp=False)  # (transformers' MoE: every tp rank routes every token)
+    unfolded = _qwen3_cost(whole, ep=16, **layout)
+    # The routed rows a rank sends are its tp share's: half of the unfolded layout's.
+    assert folded.comm["ep:all_to_all"] == pytest.approx(unfolded.comm["ep:all_to_all"] / 2, rel=1e-3)
+    assert folded.time_parts["matmul"] < 0.75 * unfolded.time_parts["matmul"]  # (attention and head stay whole)
+    # ep32 over 4 whole nodes (ep neighbours folded): 3/4 of the bytes leave the node, at the network's rate.
+    per_rank = folded.comm["ep:all_to_all"]
+    network = H100.inter_node_bandwidth * H100.network_efficiency
+    assert folded.time_parts["ep"] == pytest.approx(per_rank * 24 / 32 / network, rel=1e-2)
+
+
+def test_an_ep_group_inside_a_node_is_priced_on_nvlink_though_the_data_ranks_span_nodes():
+    meta = build_model("qwen3_235b_a22b", device="meta")
+    cost = _qwen3_cost(meta, dp=64, ep=8, pp=4, microbatches=128, zero=1)  # 256 GPUs, ep groups of 8 neighbours
+    nvlink = H100.intra_node_bandwidth * H100.link_efficiency
+    assert cost.time_parts["ep"] == pytest.approx(cost.comm["ep:all_to_all"] * 7 / 8 / nvlink, rel=1e-2)
+
+
+def test_a_stack_s_ep_overlap_is_a_switch_that_hides_the_all_to_all_behind_the_gemms():
+    meta = build_model("qwen3_235b_a22b", device="meta")
+    layout = dict(dp=16, tp=2, pp=8, ep=32, schedule="interleaved_1f1b", virtual_stages=4, microbatches=512)
+    ours, overlapped = _qwen3_cost(meta, **layout), _qwen3_cost(meta, overlap=True, **layout)
+    assert Workload(QWEN3_235B, 4096, 8192).ep_comm_overlap is False
+    assert overlapped.time_parts["ep"] == ours.time_parts["ep"]  # the same bytes on the same links
+    hidden = min(ours.time_parts["ep"], ours.time_parts["matmul"])
+    assert ours.step_time - overlapped.step_time == pytest.approx(hidden * (1 + ours.bubble), rel=1e-6)

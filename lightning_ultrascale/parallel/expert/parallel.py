@@ -170,6 +170,7 @@ class ExpertParallel(ParallelPlugin):
     def plan_cost(self, rank: RankView) -> CostTerms:
         """Dispatch and combine forward, their reverses backward, of every routed row (uniform routing)."""
         terms = CostTerms(host="expert")
+        terms.hidden_by_matmul = 1.0 if rank.workload.ep_comm_overlap else 0.0  # (a stack's, not ours)
         spec = rank.spec
         if not spec.moe_blocks:
             return terms
