@@ -296,8 +296,13 @@ class LlamaModule(L.LightningModule):
     @property
     def split_step_sums(self) -> int:
         """How many of the last :meth:`step_sums` tensor-parallel peers hold parts of (summed over them too): the
-        MoE statistics where the MoE layers run each tp rank's share of the tokens (MoE parallel folding)."""
-        folded = self.model is not None and any(m.token_share is not None for m in self.model.moe_layers().values())
+        MoE statistics where the MoE layers run each tp rank's share of the tokens (MoE parallel folding).
+
+        The same on every rank, a pipeline stage without MoE blocks too: read from the layout, not the blocks held.
+        """
+        dims = getattr(self._trainer.strategy, "parallel_dims", None) if self._trainer is not None else None
+        spec = getattr(self.model, "spec", None)
+        folded = dims is not None and dims.tp > 1 and self.config.moe is not None and bool(spec and spec.moe_folds_tp)
         return len(self.config.moe_blocks()) * self.config.n_experts + 2 if folded else 0
 
     def agree_step_sums(self, sums: torch.Tensor) -> None:

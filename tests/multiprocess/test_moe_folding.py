@@ -151,3 +151,28 @@ def test_a_sequence_folding_cannot_split_is_refused_before_any_process_group():
         plugin.validate_sequence(DataShape(seq_len=63, micro_batch_size=1), folds=True)
     plugin.validate_sequence(DataShape(seq_len=63, micro_batch_size=1), folds=False)  # (a dense model: fine)
     assert spec.moe_folds_tp and not torch.distributed.is_initialized()
+
+
+def _global_loads_on_every_rank(config) -> list[float]:
+    """Each rank's agreed tokens-per-expert total after one step of pp2 x tp2 (1F1B)."""
+    import lightning as L
+    from llama_runs import GLOBAL_BATCH, SEQ_LEN
+
+    from lightning_ultrascale import LlamaModule, UltraScaleDataModule
+
+    module = LlamaModule(config, optim=SGD)
+    strategy = UltraScaleStrategy(PipelineParallel(2, "1f1b", 2), TensorParallel(2))
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, **QUIET_TRAINER)
+    trainer.fit(module, datamodule=UltraScaleDataModule(seq_len=SEQ_LEN, micro_batch_size=GLOBAL_BATCH, seed=0))
+    assert module.expert_stats is not None
+    return [float(module.expert_stats.loads.sum())]
+
+
+def test_every_rank_agrees_on_the_folded_loads_also_a_stage_without_moe_blocks():
+    # Blocks 0-2 dense (the first stage holds no MoE layer), 3 MoE: the first stage's ranks must still sum the
+    # folded statistics over their tp peers too, or they log (rank 0 does) a tp share of the loads.
+    from llama_runs import GLOBAL_BATCH, SEQ_LEN
+
+    config = replace(PER_SEQUENCE, moe=replace(PER_SEQUENCE.moe, first_k_dense=3))
+    routed = GLOBAL_BATCH * SEQ_LEN * config.moe.top_k * len(config.moe_blocks())
+    assert [loads for [loads] in run_pooled(_global_loads_on_every_rank, 4, config)] == [routed] * 4
