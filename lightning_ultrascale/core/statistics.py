@@ -40,7 +40,8 @@ class LayoutStatistics(ModelParallelStrategy):
         """Sum a statistic over the ranks that see different tokens (and pipeline stages), each counted once.
 
         Tensor-parallel ranks hold the same tokens, so they are left out (Lightning's ``reduce``
-        would count them ``tp`` times). E.g. tokens per expert over the global batch.
+        would count them ``tp`` times). E.g. the loss's sums over the global batch; not a folded MoE
+        layer's tokens per expert (each tp rank counts its own share: sum those over every rank).
         """
         torch.distributed.all_reduce(tensor, group=self.batch_group())
         return tensor

@@ -650,7 +650,9 @@ class Llama(nn.Module):
 
         Rows of blocks another rank holds are zeros; ``reduce`` (a sum over the ranks of the global
         batch, each counted once) makes them global. Every rank gets the same tensor shape, so a
-        pipeline rank without MoE blocks takes part in the reduction like the others.
+        pipeline rank without MoE blocks takes part in the reduction like the others. Under tensor
+        parallelism the MoE layers fold (each tp rank counts its share of the tokens): ``reduce`` must then
+        sum over the tp ranks too, over every rank (``LlamaModule`` does: ``split_step_sums``).
         """
         blocks = self.config.moe_blocks()
         loads = torch.zeros(len(blocks), max(self.config.n_experts, 1), device=self.rope_inv_freq.device)
