@@ -508,11 +508,12 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     )
     seconds: dict[str, float] = {}
     critical = exposed = bubble = 0.0
+    fold = moe_fold(cost.view.spec, cost.view.widths)
     for terms in cost.terms:
         for traffic, hidden_by in ((terms.traffic, terms.hidden_by), (terms.forward_traffic, FORWARD_SHARE)):
             spent = 0.0
             for key, payload in traffic.items():
-                dim, took = _collective_seconds(key, payload, c, dims, gpu, moe_fold(cost.view.spec, cost.view.widths))
+                dim, took = _collective_seconds(key, payload, c, dims, gpu, fold)
                 seconds[dim] = seconds.get(dim, 0.0) + took
                 spent += took
             beside = terms.hidden_by_matmul * parts["matmul"] + terms.hidden_by_attention * parts["attention"]

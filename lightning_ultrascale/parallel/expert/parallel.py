@@ -191,7 +191,7 @@ class ExpertParallel(ParallelPlugin):
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:
         spec = require_spec(model)
-        data = layout.mesh.over(self.borrowed(layout.dims, spec))
+        data = layout.mesh.over(self.borrowed(layout.dims.tp, spec))
         meshes = data._unflatten(0, (data.size() // self.size, self.size), ("edp", "ep"))
         ep_mesh = meshes["ep"]
         layout.mesh.add("ep", ep_mesh)
@@ -217,10 +217,10 @@ class ExpertParallel(ParallelPlugin):
         return model
 
     @staticmethod
-    def borrowed(dims: ParallelDims, spec: ModelSpec) -> tuple[str, ...]:
+    def borrowed(tp: int, spec: ModelSpec) -> tuple[str, ...]:
         """The mesh dims the ``ep`` ranks come from (flattened, ``ep`` innermost): the data dims, and ``tp``
-        where the model's MoE layers fold over it."""
-        return (*DATA_DIMS, "tp") if dims.tp > 1 and spec.moe_folds_tp else DATA_DIMS
+        where the model's MoE layers fold over its ``tp`` ranks."""
+        return (*DATA_DIMS, "tp") if tp > 1 and spec.moe_folds_tp else DATA_DIMS
 
     def _placed_dispatcher(
         self, moe: nn.Module, name: str, group: Any, nodes: int, spec: ModelSpec
@@ -238,8 +238,7 @@ class ExpertParallel(ParallelPlugin):
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         # dp_cp (x tp), flattened row-major, unflattened into (edp, ep): ep the inner one (as in apply).
         spec = require_spec(model)
-        folded = plan.sizes.get("tp", 1) > 1 and spec.moe_folds_tp
-        n_data, data = plan.flat((*DATA_DIMS, "tp") if folded else DATA_DIMS)
+        n_data, data = plan.flat(self.borrowed(plan.sizes.get("tp", 1), spec))
         plan.sizes |= {"ep": self.size, "edp": n_data // self.size}
         plan.coordinate |= {"ep": data % self.size, "edp": data // self.size}
         for block in spec.moe_blocks:
