@@ -72,6 +72,13 @@ LAYOUTS: list[tuple[str, Candidate]] = [
     ("moe_tiny", _(dp=2, zero=0, ep=2, micro_batch_size=2)),
     ("moe_tiny", _(dp=2, zero=3, ep=2, micro_batch_size=2)),
     ("llama_tiny", _(dp=2, zero=3, tp=2, micro_batch_size=2)),
+    # what tensor parallelism runs again in backward: regathered inputs, and each recomputation mode's share
+    ("llama_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, regather=True)),
+    ("llama_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, recompute="full")),
+    ("llama_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, recompute="selective_op")),
+    ("llama_tiny", _(dp=1, zero=0, tp=2, sequence_parallel=False, micro_batch_size=2, recompute="full")),
+    ("moe_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, recompute="full")),
+    ("moe_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, regather=True)),
 ]
 #: (model, candidate, micro-steps per optimizer step): what gradient accumulation and a pipeline
 #: keep between micro-steps (ZeRO-3: sharded gradients; ZeRO-2: full buckets; ZeRO-3 under a

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -40,6 +40,7 @@ from lightning_ultrascale.parallel.layout import Layout, ShardPlan
 from lightning_ultrascale.parallel.plugin import ParallelPlugin
 from lightning_ultrascale.parallel.pricing import (
     CostTerms,
+    NotSearched,
     PlanAxis,
     RankView,
     SearchContext,
@@ -47,6 +48,7 @@ from lightning_ultrascale.parallel.pricing import (
     add_traffic,
     powers_of_two,
 )
+from lightning_ultrascale.parallel.regather import regathered
 from lightning_ultrascale.parallel.tied import retie
 from lightning_ultrascale.utils.memo import memoized
 
@@ -63,6 +65,10 @@ class TensorParallel(ParallelPlugin):
         size: tensor-parallel degree; must divide the model's heads and kv-heads.
         sequence_parallel: shard norms and the residual stream over the sequence (Megatron SP).
         loss_parallel: compute the cross-entropy on vocabulary shards (no full logits).
+        regather: with ``sequence_parallel``, keep each sub-layer's input sequence-sharded for backward and
+            all-gather it again there (Megatron-Core's default): ``(tp - 1) / tp`` of the two gathered inputs per
+            block fewer activations, one more all-gather per sub-layer in backward
+            (:mod:`~lightning_ultrascale.parallel.regather`).
 
     Example:
         >>> from lightning_ultrascale import TensorParallel, UltraScaleStrategy, ZeRO
@@ -71,13 +77,21 @@ class TensorParallel(ParallelPlugin):
 
     applies_at = "tensor"
     plan_order = 10
-    plan_names = ("tp", "sequence_parallel")
+    plan_names = ("tp", "sequence_parallel", "regather")
 
-    def __init__(self, size: int, sequence_parallel: bool = True, loss_parallel: bool = True) -> None:
+    def __init__(
+        self, size: int, sequence_parallel: bool = True, loss_parallel: bool = True, regather: bool = False
+    ) -> None:
         require_positive_int(self, "size", size)
+        if regather and not sequence_parallel:
+            raise ConfigError(
+                f"{option(self, 'regather', regather)} keeps sequence-parallel shards for backward: it needs "
+                f"{option(self, 'sequence_parallel', True)} (without SP nothing is gathered)"
+            )
         self.size = size
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
+        self.regather = regather
 
     @property
     def active(self) -> bool:
@@ -94,6 +108,16 @@ class TensorParallel(ParallelPlugin):
             )
         if data is not None:
             self.validate_sequence(data, folds=folds_moe(spec))
+
+    def validate_with(self, plugins: Sequence[ParallelPlugin]) -> None:
+        compiled = [p for p in plugins if type(p).__name__ == "Compile" and getattr(p, "enabled", False)]
+        if self.active and self.regather and compiled:
+            # (saved-tensor hooks inside a compiled block: "Attempted to call function marked as skipped")
+            raise ConfigError(
+                f"{option(self, 'regather', True)} cannot run under {compiled[0]!r}: it keeps the sequence shards "
+                "for backward through autograd's saved-tensor hooks, which torch.compile cannot trace; valid: "
+                f"{option(self, 'regather', False)} with compiled blocks, or compile off"
+            )
 
     def validate_sequence(self, data: DataShape, folds: bool = False) -> None:
         """Sequence parallelism splits the sequence: it must divide by ``tp``; so must MoE parallel folding."""
@@ -122,6 +146,8 @@ class TensorParallel(ParallelPlugin):
         for name, block in model.get_submodule(spec.layers).named_children():
             prefix = f"{spec.layers}.{name}."
             plan = _styled(block_plans[name], prefix, layout.linear_styles, layout.dropped)
+            if self.regather:
+                plan = {module: regathered(style) for module, style in plan.items()}
             parallelize_module(block, tp_mesh, plan)
             _localise_head_counts(block.get_submodule(spec.attention), self.size)
         layout.step_contexts.append(_AttentionErrors(self, model, spec).explained)
@@ -136,49 +162,79 @@ class TensorParallel(ParallelPlugin):
 
     @classmethod
     def plan_axes(cls, context: SearchContext) -> tuple[PlanAxis, ...]:
-        """Powers of two up to two nodes: the playbook keeps tp inside a node, the planner prices one beyond."""
+        """Powers of two up to two nodes: the playbook keeps tp inside a node, the planner prices one beyond; the
+        sequence shards regathered in backward where the layout without it does not fit."""
         sizes = powers_of_two(min(2 * context.gpus_per_node, context.world_size))
-        return (PlanAxis("tp", sizes, splits_world=True),)
+        regather = PlanAxis("regather", (False, True), trades_time_for_memory=True)
+        return PlanAxis("tp", sizes, splits_world=True), regather
 
     @classmethod
     def plan_plugin(cls, point: SearchPoint) -> TensorParallel | None:
-        size = point.get("tp", 1)
-        return cls(size, sequence_parallel=point.get("sequence_parallel", True)) if size > 1 else None
+        size, sequence_parallel = point.get("tp", 1), point.get("sequence_parallel", True)
+        regather = point.get("regather", False)
+        if regather and point.searches("regather", True):
+            if size == 1 or not sequence_parallel:
+                raise NotSearched("regather without sequence parallelism: the layout without it")
+            if point.get("recompute") in ("full", "selective_op"):  # (the checkpoint owns what every block saves)
+                raise NotSearched("regather under recomputation of every block: the layout without it")
+        return cls(size, sequence_parallel=sequence_parallel, regather=regather) if size > 1 else None
 
     def plan_label(self, dims: ParallelDims) -> str:
-        return f"tp{self.size}" + ("" if self.sequence_parallel else "(no sp)")
+        return (
+            f"tp{self.size}" + ("" if self.sequence_parallel else "(no sp)") + ("(regather)" if self.regather else "")
+        )
 
     def plan_facts(self, dims: ParallelDims) -> dict[str, Any]:
-        return {"tp": self.size, "sequence_parallel": self.sequence_parallel}
+        return {"tp": self.size, "sequence_parallel": self.sequence_parallel, "regather": self.regather}
+
+    def settings(self) -> dict[str, Any]:
+        return {"regather": True} if self.regather else {}
 
     def plan_cost(self, rank: RankView) -> CostTerms:
         """4 collectives per block (+ embedding, head) of ``t x h`` activations per forward, and the loss's.
 
         On the critical path (nothing overlaps them in our blocks); behind the GEMMs beside them
-        for a stack that overlaps them (``Workload.tp_comm_overlap``). Recomputation repeats a
-        block's forward collectives (2 per block) in backward; op-level recomputation keeps the
-        reduce-scatter outputs under SP, not the all-reduces (measured: one again per block).
+        for a stack that overlaps them (``Workload.tp_comm_overlap``). Run again in backward (traced
+        by ``benchmarks/plan.py``): a block recomputed whole repeats its forward up to the last tensor
+        backward needs (the FFN's down projection), so its all-gathers (SP) and the attention's
+        reduce-scatter or all-reduce, not the FFN's; op-level recomputation keeps the reduce-scatters
+        (SP) and gathers again, or repeats the attention's all-reduce; ``regather`` gathers the inputs
+        again that it kept sharded.
         """
         terms = CostTerms(host="tensor")  # (every op of a block on DTensors)
         terms.hidden_by_matmul = 1.0 if rank.workload.tp_comm_overlap else 0.0
-        c, s = rank.layout, rank.widths
-        activation = rank.tokens * s.h * rank.element_bytes * rank.forwards
+        c, spec = rank.layout, rank.spec
+        activation = rank.tokens * rank.widths.h * rank.element_bytes * rank.forwards
         # A folded MoE sub-layer (each tp rank its share of the tokens) has none of the FFN's collectives; without
         # SP its output is all-gathered (forward) and its input's gradient too (backward).
-        folded = sum(1 for i in rank.layers if rank.spec.is_moe_block(i)) if folds_moe(rank.spec) else 0
+        folded = sum(1 for i in rank.layers if spec.is_moe_block(i)) if folds_moe(spec) else 0
         n = 4 * len(rank.layers) - 2 * folded + (1 if rank.first else 0) + (1 if rank.last else 0)
-        again = {"full": 2, "selective_op": 0 if self.sequence_parallel else 1}.get(c.recompute, 0)
-        again *= len(rank.layers) if c.recompute != "selective" else 0
-        again += 2 * sum(1 for i in rank.layers if c.recompute == "selective" and c.recomputes(i))
-        again_folded = folded if c.recompute == "full" else 0  # (a folded MoE's forward: no collective of its own)
-        ops = ("all_gather", "reduce_scatter") if self.sequence_parallel else ("all_reduce",)
-        for op in ops:
-            add_traffic(terms.traffic, "tp", op, (n + again - again_folded) * activation)
-        if folded and not self.sequence_parallel:  # (and recomputed: the output's all-gather again)
-            add_traffic(terms.traffic, "tp", "all_gather", (2 * folded + again_folded) * activation)
+        whole = sum(1 for i in rank.layers if c.recomputes(i))
+        if self.sequence_parallel:
+            add_traffic(
+                terms.traffic, "tp", "all_gather", (n + sum(map(self._gathered_again(rank), rank.layers))) * activation
+            )
+            add_traffic(terms.traffic, "tp", "reduce_scatter", (n + whole) * activation)
+        else:
+            again = whole + (len(rank.layers) if c.recompute == "selective_op" else 0)
+            add_traffic(terms.traffic, "tp", "all_reduce", (n + again) * activation)
+            if folded:
+                add_traffic(terms.traffic, "tp", "all_gather", 2 * folded * activation)
         if rank.last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
             add_traffic(terms.traffic, "tp", "all_reduce", 6 * 4 * rank.tokens * rank.forwards)
         return terms
+
+    def _gathered_again(self, rank: RankView) -> Callable[[int], int]:
+        """How many of block ``i``'s sequence-parallel all-gathers run again in backward."""
+        c, spec = rank.layout, rank.spec
+
+        def again(i: int) -> int:
+            moe = spec.is_moe_block(i)
+            if c.recomputes(i) or c.recompute == "selective_op":
+                return 1 if moe and folds_moe(spec) else 2  # (a folded MoE gathers nothing)
+            return gathered_inputs(spec, i) if self.regather else 0
+
+        return again
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
         key = ("tp-shards", id(model), self.sequence_parallel)
@@ -204,6 +260,12 @@ class TensorParallel(ParallelPlugin):
                 for param, dim in _sharded_dims(model.get_submodule(prefix + name), style).items():
                     out.append((f"{prefix}{name}.{param}", dim))
         return out
+
+
+def gathered_inputs(spec: ModelSpec, layer: int) -> int:
+    """Sub-layer inputs of block ``layer`` that sequence parallelism all-gathers: attention's, and a dense
+    feed-forward's (an MoE feed-forward runs sequence shards when folded, its own gather when not)."""
+    return 1 if spec.is_moe_block(layer) else 2
 
 
 def folds_moe(spec: ModelSpec) -> bool:

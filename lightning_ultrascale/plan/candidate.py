@@ -42,6 +42,8 @@ class Candidate:
     reduce_dtype: str = "fp32"
     tp: int = 1
     sequence_parallel: bool = True
+    #: sequence-parallel inputs kept sharded for backward, all-gathered again there (``TensorParallel(regather=)``)
+    regather: bool = False
     pp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -92,7 +94,7 @@ class Candidate:
 
         ``choices``: any name a technique reads (its ``plan_names``): ``tp``, ``pp``, ``cp``,
         ``ep``, ``zero`` (``None``: ZeRO's default stage), ``replicate``, ``reduce_dtype``,
-        ``sequence_parallel``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp_method``,
+        ``sequence_parallel``, ``regather``, ``schedule``, ``virtual_stages``, ``microbatches``, ``cp_method``,
         ``recompute``, ``recompute_every``; a name left out is the technique's own default (off
         where it can be). ``micro_batch_size`` is one forward's samples (a pipeline's
         microbatch). ``extra``: further plugins (any that implements ``plan_facts`` /

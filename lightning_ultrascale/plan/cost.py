@@ -13,7 +13,10 @@
   backward, times the microbatches in flight, plus the loss's gradient working set;
 - the block moment (the first block's backward): the kept activations without the head's, plus that
   block's recomputed activations when it recomputes, plus its backward working set (and a ZeRO-3
-  block's gathered parameters), plus the gradients backward has made by then.
+  block's gathered parameters), plus the gradients backward has made by then;
+- the forward's end (no pipeline): every activation kept, the logits, and the last step's gradients where no
+  engine holds them, which Lightning's closure clears only after ``training_step`` (``benchmarks/plan.py``:
+  the peak of one process and of a folded MoE under tp2 is this moment).
 
 Gradients held between micro-steps count in the static part: under gradient accumulation or a
 pipeline's microbatches every rank keeps its gradients (ZeRO-3 its reduce-scattered shards; ZeRO-2
@@ -29,7 +32,9 @@ parallelism the tokens; fp32 statistics):
 part                 elements saved per token
 ===================  =========================================================================
 each RMSNorm (x2)    input, x * rstd (``2h/T_sp``), rstd (1, fp32), normalised output (``h``:
-                     all-gathered under SP, where the column-parallel matmul saves it)
+                     all-gathered under SP, where the column-parallel matmul saves it; ``h/T``
+                     where it stays a sequence shard: a folded MoE's input, and every input
+                     under ``TensorParallel(regather=True)``, which gathers it again in backward)
 attention            q, k, v after RoPE (k, v repeated to ``n`` heads) and the output
                      ``4 n d / T``, logsumexp ``n / T`` (fp32); ring CP keeps k, v at ``n_kv``
                      heads; all-to-all CP also keeps the re-gathered output (``h / T``)
@@ -323,9 +328,11 @@ def widths(spec: ModelSpec, c: Candidate) -> Widths:
     )  # fmt: skip
 
 
-def _norm(s: Widths, e: int) -> float:
-    """Bytes per token one RMSNorm keeps: input and x*rstd (sequence-sharded under SP), rstd, output."""
-    return (2 * s.h * e + 4) / s.sp + s.h * e
+def _norm(s: Widths, e: int, gathered: bool = True) -> float:
+    """Bytes per token one RMSNorm keeps: input and x*rstd (sequence-sharded under SP), rstd, and its output as the
+    projections after it save it: all-gathered under SP (``gathered``), or the sequence shard (a folded MoE's input,
+    an input regathered in backward)."""
+    return (2 * s.h * e + 4) / s.sp + s.h * e / (1 if gathered else s.sp)
 
 
 def _attention(s: Widths, e: int, cp_method: str | None) -> float:
@@ -348,23 +355,27 @@ def _moe_ffn(spec: ModelSpec, s: Widths, e: int) -> float:
     return (router + routed + shared) / moe_fold(spec, s)  # (folded over tp: a rank runs its share of the tokens)
 
 
-def _block_kept(spec: ModelSpec, s: Widths, e: int, layer: int, cp_method: str | None) -> float:
-    """Bytes per token a block keeps for backward without recomputation."""
-    ffn = _moe_ffn(spec, s, e) if spec.is_moe_block(layer) else 4 * s.f / s.tp * e
-    return 2 * _norm(s, e) + _attention(s, e, cp_method) + ffn
+def _block_kept(spec: ModelSpec, s: Widths, e: int, layer: int, cp_method: str | None, regather: bool = False) -> float:
+    """Bytes per token a block keeps for backward without recomputation (``regather``: ``TensorParallel(regather=)``
+    keeps the attention's and a dense feed-forward's inputs sequence-sharded)."""
+    moe = spec.is_moe_block(layer)
+    ffn = _moe_ffn(spec, s, e) if moe else 4 * s.f / s.tp * e
+    ffn_gathered = not regather if not moe else moe_fold(spec, s) == 1  # (a folded MoE runs the sequence shards)
+    return _norm(s, e, not regather) + _norm(s, e, ffn_gathered) + _attention(s, e, cp_method) + ffn
 
 
 def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
-    """Bytes per token ``selective_op`` keeps: the block input, matmul and attention outputs."""
+    """Bytes per token ``selective_op`` keeps: the block input, matmul and attention outputs (under SP the
+    row-parallel matmuls' outputs before their reduce-scatter, ``h``, and after it, ``h / T``)."""
     heads, kv = s.heads / s.tp, s.kv_heads / s.tp
     attention = (heads * s.head_dim + kv * (s.head_dim + s.v_head_dim) + heads * s.v_head_dim) * e + 4 * heads
-    wo = s.h / s.sp * e
+    wo = (s.h + (s.h / s.sp if s.sp > 1 else 0)) * e
     if spec.is_moe_block(layer):
         k, fe = spec.top_k, spec.expert_ffn_dim
         ffn = 4 * spec.n_experts + k * (2 * fe + s.h) * e + (2 * fe + s.h) * spec.n_shared_experts * e
         ffn /= moe_fold(spec, s)
     else:
-        ffn = (2 * s.f / s.tp + s.h / s.sp) * e
+        ffn = 2 * s.f / s.tp * e + wo
     return s.h / s.sp * e + attention + wo + ffn
 
 
@@ -380,7 +391,7 @@ def _kept(spec: ModelSpec, s: Widths, e: int, layer: int, c: Candidate, cp_metho
         return s.h / s.sp * e
     if c.recompute == "selective_op":
         return _block_kept_selective_op(spec, s, e, layer)
-    return _block_kept(spec, s, e, layer, cp_method)
+    return _block_kept(spec, s, e, layer, cp_method, regather=c.regather)
 
 
 def _mtp_kept(spec: ModelSpec, s: Widths, e: int, c: Candidate, cp_method: str | None, depth: int) -> float:
@@ -464,7 +475,14 @@ def activation_memory(
         if c.recomputes(i) or c.recompute == "selective_op":
             block_moment += (_block_kept(spec, s, e, i, cp_method) - _kept(spec, s, e, i, c, cp_method)) * t
         block_moment -= head  # the loss's tensors are gone by then
-    working = max(head_working, block_moment + backward_grads)
+    # The forward's end (the loss computed): Lightning's closure clears the last step's gradients only after
+    # training_step, so they are still there (a pipeline's runner clears them before its schedule); and the logits
+    # (their fp32 copy beside them under bf16) before the loss's backward frees them.
+    forward_end = 0.0
+    if c.pp == 1:
+        logits = 0.0 if workload.fused_cross_entropy or not last else t * s.vocab / s.tp * (e + (4 if e < 4 else 0))
+        forward_end = backward_grads + logits
+    working = max(head_working, block_moment + backward_grads, forward_end)
     return {"activations": round(kept), "working": round(working)}
 
 
