@@ -475,15 +475,19 @@ def activation_memory(
         if c.recomputes(i) or c.recompute == "selective_op":
             block_moment += (_block_kept(spec, s, e, i, cp_method) - _kept(spec, s, e, i, c, cp_method)) * t
         block_moment -= head  # the loss's tensors are gone by then
-    # The forward's end (the loss computed): Lightning's closure clears the last step's gradients only after
-    # training_step, so they are still there (a pipeline's runner clears them before its schedule); and the logits
-    # (their fp32 copy beside them under bf16) before the loss's backward frees them.
-    forward_end = 0.0
-    if c.pp == 1:
-        logits = 0.0 if workload.fused_cross_entropy or not last else t * s.vocab / s.tp * (e + (4 if e < 4 else 0))
-        forward_end = backward_grads + logits
-    working = max(head_working, block_moment + backward_grads, forward_end)
+    working = max(head_working, block_moment + backward_grads, _forward_end(workload, c, s, t, last, backward_grads))
     return {"activations": round(kept), "working": round(working)}
+
+
+def _forward_end(workload: Workload, c: Candidate, s: Widths, t: float, last: bool, grads: int) -> float:
+    """Bytes beside the kept activations when the forward ends (the loss computed): Lightning's closure clears the
+    last step's gradients only after ``training_step`` (a pipeline's runner clears them before its schedule), and
+    the logits live (their fp32 copy beside them under bf16) until the loss's backward frees them."""
+    if c.pp > 1:
+        return 0.0
+    e = workload.activation_bytes
+    logits = 0.0 if workload.fused_cross_entropy or not last else t * s.vocab / s.tp * (e + (4 if e < 4 else 0))
+    return grads + logits
 
 
 def _mesh_dims(name: str) -> list[str]:

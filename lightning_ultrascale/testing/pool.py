@@ -38,7 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ultrascale.testing.spawn import _collect, become_rank, before_fork, free_port, run_workers
+from lightning_ultrascale.testing.spawn import (
+    _PORT_ATTEMPTS,
+    WorkerError,
+    _collect,
+    _PortTaken,
+    become_rank,
+    before_fork,
+    free_port,
+    run_workers,
+)
 
 #: The pools of the innermost :func:`worker_pools`, by world size; None outside one.
 _pools: dict[int, _Pool] | None = None
@@ -120,12 +129,23 @@ def run_pooled(
     if pool is None or not pool.usable:
         if pool is not None:
             pool.close()
-        pool = _pools[world_size] = _Pool(world_size)
+        pool = _pools[world_size] = _new_pool(world_size)
     try:
         return pool.run(job, timeout_s)
     except BaseException:
         pool.close()  # a rank that failed may leave the others in a collective: none is reused
         raise
+
+
+def _new_pool(world_size: int) -> _Pool:
+    """A pool whose ranks have joined their group; another port where the first was taken meanwhile."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _Pool(world_size)
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise WorkerError(f"no free port for the pooled workers' store after {_PORT_ATTEMPTS} tries") from None
+    raise AssertionError("unreachable")
 
 
 class _Pool:
@@ -147,6 +167,11 @@ class _Pool:
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
+        try:  # every rank in the group before a job is sent (a rank that failed to join has exited)
+            _collect(dict(zip(self.conns, range(world_size))), self.procs, _GROUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, job: bytes, timeout_s: float) -> list[Any]:
         for conn in self.conns:
@@ -187,9 +212,12 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
     become_rank(rank, world_size, port)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
-    except BaseException:
-        _reply(conn, ("error", traceback.format_exc()))
+    except BaseException as err:
+        # (another process bound the free port first, as run_workers also meets: the parent tries another)
+        taken = "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
+        _reply(conn, ("port_taken", str(err)) if taken else ("error", traceback.format_exc()))
         return
+    _reply(conn, ("ready", None))
     import cloudpickle
 
     while True:

@@ -60,3 +60,23 @@ def test_a_job_that_raised_or_left_its_groups_uneven_hands_the_next_job_fresh_wo
         assert run_pooled(_pid, 2) == fresh  # a healthy job keeps them
         run_pooled(_one_more_collective_on_rank_0, 2)
         assert not set(run_pooled(_pid, 2)) & set(fresh)
+
+
+def test_a_pool_whose_port_was_taken_before_its_group_formed_starts_on_another(monkeypatch):
+    # Another process (a second lane of the suite) may bind the free port before the pool's rank 0 does: seen as
+    # a worker that exited before its first job (a broken pipe). The pool now waits for its group, and retries.
+    import socket
+
+    from lightning_ultrascale.testing import pool
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = pool.free_port
+    monkeypatch.setattr(pool, "free_port", lambda: next(ports, None) or real())
+    try:
+        with worker_pools():
+            assert len(set(run_pooled(_pid, 2))) == 2
+    finally:
+        taken.close()
