@@ -1,6 +1,5 @@
 """Context parallelism: ring / zig-zag / all-to-all attention kernels, load balance, parity, bad input."""
 
-import gc
 from collections import Counter
 
 import lightning as L
@@ -9,9 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from llama_runs import ADAMW, SGD, assert_adamw_parity, run_tiny_llama
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_ultrascale import (
     ContextParallel,
@@ -38,6 +35,7 @@ from lightning_ultrascale.parallel.context.comms import RingExchange
 from lightning_ultrascale.parallel.dims import DataShape, ParallelDims
 from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import assert_parity, record_run, relative_error
+from lightning_ultrascale.testing.storages import LiveStorages
 from lightning_ultrascale.utils.loss import TokenNormaliser
 from lightning_ultrascale.utils.memory import peak_bytes
 
@@ -74,26 +72,6 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func] += 1
         return func(*args, **(kwargs or {}))
-
-
-class _LiveStorages(TorchDispatchMode):
-    """Weakly records the storages ops create; :meth:`alive_bytes` counts those a forward left alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.storages[t.untyped_storage().data_ptr()] = (StorageWeakRef(t.untyped_storage()), t.nbytes)
-        return out
-
-    def alive_bytes(self, model: torch.nn.Module, *outputs: torch.Tensor) -> int:
-        gc.collect()
-        held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *outputs)}
-        return sum(n for ptr, (ref, n) in self.storages.items() if not ref.expired() and ptr not in held)
 
 
 def _full_attention(q, k, v):
@@ -171,9 +149,9 @@ def _recompute_ring(kernel: str) -> tuple[int, int, int]:
         block.attention.attention_fn = context_attention.attention_fn("zigzag_ring", dist.group.WORLD, kernel)
     index = local_positions("zigzag_ring", 64, 2, dist.get_rank())
     tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(0))[:, index]
-    with _LiveStorages() as live:
+    with LiveStorages() as live:
         loss = model(tokens, index.expand(2, -1)).sum()
-    saved = live.alive_bytes(model, loss)
+    saved = live.alive_bytes(*model.parameters(), *model.buffers(), loss)
     with _Ops() as ops:
         loss.backward()
     ring, backward = torch.ops.ultrascale.ring_attention.default, torch.ops.ultrascale.ring_attention_backward.default

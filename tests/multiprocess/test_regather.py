@@ -1,16 +1,11 @@
 """TensorParallel(regather=True): sequence shards kept for backward, gathered again there, bit for bit."""
 
-import gc
 import re
-from collections import Counter
 
 import pytest
 import torch
 from llama_runs import DEEPSEEK_V3_TINY, MOE_TINY, SGD, run_tiny_llama
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_ultrascale import Compile, PipelineParallel, Recompute, TensorParallel
 from lightning_ultrascale.errors import ConfigError
@@ -18,32 +13,10 @@ from lightning_ultrascale.models import build_model
 from lightning_ultrascale.parallel.regather import regathered
 from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import assert_parity
+from lightning_ultrascale.testing.storages import LiveStorages
 from lightning_ultrascale.utils.comm import CommTracer
 
 TOKENS = 2 * 64  # the batch below: 2 sequences of 64
-
-
-class _Storages(TorchDispatchMode):
-    """Weakly records the plain storages the ops create, by size, to see which outlive the forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            t = t._local_tensor if isinstance(t, DTensor) else t  # (the mode sees DTensor ops, not their local ones)
-            if type(t) is torch.Tensor:
-                s = t.untyped_storage()
-                self.made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
-        return out
-
-    def alive(self) -> Counter:
-        gc.collect()
-        return Counter(n for ref, n in self.made.values() if not ref.expired())
 
 
 def _forward_backward(model_name: object, regather: bool, recompute: str) -> dict:
@@ -67,9 +40,9 @@ def _forward_backward(model_name: object, regather: bool, recompute: str) -> dic
     if recompute != "none":
         Recompute(recompute).apply(model)
     tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(0))
-    with _Storages() as storages:
+    with LiveStorages() as live:
         logits = model(tokens)
-    alive = storages.alive()
+    alive = live.alive()
     with CommTracer(mesh) as tracer:
         logits.full_tensor().float().logsumexp(-1).mean().backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
