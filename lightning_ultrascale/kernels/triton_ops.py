@@ -201,15 +201,25 @@ def _rope(X, COS, SIN, Y, heads, seq, half, sxb, sxh, sxs, scb, scs, sign, BLOCK
     x_row = X + b * sxb + s * sxs + h * sxh
     x1 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-    y_row = Y + ((b * heads + h) * seq + s) * 2 * half
+    y_row = Y + b * sxb + s * sxs + h * sxh  # (Y has X's strides)
     tl.store(y_row + cols, (x1 * c1 - x2 * s1).to(Y.dtype.element_ty), mask=mask)
     tl.store(y_row + half + cols, (x2 * c2 + x1 * s2).to(Y.dtype.element_ty), mask=mask)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
-    """``x [b, heads, s, d]`` (any strides) rotated; ``sign=-1`` rotates back: the backward of a rotation."""
+    """``x [b, heads, s, d]`` (any strides, the last 1) rotated, in ``x``'s layout; ``sign=-1`` rotates back: the
+    backward of a rotation.
+
+    The output keeps the layout of its input (queries and keys transposed from the projections' ``[b, s, heads,
+    d]``), as the reference's element-wise ops do: attention's output follows the queries' layout where the
+    kernel allows it (CPU), and a contiguous ``[b, heads, s, d]`` there made the output projection's input a copy
+    that backward kept, ``h`` per token and block more than the reference.
+    """
     b, heads, seq, d = x.shape
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)  # (preserve_format: x's strides, for a dense input)
+    if y.stride() != x.stride():  # (an input with gaps or overlaps: contiguous in and out)
+        x = x.contiguous()
+        y = torch.empty_like(x)
     # cos/sin are [b or 1, 1, s, d]; a batch of one broadcasts (stride 0).
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     half = d // 2

@@ -38,7 +38,9 @@ each RMSNorm (x2)    input, x * rstd (``2h/T_sp``), rstd (1, fp32), normalised o
 attention            q, k, v after RoPE (k, v repeated to ``n`` heads) and the output
                      ``4 n d / T``, logsumexp ``n / T`` (fp32); ring CP keeps k, v at ``n_kv``
                      heads; all-to-all CP also keeps the re-gathered output (``h / T``)
-dense FFN            w1 and w3 outputs, SiLU output, their product: ``4 f / T``
+dense FFN            w1 and w3 outputs, SiLU output, their product: ``4 f / T`` (``3 f / T`` with
+                     fused kernels, ``Workload.fused_kernels``: the SiLU is recomputed in backward;
+                     their norms keep no ``x * rstd`` either)
 MoE FFN              router (scores ``E``, 2 statistics, ``k`` indices, weights, sort order), per
                      routed row ``2h + 4 f_e`` on the expert side and ``h`` back, shared experts
                      ``4 f_s``
@@ -328,11 +330,11 @@ def widths(spec: ModelSpec, c: Candidate) -> Widths:
     )  # fmt: skip
 
 
-def _norm(s: Widths, e: int, gathered: bool = True) -> float:
-    """Bytes per token one RMSNorm keeps: input and x*rstd (sequence-sharded under SP), rstd, and its output as the
-    projections after it save it: all-gathered under SP (``gathered``), or the sequence shard (a folded MoE's input,
-    an input regathered in backward)."""
-    return (2 * s.h * e + 4) / s.sp + s.h * e / (1 if gathered else s.sp)
+def _norm(s: Widths, e: int, gathered: bool = True, fused: bool = False) -> float:
+    """Bytes per token one RMSNorm keeps: input and x*rstd (sequence-sharded under SP; a ``fused`` kernel keeps the
+    input only), rstd, and its output as the projections after it save it: all-gathered under SP (``gathered``), or
+    the sequence shard (a folded MoE's input, an input regathered in backward)."""
+    return ((1 if fused else 2) * s.h * e + 4) / s.sp + s.h * e / (1 if gathered else s.sp)
 
 
 def _attention(s: Widths, e: int, cp_method: str | None) -> float:
@@ -347,21 +349,37 @@ def _attention(s: Widths, e: int, cp_method: str | None) -> float:
     return (q + k_v + o + extra) * e + 4 * heads
 
 
-def _moe_ffn(spec: ModelSpec, s: Widths, e: int) -> float:
+def _moe_ffn(spec: ModelSpec, s: Widths, e: int, fused: bool = False) -> float:
     k, fe = spec.top_k, spec.expert_ffn_dim
     router = 4 * spec.n_experts + 8 + 32 * k
-    routed = k * ((2 * s.h + 4 * fe) * e + s.h * e)
-    shared = 4 * fe * spec.n_shared_experts * e
+    routed = k * ((2 * s.h + 4 * fe) * e + s.h * e)  # (the routed experts' own code: no fused kernel)
+    shared = _swiglu_kept(fused) * fe * spec.n_shared_experts * e
     return (router + routed + shared) / moe_fold(spec, s)  # (folded over tp: a rank runs its share of the tokens)
 
 
-def _block_kept(spec: ModelSpec, s: Widths, e: int, layer: int, cp_method: str | None, regather: bool = False) -> float:
+def _swiglu_kept(fused: bool) -> int:
+    """SwiGLU tensors of ``f`` a block keeps per token: w1's and w3's outputs and the product (w2's input), and the
+    SiLU output where it is not ``fused`` (our Triton and Liger kernels recompute it in backward)."""
+    return 3 if fused else 4
+
+
+def _block_kept(
+    spec: ModelSpec,
+    s: Widths,
+    e: int,
+    layer: int,
+    cp_method: str | None,
+    regather: bool = False,
+    fused: bool = False,
+) -> float:
     """Bytes per token a block keeps for backward without recomputation (``regather``: ``TensorParallel(regather=)``
-    keeps the attention's and a dense feed-forward's inputs sequence-sharded)."""
+    keeps the attention's and a dense feed-forward's inputs sequence-sharded; ``fused``: fused norm and SwiGLU
+    kernels, ``Workload.fused_kernels``)."""
     moe = spec.is_moe_block(layer)
-    ffn = _moe_ffn(spec, s, e) if moe else 4 * s.f / s.tp * e
+    ffn = _moe_ffn(spec, s, e, fused) if moe else _swiglu_kept(fused) * s.f / s.tp * e
     ffn_gathered = not regather if not moe else moe_fold(spec, s) == 1  # (a folded MoE runs the sequence shards)
-    return _norm(s, e, not regather) + _norm(s, e, ffn_gathered) + _attention(s, e, cp_method) + ffn
+    norms = _norm(s, e, not regather, fused) + _norm(s, e, ffn_gathered, fused)
+    return norms + _attention(s, e, cp_method) + ffn
 
 
 def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
@@ -386,19 +404,23 @@ def _block_working(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
     return (2 * s.f / s.tp + 2 * s.h) * e
 
 
-def _kept(spec: ModelSpec, s: Widths, e: int, layer: int, c: Candidate, cp_method: str | None) -> float:
+def _kept(
+    spec: ModelSpec, s: Widths, e: int, layer: int, c: Candidate, cp_method: str | None, fused: bool = False
+) -> float:
     if c.recomputes(layer):
         return s.h / s.sp * e
     if c.recompute == "selective_op":
         return _block_kept_selective_op(spec, s, e, layer)
-    return _block_kept(spec, s, e, layer, cp_method, regather=c.regather)
+    return _block_kept(spec, s, e, layer, cp_method, regather=c.regather, fused=fused)
 
 
-def _mtp_kept(spec: ModelSpec, s: Widths, e: int, c: Candidate, cp_method: str | None, depth: int) -> float:
+def _mtp_kept(
+    spec: ModelSpec, s: Widths, e: int, c: Candidate, cp_method: str | None, depth: int, fused: bool = False
+) -> float:
     """Bytes per token multi-token prediction's ``depth`` blocks keep: each a block, and what it reads (enorm,
     hnorm, their concatenation into eh_proj, post_norm); their heads are counted with the head's."""
     layers = range(spec.n_layers, spec.n_layers + depth)
-    return sum(_kept(spec, s, e, i, c, cp_method) + 3 * _norm(s, e) + 2 * s.h * e for i in layers)
+    return sum(_kept(spec, s, e, i, c, cp_method, fused) + 3 * _norm(s, e, fused=fused) + 2 * s.h * e for i in layers)
 
 
 def _in_flight(c: Candidate, pp_rank: int) -> tuple[float, int]:
@@ -450,7 +472,9 @@ def activation_memory(
     t = c.micro_batch_size * workload.seq_len / c.cp  # tokens per microbatch on this rank
     cp_method = c.cp_method if c.cp > 1 else None
     depth = spec.mtp_depth if last else 0  # multi-token prediction's blocks run on the head's rank
-    blocks = (sum(_kept(spec, s, e, i, c, cp_method) for i in layers) + _mtp_kept(spec, s, e, c, cp_method, depth)) * t
+    fused = workload.fused_kernels
+    blocks = sum(_kept(spec, s, e, i, c, cp_method, fused) for i in layers)
+    blocks = (blocks + _mtp_kept(spec, s, e, c, cp_method, depth, fused)) * t
     rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
@@ -460,23 +484,27 @@ def activation_memory(
             head_working = s.h * e * t + 2 * 4 * s.vocab / s.tp * min(t, 1024)
         else:
             log_softmax = 4 * s.vocab / s.tp
-            head = (_norm(s, e) + log_softmax) * t * (1 + depth)  # (each MTP depth's logits too)
+            head = (_norm(s, e, fused=fused) + log_softmax) * t * (1 + depth)  # (each MTP depth's logits too)
             # Backward of the loss: the gradients of the log-softmax and of the logits (loss
             # parallelism keeps two more vocabulary-wide tensors), then of the hidden state.
             head_working = (2 + (2 if c.tp > 1 else 0)) * log_softmax * t + s.h * e * t
     held = _in_flight(c, pp_rank)
     outputs = _stage_outputs(c, s, e, t, last, held, pp_rank, polled) if c.pp > 1 else 0.0
     kept = (blocks + head + ids + rope) * held[0] + outputs
-    # The block moment: the last block of the rank's forward starts its backward.
-    block_moment = 0.0
-    if layers:
-        i = layers[-1]
-        block_moment = _block_working(spec, s, e, i) * t
-        if c.recomputes(i) or c.recompute == "selective_op":
-            block_moment += (_block_kept(spec, s, e, i, cp_method) - _kept(spec, s, e, i, c, cp_method)) * t
-        block_moment -= head  # the loss's tensors are gone by then
+    block_moment = _block_moment(spec, s, e, c, layers[-1], cp_method, fused) * t - head if layers else 0.0
     working = max(head_working, block_moment + backward_grads, _forward_end(workload, c, s, t, last, backward_grads))
     return {"activations": round(kept), "working": round(working)}
+
+
+def _block_moment(
+    spec: ModelSpec, s: Widths, e: int, c: Candidate, i: int, cp_method: str | None, fused: bool
+) -> float:
+    """Bytes per token beside the kept activations when block ``i`` (the rank's last) starts its backward: its
+    working set, and what it recomputes; the caller takes the loss's tensors away (gone by then)."""
+    moment = _block_working(spec, s, e, i)
+    if c.recomputes(i) or c.recompute == "selective_op":
+        moment += _block_kept(spec, s, e, i, cp_method, fused=fused) - _kept(spec, s, e, i, c, cp_method, fused)
+    return moment
 
 
 def _forward_end(workload: Workload, c: Candidate, s: Widths, t: float, last: bool, grads: int) -> float:

@@ -14,6 +14,7 @@ rounded once against bf16 partial sums); measured 1.0e-2 at worst. A wrong formu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_ultrascale import ConfigError, LlamaModule, TensorParallel, ZeRO
 from lightning_ultrascale.kernels import check_kernels, fused_linear_cross_entropy, get_kernels, reference
-from lightning_ultrascale.models import build_model
+from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.testing import run_pooled
 from lightning_ultrascale.testing.parity import assert_parity
+from lightning_ultrascale.testing.storages import LiveStorages
 from lightning_ultrascale.utils.memory import peak_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -331,3 +333,32 @@ def test_unknown_kernels_missing_packages_and_wrong_devices_name_the_option_and_
             get_kernels("liger")
     finally:
         get_kernels.cache_clear()
+
+
+def _kept_after_forward(kernels: str) -> int:
+    model = build_model("llama_tiny", seed=0)
+    model.use_kernels(get_kernels(kernels))
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(0))
+    with LiveStorages() as live:
+        logits = model(tokens)
+    return live.alive_bytes(*model.parameters(), *model.buffers(), logits)
+
+
+def test_fused_kernels_keep_for_backward_what_the_planner_prices():
+    # Triton's RMSNorm keeps its input and rstd (not x * rstd), its SwiGLU the gate and up (not the SiLU output),
+    # and its RoPE writes in the queries' layout, so attention's output reaches wo as a view (a contiguous RoPE
+    # output made wo's input a copy, h per token and block more than the reference: measured before the fix).
+    # The planner's Workload(fused_kernels=True) prices the same bytes, to the byte.
+    from lightning_ultrascale.plan import GPUS
+    from lightning_ultrascale.plan.cost import Candidate, Workload, estimate
+
+    measured = _kept_after_forward("reference") - _kept_after_forward("triton")
+    cfg, meta = get_model_config("llama_tiny"), build_model("llama_tiny", device="meta")
+    layout = replace(Candidate.layout(), micro_batch_size=2)
+    kept = {
+        fused: estimate(Workload(cfg, 64, 2, precision="32-true", fused_kernels=fused), layout, meta, GPUS["cpu"])[0]
+        for fused in (False, True)
+    }
+    kept = {fused: cost.memory["activations"] for fused, cost in kept.items()}
+    tokens, h, f = 2 * 64, cfg.dim, cfg.ffn_hidden_dim
+    assert measured == kept[False] - kept[True] == tokens * 4 * (cfg.n_layers * (f + 2 * h) + h)
