@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -247,6 +247,10 @@ class TensorParallel(ParallelPlugin):
             for name in plan.shapes:
                 if name.startswith(prefixes) and name not in plan.groups:
                     plan.groups[name] = (*DATA_DIMS, "tp")
+
+    def plan_shards_key(self) -> Hashable:
+        """The shards depend on the size and the plan (SP changes the norms' styles), not on ``regather``."""
+        return self.size, self.sequence_parallel
 
     def _shards(self, model: nn.Module) -> list[tuple[str, int]]:
         """Every parameter the plan splits, with its split dim."""
