@@ -39,13 +39,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_ultrascale.testing.spawn import (
-    _PORT_ATTEMPTS,
-    WorkerError,
     _collect,
-    _PortTaken,
     become_rank,
     before_fork,
     free_port,
+    on_a_free_port,
+    port_taken,
     run_workers,
 )
 
@@ -129,23 +128,12 @@ def run_pooled(
     if pool is None or not pool.usable:
         if pool is not None:
             pool.close()
-        pool = _pools[world_size] = _new_pool(world_size)
+        pool = _pools[world_size] = on_a_free_port(lambda: _Pool(world_size), "the pooled workers")
     try:
         return pool.run(job, timeout_s)
     except BaseException:
         pool.close()  # a rank that failed may leave the others in a collective: none is reused
         raise
-
-
-def _new_pool(world_size: int) -> _Pool:
-    """A pool whose ranks have joined their group; another port where the first was taken meanwhile."""
-    for attempt in range(_PORT_ATTEMPTS):
-        try:
-            return _Pool(world_size)
-        except _PortTaken:
-            if attempt == _PORT_ATTEMPTS - 1:
-                raise WorkerError(f"no free port for the pooled workers' store after {_PORT_ATTEMPTS} tries") from None
-    raise AssertionError("unreachable")
 
 
 class _Pool:
@@ -214,8 +202,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Connection) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
     except BaseException as err:
         # (another process bound the free port first, as run_workers also meets: the parent tries another)
-        taken = "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
-        _reply(conn, ("port_taken", str(err)) if taken else ("error", traceback.format_exc()))
+        _reply(conn, ("port_taken", str(err)) if port_taken(err) else ("error", traceback.format_exc()))
         return
     _reply(conn, ("ready", None))
     import cloudpickle

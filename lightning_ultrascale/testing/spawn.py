@@ -33,10 +33,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+_T = TypeVar("_T")
 
 
 class WorkerError(RuntimeError):
@@ -155,7 +157,7 @@ def _worker(
         try:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         except Exception as err:
-            if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+            if port_taken(err):
                 _send(conn, ("port_taken", str(err)))  # (fn has not run: the parent may try another port)
                 return
             raise
@@ -197,17 +199,27 @@ def run_workers(
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     before_fork()
-    for attempt in range(_PORT_ATTEMPTS):
-        try:
-            return _run_once(fn, world_size, free_port(), timeout_s, args, kwargs)
-        except _PortTaken:
-            # Another process bound the free port between free_port() and rank 0's store: try another.
-            if attempt == _PORT_ATTEMPTS - 1:
-                raise WorkerError(f"no free port for the workers' store after {_PORT_ATTEMPTS} tries") from None
-    raise AssertionError("unreachable")
+    return on_a_free_port(lambda: _run_once(fn, world_size, free_port(), timeout_s, args, kwargs), "the workers")
 
 
 _PORT_ATTEMPTS = 3
+
+
+def on_a_free_port(start: Callable[[], _T], what: str) -> _T:
+    """``start()`` (workers that pick a free port and join a group there), again where :class:`_PortTaken` says
+    another process bound the port between ``free_port()`` and rank 0's store: up to :data:`_PORT_ATTEMPTS` tries."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return start()
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise WorkerError(f"no free port for {what}' store after {_PORT_ATTEMPTS} tries") from None
+    raise AssertionError("unreachable")
+
+
+def port_taken(err: BaseException) -> bool:
+    """Whether joining a process group failed because rank 0's store port was taken."""
+    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
 
 
 class _PortTaken(Exception):
