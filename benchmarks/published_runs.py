@@ -8,13 +8,14 @@ with what others measured. Tokens/s per GPU is compared, not MFU (FLOP-counting 
 
 A published stack's feature this library lacks is a named switch of the time model, on for the
 runs whose stack has it and stated in ``runs.json`` with its source: ``ep_comm_overlap`` (Megatron's
-combined 1F1B for Qwen3-235B), ``tp_comm_overlap`` (NeMo's
-70B). Roles: a run marked ``fit`` is the one the H100 profile's ``matmul_efficiency`` was fitted on
-(:func:`fit_matmul_efficiency` reproduces it); one marked ``memory`` is judged on memory only (its
-GPU's peak is not published); every other run is judged on throughput with datasheet constants
-and that one fitted figure. A run whose stack keeps fewer activations than this library says so
-(``memory_not_comparable``, with the reason): the planner's memory is this library's, and such a run
-is judged on throughput only. FP8 runs name their recipe (``fp8``), priced by ``plan.fp8``.
+combined 1F1B for Qwen3-235B), ``tp_comm_overlap`` (NeMo's 70B), ``recomputed_matmuls`` (torchtitan's
+op-level recomputation re-runs every second matmul). Roles: a run marked ``fit`` is the one the H100
+profile's ``matmul_efficiency`` was fitted on (:func:`fit_matmul_efficiency` reproduces it); one marked
+``memory`` is judged on memory only (its GPU's peak is not published); one marked ``shown`` is printed and
+not judged (its role says why: a benchmark setting the planner does not model); every other run is judged
+on throughput with datasheet constants and that one fitted figure. A run this library would not fit in its
+GPU's memory says why (``memory_not_comparable``): the planner's memory is this library's, and such a run is
+judged on throughput only. FP8 runs name their recipe (``fp8``), priced by ``plan.fp8``.
 
     python benchmarks/published_runs.py      # seconds, one CPU process
 """
@@ -56,6 +57,7 @@ def predict(run: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
         tp_comm_overlap=run.get("tp_comm_overlap", False),  # a stack's TP overlap: a named switch, stated per run
         ep_comm_overlap=run.get("ep_comm_overlap", False),  # a stack's EP all-to-all overlap: the same
         fp8=run.get("fp8"), force_balanced=run.get("force_balanced", False),  # FP8 recipe; forced MoE routing
+        recomputed_matmuls=run.get("recomputed_matmuls", 0.0),  # matmuls a stack's op-level recomputation re-runs
     )  # fmt: skip
     candidate = Candidate.layout(**run["layout"], reduce_dtype=run["reduce_dtype"])
     costs = estimate(workload, candidate, build_model(run["model"], device="meta"), gpu)
@@ -119,7 +121,7 @@ def main() -> None:
         meas_mem = f"{m['peak_memory_gib']:.1f}" if m.get("peak_memory_gib") else "-"
         print(
             f"{r['name']:<40} {r['role']:<7} {p['layout']:<52} {p['tokens_per_s_per_gpu']:>10,.0f}"
-            f" {m['tokens_per_s_per_gpu']:>7,}"
+            f" {m['tokens_per_s_per_gpu']:>7,.0f}"
             f" {r['throughput_ratio']:>6.2f} {p['peak_memory_gib']:>9.1f} {meas_mem:>6}"
         )
     summary = _summary(data, table)

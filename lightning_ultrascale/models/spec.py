@@ -74,6 +74,12 @@ class ModelSpec:
     top_k: int = 0
     n_shared_experts: int = 0
     expert_ffn_dim: int = 0
+    # Multi-head latent attention's low-rank projections (0: none, q/k/v/o are full-rank): keys and values come
+    # from a ``kv_lora_rank`` latent plus one ``rope_head_dim`` rotary key shared by the heads (``wkv_a``, then
+    # ``wkv_b`` per head), queries from a ``q_lora_rank`` latent where it is set (``wq_a``, then ``wq_b``).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_dim and self.n_heads > 0:

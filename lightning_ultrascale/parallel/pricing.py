@@ -127,6 +127,7 @@ class CostTerms:
     memory; ``working``: transient bytes at the rank's peak; ``extra_compute``: the blocks'
     compute added, as a fraction of it (recomputation of whole blocks); ``extra_memory_bound``:
     the same for the memory-bound kernels alone (op-level recomputation re-runs only those);
+    ``extra_matmul``: the same for the blocks' matmuls alone (a stack's op-level recomputation that re-runs some);
     ``step_bytes``: memory traffic of the optimizer step (at memory bandwidth, once per step);
     ``bubble``: idle time over compute.
     """
@@ -149,6 +150,7 @@ class CostTerms:
     working: int = 0
     extra_compute: float = 0.0
     extra_memory_bound: float = 0.0
+    extra_matmul: float = 0.0
     step_bytes: float = 0.0
     #: the optimizer step's GEMM FLOPs, by the GEMMs' narrowest width (priced at the matmul rate there)
     step_flops: dict[int, float] = field(default_factory=dict)

@@ -194,9 +194,11 @@ class Recompute(ParallelPlugin):
 
     def plan_cost(self, rank: RankView) -> CostTerms:
         """The forward again in backward: a third of a recomputed block's work (forward of three
-        passes); ``selective_op`` re-runs only the memory-bound ops (norms, RoPE, SwiGLU): a third of theirs."""
-        if self.mode == "selective_op":
-            return CostTerms(extra_memory_bound=1 / 3, host="selective_op")  # (its policy sees every op)
+        passes); ``selective_op`` re-runs only the memory-bound ops (norms, RoPE, SwiGLU): a third of theirs (and
+        of the matmuls the share a published stack's policy re-runs, ``Workload.recomputed_matmuls``)."""
+        if self.mode == "selective_op":  # (its policy sees every op)
+            matmuls = rank.workload.recomputed_matmuls / 3
+            return CostTerms(extra_memory_bound=1 / 3, extra_matmul=matmuls, host="selective_op")
         return CostTerms(extra_compute={"none": 0.0, "full": 1 / 3}.get(self.mode, 1 / (3 * self.every)))
 
     def recomputes(self, layer: int) -> bool:

@@ -105,13 +105,17 @@ def _linear(gemm: Callable[..., float], rank: RankView, gpu: Hardware, byte_rate
 
 
 def _attention_gemms(linear: Callable[..., float], rank: RankView) -> float:
-    s, t = rank.widths, rank.tokens
-    q, kv, o = (
-        s.heads * s.head_dim / s.tp,
-        s.kv_heads * (s.head_dim + s.v_head_dim) / s.tp,
-        s.heads * s.v_head_dim / s.tp,
-    )
-    return linear(t, s.h, q) + linear(t, s.h, kv) + linear(t, o, s.h)
+    """q, k, v and o. MLA's down projections to its latents stay whole on every tp rank; the up projections
+    from them split the heads (``mla_tp_plan``)."""
+    s, t, spec = rank.widths, rank.tokens, rank.spec
+    q, o = s.heads * s.head_dim / s.tp, linear(t, s.heads * s.v_head_dim / s.tp, s.h)
+    if not spec.kv_lora_rank:
+        return linear(t, s.h, q) + linear(t, s.h, s.kv_heads * (s.head_dim + s.v_head_dim) / s.tp) + o
+    latent, nope = spec.kv_lora_rank, s.head_dim - spec.rope_head_dim
+    kv = linear(t, s.h, latent + spec.rope_head_dim) + linear(t, latent, s.kv_heads * (nope + s.v_head_dim) / s.tp)
+    if spec.q_lora_rank:
+        return linear(t, s.h, spec.q_lora_rank) + linear(t, spec.q_lora_rank, q) + kv + o
+    return linear(t, s.h, q) + kv + o
 
 
 def _dense_gemms(linear: Callable[..., float], rank: RankView) -> float:

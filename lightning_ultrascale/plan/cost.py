@@ -133,6 +133,9 @@ class Workload:
     dispatch and combine beside another microbatch's GEMMs (Megatron-Core's ``moe_a2a_overlap``, which
     merges the forward and backward of two microbatches in 1F1B's steady state). This library runs
     them on the critical path: leave it off to price a run of ours.
+    ``recomputed_matmuls``: a time-model switch for stacks whose op-level recomputation (``selective_op``)
+    re-runs a share of the blocks' forward matmuls in backward (torchtitan's policy: every second ``aten.mm``,
+    0.5). This library's keeps every matmul output: leave it 0 to price a run of ours.
 
     Example:
         >>> from lightning_ultrascale.models import get_model_config
@@ -154,6 +157,7 @@ class Workload:
     force_balanced: bool = False
     tp_comm_overlap: bool = False
     ep_comm_overlap: bool = False
+    recomputed_matmuls: float = 0.0
     #: an FP8 recipe of the blocks' linears (``FP8Precision``'s: tensorwise, rowwise, rowwise_with_gw_hp,
     #: blockwise), on top of ``precision`` (its high-precision part); ``None``: no FP8
     fp8: str | None = None
@@ -178,6 +182,8 @@ class Workload:
             raise ConfigError(f"optim.name={self.optimizer!r} is not planned; valid: {', '.join(_OPTIMIZERS)}")
         if self.reduce_dtype not in _REDUCE_DTYPES:
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r}; valid: {', '.join(_REDUCE_DTYPES)}")
+        if not 0.0 <= self.recomputed_matmuls <= 1.0:
+            raise ConfigError(f"recomputed_matmuls={self.recomputed_matmuls!r} is a share of the matmuls: 0 to 1")
         if self.expert_load is not None and not self.expert_load >= 1.0:
             raise ConfigError(f"expert_load={self.expert_load!r} is a max over a mean: at least 1.0 (1.0: uniform)")
         if self.force_balanced and self.expert_load not in (None, 1.0):
@@ -260,9 +266,13 @@ def spec_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token from a spec's widths: ``6 N + 6 L H (d_qk + d_v) T``, N the parameters
     one token runs through but the embedding (q, k, v, o; SwiGLU, or the router, top-k routed and shared
     experts; the norms; the head), as :meth:`~lightning_ultrascale.models.LlamaConfig.flops_per_token`
-    counts them (MLA's low-rank projections aside: the spec prices them as full-rank)."""
+    counts them (MLA's: down to its latents, then up per head)."""
     h, qk, v = spec.dim, spec.head_dim, spec.v_head_dim
     attention = h * (spec.n_heads + spec.n_kv_heads) * (qk + v)
+    if spec.kv_lora_rank:
+        latent, q_rank, nope = spec.kv_lora_rank, spec.q_lora_rank, qk - spec.rope_head_dim
+        q = (h + spec.n_heads * qk) * q_rank if q_rank else h * spec.n_heads * qk
+        attention = q + h * (latent + spec.rope_head_dim) + latent * spec.n_kv_heads * (nope + v) + spec.n_heads * v * h
     moe = 3 * h * spec.expert_ffn_dim * (spec.top_k + spec.n_shared_experts) + h * spec.n_experts
     ffn = len(spec.moe_blocks) * moe + (spec.n_layers - len(spec.moe_blocks)) * 3 * h * spec.ffn_dim
     matmul = spec.n_layers * (attention + 2 * h) + ffn + h + h * spec.vocab_size
@@ -547,7 +557,8 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     assert cost.view is not None
     parts = model_compute(cost.view, gpu, workload.precision, [t.host for t in cost.terms if t.host])
     memory_bound = parts["memory_bound"] * (1 + sum(t.extra_memory_bound for t in cost.terms))
-    compute = (parts["matmul"] + parts["attention"] + memory_bound + parts["host"]) * (
+    matmul = parts["matmul"] * (1 + sum(t.extra_matmul for t in cost.terms))
+    compute = (matmul + parts["attention"] + memory_bound + parts["host"]) * (
         1 + sum(t.extra_compute for t in cost.terms)
     )
     optimizer = sum(t.step_bytes for t in cost.terms) / (gpu.memory_bandwidth * gpu.memory_efficiency)
@@ -588,20 +599,50 @@ def _collective_seconds(
     key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware, fold: int = 1
 ) -> tuple[str, float]:
     """``(dim, seconds)`` of one ``"dim:op"`` payload on the links its group spans (``fold``: tp ranks that share
-    the MoE layers' tokens, whose ep groups then hold neighbouring ranks)."""
+    the MoE layers' tokens, whose ep groups then hold neighbouring ranks).
+
+    A ring collective (all-reduce, all-gather, reduce-scatter) over a group spanning nodes runs one ring per
+    local rank (NCCL's channels), each leaving the node through another rank's NIC: a rank's wire bytes cross
+    the network ``1 / local`` of them, the rest NVLink (nccl-tests' multi-node bus bandwidth of 8-GPU H100
+    nodes, ~8 x 46 GB/s, is the node's NICs together). A group with one rank per node, and a point-to-point
+    send, use the rank's own NIC.
+    """
     dim, op = key.split(":")
     if dim == "ep":  # ep neighbours of the borrowed ranks: tp apart, or neighbours where the MoE folds over tp
         return dim, _all_to_all_seconds(payload, c.ep, 1 if fold > 1 else dims.tp, gpu)
     names = _mesh_dims(dim)
     size = math.prod(getattr(dims, d) for d in names)
     intra = _group_span(dims, names) <= gpu.gpus_per_node
-    if intra:
-        bandwidth = gpu.intra_node_bandwidth * gpu.link_efficiency
-    else:
-        bandwidth = gpu.inter_node_bandwidth * gpu.network_efficiency
-    latency = gpu.intra_node_latency if intra else gpu.inter_node_latency
+    latency = (gpu.intra_node_latency if intra else gpu.inter_node_latency) * max(1, size - 1)
     wire = wire_bytes(op, int(payload), size)
-    return dim, wire / bandwidth + latency * max(1, size - 1)
+    nvlink = gpu.intra_node_bandwidth * gpu.link_efficiency
+    if intra:
+        return dim, wire / nvlink + latency
+    local = _ranks_per_node(dims, names, gpu.gpus_per_node) if op in RING_OPS else 1
+    network = wire / local / (gpu.inter_node_bandwidth * gpu.network_efficiency)
+    return dim, max(network, wire * (local - 1) / local / nvlink) + latency
+
+
+#: The collectives NCCL runs as rings over a group (one ring per channel), whose bytes a node's NICs share.
+RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def _ranks_per_node(dims: ParallelDims, names: list[str], gpus_per_node: int) -> int:
+    """How many members of a group over mesh dims ``names`` share a node (row-major mesh, power-of-two sizes).
+
+    Example:
+        >>> from lightning_ultrascale.parallel.dims import ParallelDims
+        >>> dims = ParallelDims(dp_shard=16, tp=2)
+        >>> _ranks_per_node(dims, ["dp_shard"], 8), _ranks_per_node(dims, ["tp"], 8)  # 4 data ranks a node, tp apart
+        (4, 2)
+    """
+    local, stride = 1, 1
+    for d in reversed(MESH_DIMS):
+        size = getattr(dims, d)
+        if d in names:
+            local *= min(size, max(1, gpus_per_node // stride))
+        stride *= size
+    return local
 
 
 def _all_to_all_seconds(payload: float, size: int, stride: int, gpu: Hardware) -> float:

@@ -258,3 +258,33 @@ def test_a_stack_s_ep_overlap_is_a_switch_that_hides_the_all_to_all_behind_the_g
     assert overlapped.time_parts["ep"] == ours.time_parts["ep"]  # the same bytes on the same links
     hidden = min(ours.time_parts["ep"], ours.time_parts["matmul"])
     assert ours.step_time - overlapped.step_time == pytest.approx(hidden * (1 + ours.bubble), rel=1e-6)
+
+
+def test_a_ring_across_nodes_leaves_each_node_through_all_its_nics():
+    # ZeRO-3 over 16 ranks of two 8-GPU nodes: NCCL runs a ring per local rank, each crossing between the nodes
+    # on another rank's NIC, so 1/8 of a rank's all-gather bytes cross the network (the rest NVLink); with one
+    # rank a node every byte crosses on the rank's own NIC.
+    from lightning_ultrascale.utils.comm import wire_bytes
+
+    nic, nvlink = H100.inter_node_bandwidth * H100.network_efficiency, H100.intra_node_bandwidth * H100.link_efficiency
+    for gpus_per_node, local in ((8, 8), (1, 1)):
+        cost = _cost(dict(dp=16, zero=3), gpu=replace(H100, gpus_per_node=gpus_per_node))
+        wire = sum(wire_bytes(key.split(":")[1], n, 16) for key, n in cost.comm.items() if key.startswith("dp_shard"))
+        latency = H100.inter_node_latency * 15 * sum(1 for key in cost.comm if key.startswith("dp_shard"))
+        ring = max(wire / local / nic, wire * (local - 1) / local / nvlink)
+        assert cost.time_parts["dp_shard"] == pytest.approx(ring + latency, rel=1e-3)
+
+
+@pytest.mark.parametrize("model", ["deepseek_v2_lite", "deepseek_v3"])
+def test_mla_s_projections_are_priced_at_their_low_rank_shapes(model):
+    # The GEMMs' FLOPs as priced equal 6 x the matmul parameters one token runs through, as the model counts them:
+    # MLA's down projections to its latents, then per head up from them (priced as full-rank q, k, v projections
+    # from the model width, DeepSeek-V3's were 1.7x too slow). 8 sequences a forward: every GEMM compute-bound
+    # (each routed expert's too: 1,024 rows of 256 experts x 8 routed) but the router's (64 outputs in V2-Lite:
+    # 0.4% of its FLOPs more).
+    cfg = get_model_config(model)
+    cost = _cost(dict(zero=1, micro_batch_size=8), model=model, seq=4096, batch=8)
+    flops = cost.time_parts["matmul"] * H100.peak_flops * H100.matmul_efficiency / (8 * 4096)
+    qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+    attention = 6 * cfg.n_layers * cfg.n_heads * (qk + cfg.mla.v_head_dim) * 4096
+    assert flops == pytest.approx(cfg.flops_per_token(4096) - attention, rel=1e-2)

@@ -322,7 +322,7 @@ def llama_spec(config: LlamaConfig) -> ModelSpec:
 
 def _priced_widths(cfg: LlamaConfig) -> dict[str, int]:
     """The :class:`ModelSpec` widths the planner prices: MLA's queries and keys are
-    ``qk_nope + qk_rope`` wide per head, its values ``v_head_dim``."""
+    ``qk_nope + qk_rope`` wide per head, its values ``v_head_dim``, projected from its latents."""
     mla, moe = cfg.mla, cfg.moe
     qk = cfg.head_dim if mla is None else mla.qk_nope_head_dim + mla.qk_rope_head_dim
     widths = {
@@ -330,6 +330,9 @@ def _priced_widths(cfg: LlamaConfig) -> dict[str, int]:
         "head_dim": qk,
         "v_head_dim": cfg.head_dim if mla is None else mla.v_head_dim,
     }
+    if mla is not None:
+        widths |= {"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or 0}
+        widths["rope_head_dim"] = mla.qk_rope_head_dim
     if moe is not None:
         widths |= {"top_k": moe.top_k, "n_shared_experts": moe.n_shared_experts, "expert_ffn_dim": moe.moe_ffn_dim}
     return widths
