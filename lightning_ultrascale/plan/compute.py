@@ -66,25 +66,14 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     ops = OPS_OUTSIDE_BLOCKS * (rank.first or rank.last)
     # Multi-token prediction's blocks run after the head, where it is (a pipeline refuses MTP: every rank).
     mtp = spec.mtp_blocks if rank.last else range(0)
-    for layer in [*rank.layers, *mtp]:
-        moe = spec.is_moe_block(layer)
-        matmul += _attention_gemms(linear, rank) + (
-            _moe_gemms(gemm, linear, rank) if moe else _dense_gemms(linear, rank)
-        )
-        pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
-        flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
-        attention += 3.5 * flops / (peak * gpu.attention_efficiency)
-        # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times (a
-        # tp rank's share of the tokens where its MoE layers fold over tp)
-        fold = moe_fold(spec, s) if moe else 1
-        f = (spec.top_k + spec.n_shared_experts) * spec.expert_ffn_dim / fold if moe else s.f / s.tp
-        routed = EAGER_ROUTED_ELEMENTS * spec.top_k * s.h * _expert_load(rank) / fold if moe else 0.0
-        if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
-            per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
-        else:  # eager, as counted on our block (EAGER_ELEMENTS)
-            per_token = EAGER_ELEMENTS[0] * s.h / s.sp + EAGER_ELEMENTS[1] * f + routed
-        memory += t * per_token * e / byte_rate
-        ops += OPS_PER_MOE_BLOCK if moe else OPS_PER_DENSE_BLOCK
+    kinds = [spec.is_moe_block(layer) for layer in [*rank.layers, *mtp]]
+    for moe in (False, True):  # every block of a kind costs the same: priced once, counted
+        if count := kinds.count(moe):
+            block = _block_seconds(rank, gpu, peak, gemm, linear, moe)
+            matmul, attention, memory = (
+                total + count * part for total, part in zip((matmul, attention, memory), block)
+            )
+            ops += count * (OPS_PER_MOE_BLOCK if moe else OPS_PER_DENSE_BLOCK)
     if rank.last:  # the head, and again per MTP depth with its [2h -> h] projection before the block
         matmul += gemm(t, s.h, s.vocab / s.tp, 3) * (1 + len(mtp)) + gemm(t, 2 * s.h, s.h, 3 * len(mtp))
         memory += 4 * 4 * t * s.vocab / s.tp / byte_rate * (1 + len(mtp))  # log-softmax: read, write; and back
@@ -93,6 +82,28 @@ def model_compute(rank: RankView, gpu: Hardware, precision: str, hosts: Sequence
     per_block = sum(gpu.host_overhead(h) * (moe_blocks if h == "expert" else len(rank.layers)) for h in hosts)
     host = (ops * gpu.op_overhead + per_block) * m + gpu.step_overhead * rank.accumulation
     return {"matmul": matmul * m, "attention": attention * m, "memory_bound": memory * m, "host": host}
+
+
+def _block_seconds(
+    rank: RankView, gpu: Hardware, peak: float, gemm: Callable[..., float], linear: Callable[..., float], moe: bool
+) -> tuple[float, float, float]:
+    """One block's ``(matmul, attention, memory_bound)`` seconds a forward with its backward."""
+    e, t, s, spec = rank.element_bytes, rank.tokens, rank.widths, rank.spec
+    byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
+    matmul = _attention_gemms(linear, rank) + (_moe_gemms(gemm, linear, rank) if moe else _dense_gemms(linear, rank))
+    pairs = t * rank.workload.seq_len / 2  # causal: half the sequence per token on average
+    flops = 2 * pairs * s.heads / s.tp * (s.head_dim + s.v_head_dim)
+    attention = 3.5 * flops / (peak * gpu.attention_efficiency)
+    # an MoE block's FFN width: its routed (top-k) and shared experts'; its rows are routed k times (a
+    # tp rank's share of the tokens where its MoE layers fold over tp)
+    fold = moe_fold(spec, s) if moe else 1
+    f = (spec.top_k + spec.n_shared_experts) * spec.expert_ffn_dim / fold if moe else s.f / s.tp
+    routed = EAGER_ROUTED_ELEMENTS * spec.top_k * s.h * _expert_load(rank) / fold if moe else 0.0
+    if rank.workload.fused_kernels:  # each logical op reads and writes once: forward, and twice backward
+        per_token = 3 * (10 * s.h / s.sp + 2 * (s.heads + s.kv_heads) * s.head_dim / s.tp + 3 * f) + routed / 4
+    else:  # eager, as counted on our block (EAGER_ELEMENTS)
+        per_token = EAGER_ELEMENTS[0] * s.h / s.sp + EAGER_ELEMENTS[1] * f + routed
+    return matmul, attention, t * per_token * e / byte_rate
 
 
 def _linear(gemm: Callable[..., float], rank: RankView, gpu: Hardware, byte_rate: float) -> Callable[..., float]:
