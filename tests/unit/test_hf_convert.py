@@ -1,4 +1,4 @@
-"""Our models against Hugging Face's Llama, Mixtral and DeepSeek-V3: same config, same weights, same logits."""
+"""Our models against Hugging Face's Llama, Qwen2, Mixtral, Qwen3 and DeepSeek-V3: same config, weights and logits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from llama_runs import DEEPSEEK_V3_TINY, MIXTRAL_TINY
+from llama_runs import DEEPSEEK_V3_TINY, MIXTRAL_TINY, QWEN3_MOE_TINY
 
 from lightning_ultrascale.errors import ConfigError
 from lightning_ultrascale.models import MODEL_CONFIGS, Llama, LlamaConfig, build_model, get_model_config
@@ -27,6 +27,14 @@ TINY = get_model_config("llama_tiny")
 TINY_TIED = replace(TINY, tie_embeddings=True, name="llama_tiny_tied")
 # Qwen2: q/k/v biases, a tied head, default RoPE.
 QWEN2_TINY = replace(TINY, qkv_bias=True, tie_embeddings=True, rope_scaling=None, name="qwen2_tiny")
+# Qwen3: per-head q/k norms, heads wider than dim / n_heads, a tied head; Qwen3-MoE: softmax top-2 of 8 in every
+# block, the weights not renormalised (HF's default), no z-loss (transformers' Qwen3-MoE has none to keep).
+QWEN3_TINY = replace(
+    TINY, qk_norm=True, attention_head_dim=32, tie_embeddings=True, rope_scaling=None, name="qwen3_tiny"
+)
+QWEN3_MOE = replace(
+    QWEN3_MOE_TINY, rope_scaling=None, moe=replace(QWEN3_MOE_TINY.moe, z_loss_coeff=0.0, norm_topk_prob=False)
+)
 # fp32. With HF's "sdpa" attention the logits come out bit-identical on this CPU (HF "eager"
 # differs by ~2e-7: another softmax); the tolerance leaves room for other kernels. Logits are
 # O(0.01-1), so the absolute floor of 1e-6 only matters for entries near 0, where rtol cannot.
@@ -69,8 +77,17 @@ def _ours_from_hf(hf: transformers.LlamaForCausalLM, cfg: LlamaConfig) -> Llama:
 
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY_TIED, replace(TINY, rope_scaling=None), QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
-    ids=["tiny", "tied", "no-scaling", "qwen2", "mixtral", "deepseek_v3"],
+    [
+        TINY,
+        TINY_TIED,
+        replace(TINY, rope_scaling=None),
+        QWEN2_TINY,
+        MIXTRAL_TINY,
+        DEEPSEEK_V3_TINY,
+        QWEN3_TINY,
+        QWEN3_MOE,
+    ],
+    ids=["tiny", "tied", "no-scaling", "qwen2", "mixtral", "deepseek_v3", "qwen3", "qwen3_moe"],
 )
 def test_hf_weights_give_hf_logits(cfg: LlamaConfig) -> None:
     hf = _hf_model(cfg)
@@ -98,8 +115,8 @@ def test_hf_parity_with_context_parallel_position_ids() -> None:
 
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
-    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3"],
+    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY, QWEN3_TINY, QWEN3_MOE],
+    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3", "qwen3", "qwen3_moe"],
 )
 def test_our_weights_give_hf_the_same_logits(cfg: LlamaConfig) -> None:
     ours = build_model(cfg, seed=5)
@@ -178,7 +195,13 @@ def test_state_dict_conversion_renames_only() -> None:
 def test_state_dict_conversion_reports_unknown_and_missing_keys() -> None:
     hf_sd = _hf_model(TINY).state_dict()
     with pytest.raises(KeyError, match="no Llama counterpart for 1 key"):
+        state_dict_from_hf(hf_sd | {"model.layers.0.self_attn.rotary.weight": torch.ones(16)}, TINY)
+    # Qwen3's query norm has a place in a qk_norm model only, MLA's latent projection in an MLA one: refused, not
+    # dropped (the model would differ from the checkpoint's).
+    with pytest.raises(KeyError, match=r"no Llama counterpart for 1 key\(s\): model.layers.0.self_attn.q_norm.weight"):
         state_dict_from_hf(hf_sd | {"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}, TINY)
+    with pytest.raises(KeyError, match=r"1 key\(s\) model llama_tiny has no place for: layers.0.attention.wkv_a"):
+        state_dict_from_hf(hf_sd | {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight": torch.ones(16)}, TINY)
     del hf_sd["model.layers.3.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match=r"misses 1 key\(s\) for n_layers=4: layers.3.feed_forward.w3.weight"):
         state_dict_from_hf(hf_sd, TINY)
@@ -193,8 +216,8 @@ def test_tied_hf_checkpoint_without_lm_head_loads() -> None:
 
 @pytest.mark.parametrize(
     "cfg",
-    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY],
-    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3"],
+    [TINY, TINY_TIED, QWEN2_TINY, MIXTRAL_TINY, DEEPSEEK_V3_TINY, QWEN3_TINY, QWEN3_MOE],
+    ids=["tiny", "tied", "qwen2", "mixtral", "deepseek_v3", "qwen3", "qwen3_moe"],
 )
 @pytest.mark.parametrize("source", ["model", "directory"])
 def test_load_hf_pretrained(cfg: LlamaConfig, source: str, tmp_path: Path) -> None:

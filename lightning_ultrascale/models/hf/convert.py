@@ -5,10 +5,12 @@ fusing, loading by shards. Each family's config translation is its own: ``models
 (Llama, Qwen2), ``models/mixtral/hf.py`` (Mixtral's experts), ``models/deepseek/hf.py`` (DeepSeek-V3),
 ``models/common/hf.py`` (the keys all spell alike).
 
-Three architectures: ``LlamaForCausalLM`` (dense), ``MixtralForCausalLM`` (softmax-routed
-experts) and ``DeepseekV3ForCausalLM`` (multi-head latent attention, sigmoid group-limited router
-with its ``e_score_correction_bias``, shared experts, dense first blocks; also Moonlight and other
-models saved as ``deepseek_v3``). :func:`hf_architecture` says which one a config is.
+Five architectures: ``LlamaForCausalLM`` (dense; ``Qwen2ForCausalLM`` with q/k/v biases),
+``MixtralForCausalLM`` (softmax-routed experts), ``Qwen3ForCausalLM`` and ``Qwen3MoeForCausalLM`` (per-head
+query/key norms, heads of their own width; the MoE one softmax-routed) and ``DeepseekV3ForCausalLM``
+(multi-head latent attention, sigmoid group-limited router with its ``e_score_correction_bias``, shared
+experts, dense first blocks; also Moonlight and other models saved as ``deepseek_v3``).
+:func:`hf_architecture` says which one a config is.
 
 Our RoPE uses HF's ``rotate_half`` layout (and MLA de-interleaves DeepSeek's rotary rows at run
 time), so weights convert by renaming keys only: no permutation, no copy, except that HF fuses each
@@ -45,6 +47,7 @@ from lightning_ultrascale.models.deepseek.hf import deepseek_v3_from_hf, deepsee
 from lightning_ultrascale.models.hf.parts import RankParts
 from lightning_ultrascale.models.llama.hf import llama_from_hf, llama_to_hf
 from lightning_ultrascale.models.mixtral.hf import mixtral_from_hf, mixtral_to_hf
+from lightning_ultrascale.models.qwen3.hf import QWEN3_TYPES, qwen3_from_hf, qwen3_to_hf
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,19 @@ _MTP_PAIRS = (
     ("model.layers.{}.shared_head.norm.weight", "layers.{}.post_norm.weight"),
 )
 _KEY_PAIRS = _KEY_PAIRS + _MTP_PAIRS
+# Qwen3's per-head query and key norms (LlamaConfig.qk_norm): our ``attention.q_norm`` is MLA's latent query norm
+# (HF ``q_a_layernorm``) in a DeepSeek model, so these pairs apply to qk_norm models only (:func:`_key_pairs`).
+_QK_NORM_PAIRS = (
+    ("model.layers.{}.self_attn.q_norm.weight", "layers.{}.attention.q_norm.weight"),
+    ("model.layers.{}.self_attn.k_norm.weight", "layers.{}.attention.k_norm.weight"),
+)
+
+
+def _key_pairs(cfg: LlamaConfig) -> list[tuple[str, str]]:
+    """(HF key, our key) of ``cfg``'s architecture (the first pair that matches a key renames it)."""
+    return [*(_QK_NORM_PAIRS if cfg.qk_norm else ()), *_KEY_PAIRS]
+
+
 #: What DeepSeek's checkpoints store again in each MTP layer: copies of the shared embedding and head.
 _MTP_COPIES = (("embed_tokens.weight", "tok_embeddings.weight"), ("shared_head.head.weight", "output.weight"))
 _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)gate_up_proj")
@@ -116,12 +132,14 @@ MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
 def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
-    """The transformers ``(config class, model class)`` of ``cfg``: Llama, Mixtral or DeepSeek-V3.
+    """The transformers ``(config class, model class)`` of ``cfg``: Llama (Qwen2), Mixtral, Qwen3 or DeepSeek-V3.
 
     Raises :class:`ConfigError` for an architecture none of them has (e.g. DeepSeek-V2's softmax
     router with MLA, or MLA in a dense model).
@@ -132,19 +150,22 @@ def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
         ('MixtralConfig', 'MixtralForCausalLM')
         >>> hf_architecture(get_model_config("deepseek_v3"))
         ('DeepseekV3Config', 'DeepseekV3ForCausalLM')
+        >>> hf_architecture(get_model_config("qwen3_30b_a3b"))
+        ('Qwen3MoeConfig', 'Qwen3MoeForCausalLM')
     """
     moe = cfg.moe
-    if cfg.qk_norm or cfg.attention_head_dim is not None:
+    if cfg.attention_head_dim is not None and not cfg.qk_norm:
         raise ConfigError(
-            f"model {cfg.name}: per-head query/key norms (qk_norm) and heads wider than dim / n_heads "
-            "(attention_head_dim) are Qwen3's, which we do not translate to Hugging Face yet; a Qwen3 directory "
-            "trains through model=hf (transformers' own modules)"
+            f"model {cfg.name}: heads of their own width (attention_head_dim) without per-head query/key norms have "
+            "no Hugging Face counterpart we convert; valid: qk_norm=true (Qwen3), or attention_head_dim=null"
         )
     if cfg.mtp_depth and not (moe is not None and cfg.mla is not None and moe.router == "sigmoid"):
         raise ConfigError(
             f"model {cfg.name} with mtp_depth={cfg.mtp_depth}: multi-token prediction layers have a Hugging Face "
             "counterpart in DeepSeek-V3 only (MLA with a sigmoid router); valid: mtp_depth=0 for this architecture"
         )
+    if cfg.qk_norm:
+        return _qwen3_architecture(cfg)
     if moe is None and cfg.mla is None:
         return ("Qwen2Config", "Qwen2ForCausalLM") if cfg.qkv_bias else ("LlamaConfig", "LlamaForCausalLM")
     if cfg.qkv_bias:
@@ -163,6 +184,23 @@ def hf_architecture(cfg: LlamaConfig) -> tuple[str, str]:
     )
 
 
+def _qwen3_architecture(cfg: LlamaConfig) -> tuple[str, str]:
+    """Qwen3 (dense) or Qwen3-MoE: per-head query/key norms, no q/k/v biases; the experts softmax-routed, in every
+    block, none shared, no expert groups, no scaling."""
+    moe = cfg.moe
+    if cfg.qkv_bias:
+        raise ConfigError(f"model {cfg.name}: Qwen3 (qk_norm) has no q/k/v biases; valid: qkv_bias=false")
+    if moe is None:
+        return "Qwen3Config", "Qwen3ForCausalLM"
+    qwen3 = moe.router == "softmax" and moe.routed_scaling_factor == 1.0 and moe.n_group == 1
+    if qwen3 and not (moe.n_shared_experts or moe.first_k_dense):
+        return "Qwen3MoeConfig", "Qwen3MoeForCausalLM"
+    raise ConfigError(
+        f"model {cfg.name}: Qwen3-MoE (qk_norm) routes with a softmax over every expert of every block (no shared "
+        "experts, dense first blocks, expert groups or routed_scaling_factor); this MoE has no Hugging Face counterpart"
+    )
+
+
 def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """Keyword arguments of ``transformers.LlamaConfig`` (Mixtral MoE: ``MixtralConfig``) for the same architecture.
 
@@ -176,8 +214,11 @@ def config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         >>> hf_config.num_key_value_heads
         8
     """
-    if hf_architecture(cfg)[0] == "DeepseekV3Config":
+    architecture = hf_architecture(cfg)[0]
+    if architecture == "DeepseekV3Config":
         return deepseek_v3_to_hf(cfg)
+    if architecture in ("Qwen3Config", "Qwen3MoeConfig"):
+        return llama_to_hf(cfg) | qwen3_to_hf(cfg)
     return llama_to_hf(cfg) | mixtral_to_hf(cfg)
 
 
@@ -195,7 +236,7 @@ def hf_config_json(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
 
 def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
     """Refuse what our models do not have: biases (but Qwen2's q/k/v ones), another activation, a head_dim
-    other than dim / n_heads, sliding windows."""
+    other than dim / n_heads (but Qwen3's), sliding windows."""
     unsupported = {
         "use_sliding_window": (getattr(hf_config, "use_sliding_window", False), False),
         "hidden_act": (getattr(hf_config, "hidden_act", "silu"), "silu"),
@@ -203,7 +244,8 @@ def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
         "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
     }
     head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim is not None and not deepseek_v3:  # DeepseekV3Config's head_dim is its rotary width
+    qwen3 = getattr(hf_config, "model_type", None) in QWEN3_TYPES  # (Qwen3's heads have a width of their own)
+    if head_dim is not None and not (deepseek_v3 or qwen3):  # DeepseekV3Config's head_dim is its rotary width
         unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
     for option, (value, supported) in unsupported.items():
         if value != supported:
@@ -211,7 +253,7 @@ def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
 
 
 def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
-    """Our :class:`LlamaConfig` from a transformers Llama, Mixtral or DeepSeek-V3 config (4.x or 5.x).
+    """Our :class:`LlamaConfig` from a transformers Llama (Qwen2), Mixtral, Qwen3 or DeepSeek-V3 config (4.x or 5.x).
 
     Raises :class:`ConfigError` for features our models do not have (biases, another activation,
     a head_dim other than dim / n_heads, a RoPE type other than default, llama3 or, with MLA, yarn).
@@ -227,8 +269,11 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     _check_model_type(getattr(hf_config, "model_type", None), "hf config")
     deepseek_v3 = getattr(hf_config, "kv_lora_rank", None) is not None
     _check_supported(hf_config, deepseek_v3)
-    moe, mla = None, None
-    if deepseek_v3:
+    moe, mla, head_dim = None, None, None
+    qwen3 = getattr(hf_config, "model_type", None) in QWEN3_TYPES
+    if qwen3:
+        (rope_theta, scaling), (head_dim, moe) = llama_from_hf(hf_config), qwen3_from_hf(hf_config)
+    elif deepseek_v3:
         moe, mla = deepseek_v3_from_hf(hf_config)
         rope = hf_field(hf_config, "rope_parameters", default={})
         rope_theta, scaling = rope.get("rope_theta", hf_field(hf_config, "rope_theta", default=10000.0)), None
@@ -249,6 +294,8 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
         max_seq_len=hf_config.max_position_embeddings,
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         qkv_bias=getattr(hf_config, "model_type", None) == "qwen2",
+        qk_norm=qwen3,
+        attention_head_dim=head_dim,
         name=name or getattr(hf_config, "name_or_path", "") or "hf_llama",
     )
 
@@ -281,6 +328,9 @@ def _check_complete(sd: dict[str, Tensor], expected: set[str], cfg: LlamaConfig,
     missing = sorted(expected - sd.keys())
     if missing:
         raise KeyError(f"{where} misses {len(missing)} key(s) for n_layers={cfg.n_layers}: {', '.join(missing[:5])}")
+    extra = sorted(sd.keys() - expected)
+    if extra:  # (e.g. Qwen3's q/k norms for a config without qk_norm: dropped, the model would differ)
+        raise KeyError(f"{where} holds {len(extra)} key(s) model {cfg.name} has no place for: {', '.join(extra[:5])}")
 
 
 def _split_experts(hf_sd: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -331,7 +381,7 @@ def state_dict_from_hf(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
         >>> Llama(cfg).load_state_dict(sd)  # doctest: +SKIP
     """
     hf_sd = _check_mtp_copies(hf_sd, cfg)
-    sd = _rename(_split_experts(hf_sd), list(_KEY_PAIRS), ignore=_HF_IGNORED)
+    sd = _rename(_split_experts(hf_sd), _key_pairs(cfg), ignore=_HF_IGNORED)
     if cfg.tie_embeddings and "tok_embeddings.weight" in sd:
         sd.setdefault("output.weight", sd["tok_embeddings.weight"])
     expected = _our_keys(cfg)
@@ -357,7 +407,7 @@ def state_dict_to_hf(sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tenso
                 "export with model.moe.bias_update_rate=0 or a sigmoid (DeepSeek-V3) router"
             )
         sd = {k: v for k, v in sd.items() if k not in biases}
-    pairs = [(ours, hf) for hf, ours in _KEY_PAIRS]
+    pairs = [(ours, hf) for hf, ours in _key_pairs(cfg)]
     hf_sd = _fuse_experts(_rename(sd, pairs, ignore=None))
     if cfg.tie_embeddings and "model.embed_tokens.weight" in hf_sd:
         hf_sd.setdefault("lm_head.weight", hf_sd["model.embed_tokens.weight"])
@@ -393,7 +443,7 @@ def _check_mtp_copies(hf_sd: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, T
 
 
 def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Llama:
-    """Our :class:`Llama` holding the weights of an HF Llama, Mixtral or DeepSeek-V3 model or directory.
+    """Our :class:`Llama` holding the weights of an HF Llama, Qwen2, Mixtral, Qwen3 or DeepSeek-V3 model or directory.
 
     A directory (``config.json`` + safetensors) is read with the architecture's
     ``from_pretrained(path, local_files_only=True)``: no download; fetch it first,
@@ -427,6 +477,7 @@ def load_hf_pretrained(path_or_model: str | os.PathLike[str] | nn.Module) -> Lla
 #: Our expert weights -> their names in an HF checkpoint's files, per architecture.
 _FILE_EXPERTS = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
     "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
 }
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\w+")
@@ -452,7 +503,7 @@ def hf_file_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, int | None]]:
         if not (_softmax_router(cfg) and k.endswith("router.expert_bias"))
         and not (cfg.tie_embeddings and k == "output.weight")
     ]  # fmt: skip
-    renamed = _rename({k: k for k in ours}, [(o, h) for h, o in _KEY_PAIRS], ignore=None)
+    renamed = _rename({k: k for k in ours}, [(o, h) for h, o in _key_pairs(cfg)], ignore=None)
     copies: dict[str, tuple[str, int | None]] = {hf: (our, None) for hf, our in _mtp_copy_names(cfg).items()}
     if cfg.tie_embeddings:
         copies = {hf: ("tok_embeddings.weight", None) for hf in copies}
