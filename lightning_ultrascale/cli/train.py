@@ -503,14 +503,12 @@ def workload(cfg: DictConfig) -> Any:
 
 
 def _priced_model(model: DictConfig) -> Any:
-    """What the planner prices of the ``model`` node: the preset's config; for ``model=hf`` the directory's
-    config converted to our decoder where a converter reads it (Llama, Qwen2, Mixtral), else (a family trained
-    as it is: Qwen3, Qwen3-MoE, Mistral) the HF model itself on the meta device, priced from the spec the adapter
-    gives it (transformers' Qwen3-MoE layers do not fold over tensor parallelism, where our decoder's would)."""
+    """What the planner prices of the ``model`` node: the preset's config; for ``model=hf`` what trains, the HF
+    model of a family the adapter trains as it is (:data:`~lightning_ultrascale.models.hf.adapter.FAMILIES`) on the
+    meta device, priced from the spec the adapter gives it (transformers' MoE layers, for one, do not fold over
+    tensor parallelism where our decoder's would), else the directory's config converted to our decoder."""
     if model.name == "hf":
         from lightning_ultrascale.models.hf.adapter import FAMILIES
-        from lightning_ultrascale.models.hf.convert import MODEL_TYPES
-        from lightning_ultrascale.models.qwen3.hf import QWEN3_TYPES
         from lightning_ultrascale.training.hf_module import hf_directory, hf_meta_model
 
         path = hf_path(model)
@@ -518,7 +516,7 @@ def _priced_model(model: DictConfig) -> Any:
             kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
             kind = None
-        if kind in FAMILIES and (kind not in MODEL_TYPES.values() or kind in QWEN3_TYPES):
+        if kind in FAMILIES:
             return hf_meta_model(hf_directory(path))
     return _model_config(model)
 

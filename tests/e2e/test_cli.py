@@ -761,7 +761,7 @@ def test_an_hf_directory_of_an_unsupported_model_type_names_the_supported_ones(t
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     # Was: AttributeError: 'types.SimpleNamespace' object has no attribute 'hidden_size'.
-    valid = "'llama', 'qwen2', 'mixtral', 'deepseek_v3'"
+    valid = "'llama', 'qwen2', 'mixtral', 'qwen3', 'qwen3_moe', 'deepseek_v3'"
     message = rf"model.init_from=hf:.*gpt2 holds a model_type='gpt2' model; valid: {valid}"
     with pytest.raises(ConfigError, match=message):
         build(_compose(f"model.init_from=hf:{gpt2}"))
