@@ -57,15 +57,16 @@ def test_qwen3_blocks_equal_transformers_qwen3_with_the_same_weights():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_qwen3_presets_have_their_published_sizes_and_refuse_a_hugging_face_export():
+def test_qwen3_presets_have_their_published_sizes_and_convert_to_hugging_face_s_qwen3_moe():
     for name, total, active in (("qwen3_30b_a3b", 30.5e9, 3.3e9), ("qwen3_235b_a22b", 235e9, 22e9)):
         cfg = get_model_config(name)
         assert sum(p.numel() for p in build_model(name, device="meta").parameters()) == cfg.num_params()
         assert cfg.num_params() == pytest.approx(total, rel=5e-3)
         assert cfg.num_params(active=True) == pytest.approx(active, rel=2e-2)  # (Qwen count the embedding)
         assert build_model(name, device="meta").spec.head_dim == 128
-    with pytest.raises(ConfigError, match=r"qk_norm.*attention_head_dim.*trains through model=hf"):
-        hf_architecture(get_model_config("qwen3_30b_a3b"))
+    assert hf_architecture(get_model_config("qwen3_30b_a3b")) == ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")
+    with pytest.raises(ConfigError, match=r"attention_head_dim\) without per-head query/key norms have no Hugging"):
+        hf_architecture(replace(QWEN3_MOE_TINY, qk_norm=False))
     odd = replace(QWEN3_MOE_TINY, attention_head_dim=7)
     with pytest.raises(ConfigError, match=r"model.attention_head_dim=7 must be an even positive integer"):
         odd.validate()
