@@ -1,6 +1,7 @@
 """How long one rank computes per optimizer step: the model's work, term by term.
 
-- **Matmuls by shape**: every GEMM of a block (q, k, v, o; w1, w3, w2; an MoE layer's router,
+- **Matmuls by shape**: every GEMM of a block (q, k, v, o, MLA's down to its latents and up per head;
+  w1, w3, w2; an MoE layer's router,
   routed and shared experts; the head) at its local shape under tensor, context and expert
   parallelism, each on the roofline ``max(FLOPs / (peak x matmul_efficiency), bytes / (bandwidth x
   memory_efficiency))``: narrow GEMMs (small ``N`` under TP, few tokens under CP or for an expert)
