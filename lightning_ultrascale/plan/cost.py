@@ -359,6 +359,19 @@ def _attention(s: Widths, e: int, cp_method: str | None) -> float:
     return (q + k_v + o + extra) * e + 4 * heads
 
 
+def _mla_latents(spec: ModelSpec, s: Widths, e: int, fused: bool) -> float:
+    """Bytes per token multi-head latent attention keeps beside q, k, v and o (0 without MLA): its latents, whole
+    on every tp rank, as their norms and the up projections save them (``wkv_a``'s output, the key latent's
+    norm input, with ``x * rstd`` where not ``fused``, and its output; the query latent's the same), and the
+    keys' nope part of each value's storage (``wkv_b`` writes both; attention saves the values as a view)."""
+    if not spec.kv_lora_rank:
+        return 0.0
+    norm = 2 if fused else 3  # input (and x * rstd), output
+    latents = spec.kv_lora_rank + spec.rope_head_dim + (norm - 1) * spec.kv_lora_rank + norm * spec.q_lora_rank
+    rstds = 4 * (1 + bool(spec.q_lora_rank))
+    return (latents + s.heads / s.tp * (s.head_dim - spec.rope_head_dim)) * e + rstds
+
+
 def _moe_ffn(spec: ModelSpec, s: Widths, e: int, fused: bool = False) -> float:
     k, fe = spec.top_k, spec.expert_ffn_dim
     router = 4 * spec.n_experts + 8 + 32 * k
@@ -389,7 +402,7 @@ def _block_kept(
     ffn = _moe_ffn(spec, s, e, fused) if moe else _swiglu_kept(fused) * s.f / s.tp * e
     ffn_gathered = not regather if not moe else moe_fold(spec, s) == 1  # (a folded MoE runs the sequence shards)
     norms = _norm(s, e, not regather, fused) + _norm(s, e, ffn_gathered, fused)
-    return norms + _attention(s, e, cp_method) + ffn
+    return norms + _attention(s, e, cp_method) + _mla_latents(spec, s, e, fused) + ffn
 
 
 def _block_kept_selective_op(spec: ModelSpec, s: Widths, e: int, layer: int) -> float:
@@ -485,7 +498,8 @@ def activation_memory(
     fused = workload.fused_kernels
     blocks = sum(_kept(spec, s, e, i, c, cp_method, fused) for i in layers)
     blocks = (blocks + _mtp_kept(spec, s, e, c, cp_method, depth, fused)) * t
-    rope = 2 * 4 * s.head_dim * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
+    rotary = spec.rope_head_dim or s.head_dim  # (MLA rotates a part of each head: its tables are that wide)
+    rope = 2 * 4 * rotary * workload.seq_len * (c.micro_batch_size if c.cp > 1 else 1) / c.cp
     ids = 8 * t if first else 0.0
     head = head_working = 0.0
     if last:

@@ -251,3 +251,39 @@ def test_fp32_runs_are_timed_at_the_tf32_peak_not_the_bf16_one():
     (fp32, fp32_mfu), (bf16, bf16_mfu) = compute("32-true"), compute("bf16-mixed")
     assert fp32 / bf16 == pytest.approx(989 / 494.5)
     assert fp32_mfu == pytest.approx(bf16_mfu, rel=0.05)  # each against its own peak (compute-bound here)
+
+
+def test_mla_s_latents_are_priced_as_its_block_keeps_them():
+    # What multi-head latent attention keeps for backward beside q, k, v and o, counted on the storages a one-block
+    # model's forward leaves alive (LiveStorages) against the planner's activations, to the byte: a query latent
+    # (its norm's input, x * rstd, output and rstd), a wider key latent (wkv_a's output, its norm's x * rstd and
+    # output), a wider rotary part (the latent's rope rows and the cos/sin tables). Wider nope parts: the planner
+    # prices a third tensor per head (the values' storage, which wkv_b writes beside the keys' nope part: flash
+    # attention saves the values as a view of it) where the CPU's math attention copies the values (two).
+    import torch
+
+    from lightning_ultrascale.models.common.mla import MLAConfig
+    from lightning_ultrascale.testing.storages import LiveStorages
+
+    base, tokens = replace(get_model_config("llama_tiny"), n_layers=1), 2 * 64
+
+    def kept(cfg) -> int:
+        model = build_model(cfg, seed=0)
+        with LiveStorages() as live:
+            logits = model(torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)))
+        return live.alive_bytes(*model.parameters(), *model.buffers(), logits)
+
+    def priced(cfg) -> int:
+        workload, layout = Workload(cfg, 64, 2, precision="32-true"), Candidate.layout(micro_batch_size=2)
+        return estimate(workload, layout, build_model(cfg, device="meta"), GPUS["cpu"])[0].memory["activations"]
+
+    def mla(**change):
+        widths = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16) | change
+        return replace(base, mla=MLAConfig(**widths), name="mla_tiny")
+
+    reference = mla()
+    for change in (dict(q_lora_rank=48), dict(kv_lora_rank=64), dict(qk_rope_head_dim=16)):
+        assert kept(mla(**change)) - kept(reference) == priced(mla(**change)) - priced(reference), change
+    wider = mla(qk_nope_head_dim=32)
+    per_head = tokens * base.n_heads * 16 * 4  # one more fp32 tensor of 16 more per head
+    assert priced(wider) - priced(reference) == 3 * per_head and kept(wider) - kept(reference) == 2 * per_head
