@@ -331,8 +331,11 @@ def _priced_widths(cfg: LlamaConfig) -> dict[str, int]:
         "v_head_dim": cfg.head_dim if mla is None else mla.v_head_dim,
     }
     if mla is not None:
-        widths |= {"kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank or 0}
-        widths["rope_head_dim"] = mla.qk_rope_head_dim
+        widths |= {
+            "kv_lora_rank": mla.kv_lora_rank,
+            "q_lora_rank": mla.q_lora_rank or 0,
+            "rope_head_dim": mla.qk_rope_head_dim,
+        }
     if moe is not None:
         widths |= {"top_k": moe.top_k, "n_shared_experts": moe.n_shared_experts, "expert_ffn_dim": moe.moe_ffn_dim}
     return widths

@@ -234,7 +234,7 @@ def hf_config_json(cfg: LlamaConfig, dtype: str) -> dict[str, Any]:
     }
 
 
-def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
+def _check_supported(hf_config: Any, deepseek_v3: bool, qwen3: bool) -> None:
     """Refuse what our models do not have: biases (but Qwen2's q/k/v ones), another activation, a head_dim
     other than dim / n_heads (but Qwen3's), sliding windows."""
     unsupported = {
@@ -244,8 +244,8 @@ def _check_supported(hf_config: Any, deepseek_v3: bool) -> None:
         "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
     }
     head_dim = getattr(hf_config, "head_dim", None)
-    qwen3 = getattr(hf_config, "model_type", None) in QWEN3_TYPES  # (Qwen3's heads have a width of their own)
-    if head_dim is not None and not (deepseek_v3 or qwen3):  # DeepseekV3Config's head_dim is its rotary width
+    # DeepseekV3Config's head_dim is its rotary width; Qwen3's heads have a width of their own
+    if head_dim is not None and not (deepseek_v3 or qwen3):
         unsupported["head_dim"] = (head_dim, hf_config.hidden_size // hf_config.num_attention_heads)
     for option, (value, supported) in unsupported.items():
         if value != supported:
@@ -268,9 +268,9 @@ def config_from_hf(hf_config: Any, name: str | None = None) -> LlamaConfig:
     """
     _check_model_type(getattr(hf_config, "model_type", None), "hf config")
     deepseek_v3 = getattr(hf_config, "kv_lora_rank", None) is not None
-    _check_supported(hf_config, deepseek_v3)
-    moe, mla, head_dim = None, None, None
     qwen3 = getattr(hf_config, "model_type", None) in QWEN3_TYPES
+    _check_supported(hf_config, deepseek_v3, qwen3)
+    moe, mla, head_dim = None, None, None
     if qwen3:
         (rope_theta, scaling), (head_dim, moe) = llama_from_hf(hf_config), qwen3_from_hf(hf_config)
     elif deepseek_v3:
@@ -329,7 +329,7 @@ def _check_complete(sd: dict[str, Tensor], expected: set[str], cfg: LlamaConfig,
     if missing:
         raise KeyError(f"{where} misses {len(missing)} key(s) for n_layers={cfg.n_layers}: {', '.join(missing[:5])}")
     extra = sorted(sd.keys() - expected)
-    if extra:  # (e.g. Qwen3's q/k norms for a config without qk_norm: dropped, the model would differ)
+    if extra:  # (e.g. MLA's latent projections for a config without MLA: dropped, the model would differ)
         raise KeyError(f"{where} holds {len(extra)} key(s) model {cfg.name} has no place for: {', '.join(extra[:5])}")
 
 
