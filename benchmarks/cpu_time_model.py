@@ -155,8 +155,9 @@ def cpu_profile(runs: list[list[dict[str, float]]]) -> Hardware:
     high = {k: min(max(r[k] for r in rates) for rates in runs) for k in runs[0][0]}
     return Hardware(
         "cpu", peak_flops=low["peak"], fp32_flops=low["peak"], memory_bytes=24 * 2**30, gpus_per_node=2,
-        intra_node_bandwidth=low["link"], inter_node_bandwidth=low["link"], intra_node_latency=high["latency"],
-        inter_node_latency=high["latency"], link_efficiency=1.0, network_efficiency=1.0, matmul_efficiency=1.0,
+        intra_node_bandwidth=low["link"], inter_node_bandwidth=low["link"], collective_base_latency=high["latency"],
+        intra_node_latency=0.0, inter_node_latency=0.0, link_efficiency=1.0, network_efficiency=1.0,
+        matmul_efficiency=1.0,
         memory_bandwidth=low["bandwidth"], memory_efficiency=1.0,
         attention_efficiency=min(1.0, low["attention_efficiency"]), op_overhead=high["overhead"], reserved_bytes=0,
         gemm_width_factors=tuple((w, min(1.0, low[f"gemm_{w}"])) for w in GEMM_WIDTHS),
@@ -308,8 +309,8 @@ def main() -> None:
     print(f"cpu profile: {gpu.peak_flops / 1e9:.1f} GFLOP/s, {gpu.memory_bandwidth / 1e9:.1f} GB/s, "
           f"{gpu.op_overhead * 1e6:.1f} us/op, loop {gpu.step_overhead * 1e3:.1f} ms/step, "
           f"attention {gpu.attention_efficiency:.2f}, host ms per block: "
-          f"{', '.join(f'{k} {v * 1e3:.2f}' for k, v in gpu.host_overheads)}, "
-          f"gloo {gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.intra_node_latency * 1e6:.0f} us")  # fmt: skip
+          f"{', '.join(f'{k} {v * 1e3:.2f}' for k, v in gpu.host_overheads)}, gloo "
+          f"{gpu.intra_node_bandwidth / 1e9:.2f} GB/s + {gpu.collective_base_latency * 1e6:.0f} us/call")  # fmt: skip
     print(f"{'layout':<58} {'measured s':>10} {'predicted s':>11} {'error':>7}")
     rows = []
     runs_at = [(layouts, seq_len)] + ([] if args.quick else [([c[:3]], c[3]) for c in CONTEXT_LAYOUTS])

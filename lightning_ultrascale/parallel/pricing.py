@@ -129,7 +129,9 @@ class CostTerms:
     the same for the memory-bound kernels alone (op-level recomputation re-runs only those);
     ``extra_matmul``: the same for the blocks' matmuls alone (a stack's op-level recomputation that re-runs some);
     ``step_bytes``: memory traffic of the optimizer step (at memory bandwidth, once per step);
-    ``bubble``: idle time over compute.
+    ``bubble``: idle time over compute. ``calls`` (and ``forward_calls``, of ``forward_traffic``): the
+    collective calls per step carrying each ``"dim:op"``'s bytes, each paying the collective's latency
+    (a key without a count: one call); :meth:`add` keeps both.
     """
 
     traffic: dict[str, int] = field(default_factory=dict)
@@ -157,6 +159,24 @@ class CostTerms:
     #: the name of the host time per block this technique adds (the device's ``host_overheads``)
     host: str | None = None
     bubble: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+    forward_calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, dim: str, op: str, payload: float, calls: float, forward: bool = False) -> None:
+        """``payload`` bytes of ``op`` over ``dim`` in ``calls`` collective calls, waited in the step (``forward``:
+        overlapping the forward, :attr:`forward_traffic`).
+
+        Example:
+            >>> terms = CostTerms()
+            >>> terms.add("tp", "all_gather", 3e6, calls=3)
+            >>> terms.traffic, terms.calls
+            ({'tp:all_gather': 3000000}, {'tp:all_gather': 3})
+        """
+        if payload <= 0 or calls <= 0:
+            return
+        traffic, counts = (self.forward_traffic, self.forward_calls) if forward else (self.traffic, self.calls)
+        add_traffic(traffic, dim, op, payload)
+        counts[f"{dim}:{op}"] = counts.get(f"{dim}:{op}", 0) + round(calls)
 
 
 def add_traffic(traffic: dict[str, int], dim: str, op: str, payload: float) -> None:

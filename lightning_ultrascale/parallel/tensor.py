@@ -45,7 +45,6 @@ from lightning_ultrascale.parallel.pricing import (
     RankView,
     SearchContext,
     SearchPoint,
-    add_traffic,
     powers_of_two,
 )
 from lightning_ultrascale.parallel.regather import regathered
@@ -204,24 +203,23 @@ class TensorParallel(ParallelPlugin):
         terms = CostTerms(host="tensor")  # (every op of a block on DTensors)
         terms.hidden_by_matmul = 1.0 if rank.workload.tp_comm_overlap else 0.0
         c, spec = rank.layout, rank.spec
-        activation = rank.tokens * rank.widths.h * rank.element_bytes * rank.forwards
+        activation, m = rank.tokens * rank.widths.h * rank.element_bytes, rank.forwards
         # A folded MoE sub-layer (each tp rank its share of the tokens) has none of the FFN's collectives; without
         # SP its output is all-gathered (forward) and its input's gradient too (backward).
         folded = sum(1 for i in rank.layers if spec.is_moe_block(i)) if folds_moe(spec) else 0
         n = 4 * len(rank.layers) - 2 * folded + (1 if rank.first else 0) + (1 if rank.last else 0)
         whole = sum(1 for i in rank.layers if c.recomputes(i))
+        # (each collective one activation, one call)
         if self.sequence_parallel:
-            add_traffic(
-                terms.traffic, "tp", "all_gather", (n + sum(map(self._gathered_again(rank), rank.layers))) * activation
-            )
-            add_traffic(terms.traffic, "tp", "reduce_scatter", (n + whole) * activation)
+            gathers = n + sum(map(self._gathered_again(rank), rank.layers))
+            terms.add("tp", "all_gather", gathers * activation * m, calls=gathers * m)
+            terms.add("tp", "reduce_scatter", (n + whole) * activation * m, calls=(n + whole) * m)
         else:
             again = whole + (len(rank.layers) if c.recompute == "selective_op" else 0)
-            add_traffic(terms.traffic, "tp", "all_reduce", (n + again) * activation)
-            if folded:
-                add_traffic(terms.traffic, "tp", "all_gather", 2 * folded * activation)
-        if rank.last:  # loss parallelism: max, sum of exponentials and target logit, forward and backward
-            add_traffic(terms.traffic, "tp", "all_reduce", 6 * 4 * rank.tokens * rank.forwards)
+            terms.add("tp", "all_reduce", (n + again) * activation * m, calls=(n + again) * m)
+            terms.add("tp", "all_gather", 2 * folded * activation * m, calls=2 * folded * m)
+        if rank.last:  # loss parallelism: the target logit, max and sum of exponentials of every token, in fp32
+            terms.add("tp", "all_reduce", 3 * 4 * rank.tokens * m, calls=3 * m)
         return terms
 
     def _gathered_again(self, rank: RankView) -> Callable[[int], int]:

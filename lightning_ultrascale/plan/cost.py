@@ -285,7 +285,8 @@ class Cost:
 
     ``memory`` holds the peak's parts: ``params``, ``optimizer``, ``grads`` (buckets held between
     steps), ``activations`` (kept for backward at the peak moment) and ``working`` (transients of
-    that moment); ``peak`` their sum. ``comm`` maps ``"dim:op"`` to payload bytes per step.
+    that moment); ``peak`` their sum. ``comm`` maps ``"dim:op"`` to payload bytes per step, ``calls`` to the
+    collective calls carrying them (where the plugins count them).
     """
 
     candidate: Candidate
@@ -302,6 +303,7 @@ class Cost:
     terms: list[CostTerms] = field(default_factory=list, repr=False)
     #: the rank as the plugins priced it
     view: RankView | None = field(default=None, repr=False)
+    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -585,10 +587,13 @@ def step_time(workload: Workload, c: Candidate, cost: Cost, dims: ParallelDims, 
     critical = exposed = bubble = 0.0
     fold = moe_fold(cost.view.spec, cost.view.widths)
     for terms in cost.terms:
-        for traffic, hidden_by in ((terms.traffic, terms.hidden_by), (terms.forward_traffic, FORWARD_SHARE)):
+        for traffic, calls, hidden_by in (
+            (terms.traffic, terms.calls, terms.hidden_by),
+            (terms.forward_traffic, terms.forward_calls, FORWARD_SHARE),
+        ):
             spent = 0.0
             for key, payload in traffic.items():
-                dim, took = _collective_seconds(key, payload, c, dims, gpu, fold)
+                dim, took = _collective_seconds(key, payload, c, dims, gpu, fold, calls.get(key, 1))
                 seconds[dim] = seconds.get(dim, 0.0) + took
                 spent += took
             beside = terms.hidden_by_matmul * parts["matmul"] + terms.hidden_by_attention * parts["attention"]
@@ -610,10 +615,12 @@ FORWARD_SHARE = 1 / 3
 
 
 def _collective_seconds(
-    key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware, fold: int = 1
+    key: str, payload: int, c: Candidate, dims: ParallelDims, gpu: Hardware, fold: int = 1, calls: int = 1
 ) -> tuple[str, float]:
-    """``(dim, seconds)`` of one ``"dim:op"`` payload on the links its group spans (``fold``: tp ranks that share
-    the MoE layers' tokens, whose ep groups then hold neighbouring ranks).
+    """``(dim, seconds)`` of one ``"dim:op"`` payload in ``calls`` calls on the links its group spans (``fold``: tp
+    ranks that share the MoE layers' tokens, whose ep groups then hold neighbouring ranks). Each call pays the
+    collective's latency (:meth:`~lightning_ultrascale.plan.hardware.Hardware.collective_latency`): a call is a
+    launch, the sends of one ``batch_isend_irecv`` together (``CommTracer.launches`` counts them so).
 
     A ring collective (all-reduce, all-gather, reduce-scatter) over a group spanning nodes runs one ring per
     local rank (NCCL's channels), each leaving the node through another rank's NIC: a rank's wire bytes cross
@@ -622,17 +629,19 @@ def _collective_seconds(
     send, use the rank's own NIC.
     """
     dim, op = key.split(":")
+    calls = 0 if op == "recv" else calls  # (a receive is the other end of a send: one latency for the two)
     if dim == "ep":  # ep neighbours of the borrowed ranks: tp apart, or neighbours where the MoE folds over tp
-        return dim, _all_to_all_seconds(payload, c.ep, 1 if fold > 1 else dims.tp, gpu)
+        return dim, _all_to_all_seconds(payload, c.ep, 1 if fold > 1 else dims.tp, gpu, calls)
     names = _mesh_dims(dim)
     size = math.prod(getattr(dims, d) for d in names)
     intra = _group_span(dims, names) <= gpu.gpus_per_node
-    latency = (gpu.intra_node_latency if intra else gpu.inter_node_latency) * max(1, size - 1)
     wire = wire_bytes(op, int(payload), size)
     nvlink = gpu.intra_node_bandwidth * gpu.link_efficiency
     if intra:
-        return dim, wire / nvlink + latency
-    local = _ranks_per_node(dims, names, gpu.gpus_per_node) if op in RING_OPS else 1
+        return dim, wire / nvlink + calls * gpu.collective_latency(op, size)
+    on_a_node = _ranks_per_node(dims, names, gpu.gpus_per_node)
+    latency = calls * gpu.collective_latency(op, size, nodes=max(2, size // on_a_node))
+    local = on_a_node if op in RING_OPS else 1
     network = wire / local / (gpu.inter_node_bandwidth * gpu.network_efficiency)
     return dim, max(network, wire * (local - 1) / local / nvlink) + latency
 
@@ -659,7 +668,7 @@ def _ranks_per_node(dims: ParallelDims, names: list[str], gpus_per_node: int) ->
     return local
 
 
-def _all_to_all_seconds(payload: float, size: int, stride: int, gpu: Hardware) -> float:
+def _all_to_all_seconds(payload: float, size: int, stride: int, gpu: Hardware, calls: int = 1) -> float:
     """An all-to-all of ``payload`` bytes a rank over ``size`` ranks ``stride`` apart: ``1/size`` of it to each
     peer, those on the rank's node over NVLink while the others go over the network (at the same time).
 
@@ -668,13 +677,12 @@ def _all_to_all_seconds(payload: float, size: int, stride: int, gpu: Hardware) -
         >>> h100 = get_hardware("h100")
         >>> one_node, four_nodes = (_all_to_all_seconds(1e9, n, 1, h100) for n in (8, 32))
         >>> round(four_nodes / one_node, 1)  # (3/4 of the bytes leave the node, at the network's rate)
-        6.9
+        6.8
     """
     local = max(1, min(size, gpu.gpus_per_node // stride))  # the group's ranks on one node
     nvlink = payload * (local - 1) / size / (gpu.intra_node_bandwidth * gpu.link_efficiency)
     network = payload * (size - local) / size / (gpu.inter_node_bandwidth * gpu.network_efficiency)
-    latency = gpu.intra_node_latency if local == size else gpu.inter_node_latency
-    return max(nvlink, network) + latency * max(1, size - 1)
+    return max(nvlink, network) + calls * gpu.collective_latency("all_to_all", size, nodes=size // local)
 
 
 @dataclass(frozen=True)
@@ -720,10 +728,13 @@ def _rank_cost(
         "working": act["working"] + sum(t.working for t in terms),
     }
     comm: dict[str, int] = {}
+    calls: dict[str, int] = {}
     for t in terms:
         for key, payload in (*t.traffic.items(), *t.forward_traffic.items()):
             comm[key] = comm.get(key, 0) + payload
-    return Cost(c, rank, memory, comm, state, terms=terms, view=view)
+        for key, count in (*t.calls.items(), *t.forward_calls.items()):
+            calls[key] = calls.get(key, 0) + count
+    return Cost(c, rank, memory, comm, state, terms=terms, view=view, calls=calls)
 
 
 # ----------------------------------------------------------------------------- one layout

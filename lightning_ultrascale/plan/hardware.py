@@ -39,8 +39,12 @@ class Hardware:
     gpus_per_node: int = 8
     intra_node_bandwidth: float = 450e9  # bytes/s per GPU per direction (NVLink)
     inter_node_bandwidth: float = 50e9  # bytes/s per GPU per direction (one 400 Gb/s NIC)
-    intra_node_latency: float = 5e-6  # seconds per collective step
-    inter_node_latency: float = 15e-6
+    #: a collective call's latency beyond its bytes, as NCCL's own tuning model prices it (``src/graph/tuning.cc``,
+    #: ring and tree algorithms, Simple protocol, the one large messages run): a fixed cost per call, plus a cost per
+    #: step of the ring (or level of the tree) over NVLink and over the network (:func:`collective_latency`)
+    collective_base_latency: float = 8.4e-6
+    intra_node_latency: float = 3.4e-6  # seconds per NVLink step
+    inter_node_latency: float = 14e-6  # seconds per network step
     link_efficiency: float = 0.8  # achieved / nominal NVLink bandwidth of large collectives (nccl-tests busbw)
     #: the same across nodes: NCCL's ring over InfiniBand reaches ~90% of the NIC's line rate
     #: (nccl-tests all_reduce busbw of 8-node DGX A100/H100 clusters)
@@ -119,6 +123,36 @@ class Hardware:
         table = dict(self.fp8_gemm_efficiency).get(scaling)
         return 1.0 if not table else 2 * _interpolated(table, width, beyond=table[-1][1])
 
+    def collective_latency(self, op: str, size: int, nodes: int = 1) -> float:
+        """Seconds one call of ``op`` over ``size`` ranks on ``nodes`` nodes takes beyond its bytes (NCCL's model).
+
+        A ring all-gather or reduce-scatter makes ``size - 1`` steps, ``nodes - 1`` of them across the network
+        (an all-reduce twice as many); an all-reduce across nodes takes the tree where it is shorter (NCCL picks
+        the faster: ``2 x (ranks a node - 1)`` NVLink steps and ``2 log2(nodes)`` network ones). A send, and an
+        all-to-all (every peer at once), take one step. Plus the fixed cost of every call.
+
+        Example:
+            >>> h100 = get_hardware("h100")
+            >>> round(h100.collective_latency("all_gather", 8) * 1e6, 1)  # 8.4 + 7 x 3.4 us
+            32.2
+            >>> round(h100.collective_latency("all_gather", 512, nodes=64) * 1e3, 2)  # a ring over 64 nodes
+            2.41
+            >>> round(h100.collective_latency("all_reduce", 512, nodes=64) * 1e6)  # the tree's 2 x (7 + 6) steps
+            224
+        """
+        if size <= 1:
+            return 0.0
+        hop = self.inter_node_latency if nodes > 1 else self.intra_node_latency
+        if op not in ("all_gather", "reduce_scatter", "all_reduce"):
+            return self.collective_base_latency + hop
+        twice = 2 if op == "all_reduce" else 1
+        steps, network = twice * (size - 1), twice * (nodes - 1)
+        ring = (steps - network) * self.intra_node_latency + network * self.inter_node_latency
+        if op == "all_reduce" and nodes > 1:
+            tree = 2 * ((size // nodes - 1) * self.intra_node_latency + math.log2(nodes) * self.inter_node_latency)
+            ring = min(ring, tree)
+        return self.collective_base_latency + ring
+
     @property
     def usable_bytes(self) -> int:
         return self.memory_bytes - self.reserved_bytes
@@ -148,7 +182,7 @@ def _interpolated(table: tuple[tuple[int, float], ...], width: float, beyond: fl
     return beyond
 
 
-_MAY_BE_ZERO = ("reserved_bytes", "op_overhead", "step_overhead")
+_MAY_BE_ZERO = ("reserved_bytes", "op_overhead", "step_overhead", "intra_node_latency", "inter_node_latency")
 
 #: Fitted on one published run (see ``GPUS["h100"]``); every other figure is a datasheet's.
 H100_MATMUL_EFFICIENCY = 0.60
@@ -192,7 +226,8 @@ GPUS: dict[str, Hardware] = {
     # it). What `parallel=auto` plans a CPU job with.
     "cpu": Hardware(
         "cpu", peak_flops=104e9, fp32_flops=104e9, memory_bytes=24 * 2**30, gpus_per_node=2,
-        intra_node_bandwidth=1.5e9, inter_node_bandwidth=1.5e9, intra_node_latency=140e-6, inter_node_latency=140e-6,
+        intra_node_bandwidth=1.5e9, inter_node_bandwidth=1.5e9, collective_base_latency=140e-6,
+        intra_node_latency=0.0, inter_node_latency=0.0,
         link_efficiency=1.0, network_efficiency=1.0, matmul_efficiency=1.0,
         gemm_width_factors=((32, 0.71), (64, 1.0), (256, 1.0), (512, 0.97)), memory_bandwidth=47e9,
         memory_efficiency=1.0, attention_efficiency=0.41, op_overhead=2.5e-6, step_overhead=4.6e-3, reserved_bytes=0,

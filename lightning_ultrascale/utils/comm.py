@@ -89,7 +89,9 @@ class CommRecord:
     ``op`` is the playbook's name ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
     "broadcast", "reduce", "gather", "scatter", "send", "recv", "barrier"); ``dim`` the mesh
     dimension whose group it ran on ("world" for the default group, "other" for any other group);
-    ``torch_op`` the dispatcher op that carried it, e.g. ``"c10d.allreduce_"``.
+    ``torch_op`` the dispatcher op that carried it, e.g. ``"c10d.allreduce_"``; ``launch`` the call of
+    ``torch.distributed.batch_isend_irecv`` that issued it (its sends and receives run as one launch, paying
+    one latency), ``None`` for a collective issued alone.
     """
 
     op: str
@@ -99,6 +101,7 @@ class CommRecord:
     payload_bytes: int
     wire_bytes: int
     torch_op: str
+    launch: int | None = None
 
 
 def wire_bytes(op: str, payload_bytes: int, group_size: int) -> int:
@@ -242,6 +245,30 @@ class CommTracer(TorchDispatchMode):
         self.mesh = mesh
         self.records: list[CommRecord] = []
         self._dim_by_group: dict[str, str] = {}
+        self._depth, self._launches, self._launch = 0, 0, None  # (batch_isend_irecv's calls, see launches())
+        self._batch_isend_irecv: Any = None
+
+    def __enter__(self) -> CommTracer:
+        # (re-entered around our custom ops' bodies: the wrapper goes in once, on the outermost entry)
+        if self._depth == 0:
+            self._batch_isend_irecv = dist.batch_isend_irecv
+            dist.batch_isend_irecv = self._batched
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            dist.batch_isend_irecv = self._batch_isend_irecv
+        return super().__exit__(*exc)
+
+    def _batched(self, p2p_op_list: list[dist.P2POp]) -> Any:
+        self._launches += 1
+        self._launch = self._launches
+        try:
+            return self._batch_isend_irecv(p2p_op_list)
+        finally:
+            self._launch = None
 
     def __torch_dispatch__(
         self,
@@ -288,6 +315,7 @@ class CommTracer(TorchDispatchMode):
                 payload_bytes=payload,
                 wire_bytes=wire_bytes(spec.op, payload, size),
                 torch_op=str(func._overloadpacket).removeprefix("_ops."),
+                launch=self._launch,
             )
         )
 
@@ -309,6 +337,30 @@ class CommTracer(TorchDispatchMode):
         if dist.is_initialized():
             names.setdefault(dist.distributed_c10d._get_default_group().group_name, "world")
         return names
+
+    def launches(self, min_bytes: int = 0) -> dict[str, int]:
+        """Launches per ``"dim:op"`` of records over ``min_bytes`` (and every all-to-all's: the split sizes of a
+        dispatch are its own call): a collective one each, the sends (or receives) of one
+        ``batch_isend_irecv`` one together. Each pays a collective's latency once.
+
+        Example:
+            >>> tracer = CommTracer()
+            >>> kv = [CommRecord("send", "cp", "1", 2, 2**20, 2**20, "c10d.send", launch=1) for _ in "kv"]
+            >>> tracer.records += [*kv, CommRecord("all_gather", "tp", "2", 2, 2**20, 2**19, "c10d.allgather_")]
+            >>> tracer.launches()  # (K and V sent in one batch_isend_irecv)
+            {'cp:send': 1, 'tp:all_gather': 1}
+        """
+        seen: set[tuple[str, int]] = set()
+        out: dict[str, int] = {}
+        for r in list(self.records):
+            key = f"{r.dim}:{r.op}"
+            small = r.payload_bytes <= min_bytes and r.op != "all_to_all"
+            if small or (r.launch is not None and (key, r.launch) in seen):
+                continue
+            if r.launch is not None:
+                seen.add((key, r.launch))
+            out[key] = out.get(key, 0) + 1
+        return out
 
     def summary(self) -> dict[str, dict[str, dict[str, int]]]:
         """Totals as ``{dim: {op: {"calls", "payload_bytes", "wire_bytes"}}}``.

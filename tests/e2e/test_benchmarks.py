@@ -82,7 +82,8 @@ _TP_KEYED = (
 )
 #: pipeline: the op kinds a schedule runs (F, B, W, BW) on the stages it has.
 _PIPELINE_OPS = ("schedules[].op_ms", "schedules[].op_ms_per_stage", "schedules[].op_ms_per_stage.*")
-_PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predicted_comm_by_dim", "comm_errors")
+_PLAN_COMM = ("measured_comm", "predicted_comm", "measured_comm_by_dim", "predicted_comm_by_dim", "comm_errors",
+              "measured_calls_by_dim", "predicted_calls_by_dim")  # fmt: skip
 #: script -> (a line its tables print, the JSON paths whose dict keys are data, parts --quick does not measure)
 SMOKE = {
     "dp": ("Tokens/s", (), ()),

@@ -175,7 +175,8 @@ def test_ring_attention_hides_its_exchange_behind_the_attention_alone():
         strategy.validate(model.spec, candidate.data_shape(w), world_size=candidate.world_size)
         [terms] = [t for t in cost.terms if t.host == "context"]
         spent = sum(
-            _collective_seconds(k, v, candidate, strategy.parallel_dims, gpu)[1] for k, v in terms.traffic.items()
+            _collective_seconds(k, v, candidate, strategy.parallel_dims, gpu, calls=terms.calls[k])[1]
+            for k, v in terms.traffic.items()
         )
         others = sum(cost.time_parts[d] for d in ("tp", "pp"))
         exposed[method] = cost.time_parts["critical_comm"] - others
@@ -237,17 +238,20 @@ def test_folded_moe_layers_run_a_tp_share_and_their_all_to_all_crosses_only_the_
     # The routed rows a rank sends are its tp share's: half of the unfolded layout's.
     assert folded.comm["ep:all_to_all"] == pytest.approx(unfolded.comm["ep:all_to_all"] / 2, rel=1e-3)
     assert folded.time_parts["matmul"] < 0.75 * unfolded.time_parts["matmul"]  # (attention and head stay whole)
-    # ep32 over 4 whole nodes (ep neighbours folded): 3/4 of the bytes leave the node, at the network's rate.
+    # ep32 over 4 whole nodes (ep neighbours folded): 3/4 of the bytes leave the node, at the network's rate,
+    # and every call waits a network step.
     per_rank = folded.comm["ep:all_to_all"]
     network = H100.inter_node_bandwidth * H100.network_efficiency
-    assert folded.time_parts["ep"] == pytest.approx(per_rank * 24 / 32 / network, rel=1e-2)
+    latency = folded.calls["ep:all_to_all"] * H100.collective_latency("all_to_all", 32, nodes=4)
+    assert folded.time_parts["ep"] == pytest.approx(per_rank * 24 / 32 / network + latency, rel=1e-9)
 
 
 def test_an_ep_group_inside_a_node_is_priced_on_nvlink_though_the_data_ranks_span_nodes():
     meta = build_model("qwen3_235b_a22b", device="meta")
     cost = _qwen3_cost(meta, dp=64, ep=8, pp=4, microbatches=128, zero=1)  # 256 GPUs, ep groups of 8 neighbours
     nvlink = H100.intra_node_bandwidth * H100.link_efficiency
-    assert cost.time_parts["ep"] == pytest.approx(cost.comm["ep:all_to_all"] * 7 / 8 / nvlink, rel=1e-2)
+    latency = cost.calls["ep:all_to_all"] * H100.collective_latency("all_to_all", 8)  # (an NVLink step a call)
+    assert cost.time_parts["ep"] == pytest.approx(cost.comm["ep:all_to_all"] * 7 / 8 / nvlink + latency, rel=1e-9)
 
 
 def test_a_stack_s_ep_overlap_is_a_switch_that_hides_the_all_to_all_behind_the_gemms():
@@ -268,9 +272,11 @@ def test_a_ring_across_nodes_leaves_each_node_through_all_its_nics():
 
     nic, nvlink = H100.inter_node_bandwidth * H100.network_efficiency, H100.intra_node_bandwidth * H100.link_efficiency
     for gpus_per_node, local in ((8, 8), (1, 1)):
-        cost = _cost(dict(dp=16, zero=3), gpu=replace(H100, gpus_per_node=gpus_per_node))
+        gpu = replace(H100, gpus_per_node=gpus_per_node)
+        cost = _cost(dict(dp=16, zero=3), gpu=gpu)
         wire = sum(wire_bytes(key.split(":")[1], n, 16) for key, n in cost.comm.items() if key.startswith("dp_shard"))
-        latency = H100.inter_node_latency * 15 * sum(1 for key in cost.comm if key.startswith("dp_shard"))
+        latency = sum(n * gpu.collective_latency(key.split(":")[1], 16, nodes=16 // local)
+                      for key, n in cost.calls.items() if key.startswith("dp_shard"))  # fmt: skip
         ring = max(wire / local / nic, wire * (local - 1) / local / nvlink)
         assert cost.time_parts["dp_shard"] == pytest.approx(ring + latency, rel=1e-3)
 

@@ -50,7 +50,6 @@ from lightning_ultrascale.parallel.pricing import (
     RankView,
     SearchContext,
     SearchPoint,
-    add_traffic,
     powers_of_two,
 )
 
@@ -169,14 +168,16 @@ class ContextParallel(ParallelPlugin):
         if self.method == "all_to_all":
             # q and the output at every head, k and v at their own heads (repeated after the exchange)
             q_k_v_o = t * (s.heads * (s.head_dim + s.v_head_dim) + s.kv_heads * (s.head_dim + s.v_head_dim)) / s.tp * e
-            add_traffic(terms.traffic, "cp", "all_to_all", 2 * q_k_v_o * layers * m)
+            # (forward: q, k, v and the output, a call each; backward their reverses)
+            terms.add("cp", "all_to_all", 2 * q_k_v_o * layers * m, calls=8 * layers * m)
             return terms
         terms.hidden_by_attention = 1.0
         kv = t * s.kv_heads / s.tp * (s.head_dim + s.v_head_dim)
         # forward: K/V to the next rank cp-1 times; backward: K/V again, and the dK/dV accumulators cp times, in fp32.
         sends = (2 * (self.size - 1) * e + self.size * 4) * kv * layers * m
-        add_traffic(terms.traffic, "cp", "send", sends)
-        add_traffic(terms.traffic, "cp", "recv", sends)
+        calls = (2 * (self.size - 1) + self.size) * layers * m  # (K and V in one launch, dK and dV in another)
+        terms.add("cp", "send", sends, calls=calls)
+        terms.add("cp", "recv", sends, calls=calls)
         return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:

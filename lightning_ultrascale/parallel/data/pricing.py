@@ -7,13 +7,14 @@ planner and a run agree by construction; ``benchmarks/plan.py`` holds them again
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 
 from lightning_ultrascale.parallel.dims import DATA_DIMS
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.muon import muon_matrices
-from lightning_ultrascale.parallel.pricing import CostTerms, RankView, add_traffic, dim_name
+from lightning_ultrascale.parallel.pricing import CostTerms, RankView, dim_name
 from lightning_ultrascale.utils.memory import layout_model_state_bytes, one_moment_k
 
 __all__ = ["data_parallel_cost", "group_numels", "model_state"]
@@ -92,8 +93,9 @@ def unsharded_numel(plan: ShardPlan, zero: int, groups: dict[tuple[str, ...], li
     return total
 
 
-def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerms:
-    """ZeRO ``zero``'s terms on ``rank``: state, held gradients, gathered parameters, traffic."""
+def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str, bucket_bytes: int = 25 * 2**20) -> CostTerms:
+    """ZeRO ``zero``'s terms on ``rank``: state, held gradients, gathered parameters, traffic (stages 0-2 in
+    buckets of ``bucket_bytes``)."""
     w, c, plan = rank.workload, rank.layout, rank.plan
     grad_bytes = 2 if w.precision == "bf16-mixed" and reduce_dtype == "bf16" else 4
     groups = group_numels(plan)  # (once: every term below reads it)
@@ -112,7 +114,7 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str) -> CostTerm
         shards = math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
-    _traffic(terms, rank, zero, grad_bytes, groups)
+    _traffic(terms, rank, zero, grad_bytes, bucket_bytes)
     terms.step_bytes = _step_bytes(adamw_optimizer, w.precision, zero)  # (Muon's own passes: muon_cost)
     return terms
 
@@ -147,31 +149,65 @@ def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_byte
     return held
 
 
-def _traffic(
-    terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, groups: dict[tuple[str, ...], list[int]]
-) -> None:
+def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, bucket_bytes: int) -> None:
     """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp).
 
     Reductions overlap backward; parameter all-gathers overlap a forward: ZeRO-1/2's updated
-    weights are waited per bucket by the next forward, FSDP prefetches the next block's.
+    weights are waited per bucket by the next forward, FSDP prefetches the next block's. Stages 0-2
+    make one call per bucket, once a step (gradient accumulation holds the buckets back); FSDP one per
+    unit (:func:`_fsdp_units`) and micro-step.
     """
-    traffic = terms.traffic
     plan, w = rank.plan, rank.workload
     weight_bytes = 2 if w.precision == "bf16-mixed" else 4
-    for dims, numels in groups.items():
-        numel = sum(numels)
+    names: dict[tuple[str, ...], list[str]] = defaultdict(list)
+    for name in plan.shapes:
+        names[plan.groups.get(name, DATA_DIMS)].append(name)
+    for dims, mine in names.items():
+        numel = sum(math.prod(plan.shapes[name]) for name in mine)
         live = [d for d in dims if plan.sizes[d] > 1]
         if not live:
             continue
         dim = dim_name(live)
         grad = grad_bytes * numel
+        if zero == 3:
+            _fsdp_traffic(terms, rank, live, numel, grad, _fsdp_units(rank, mine, own=dims != DATA_DIMS))
+            continue
+        # (buckets fill with the parameters' own dtype; ZeRO-1/2 key them by the optimizer's param group too)
+        decayed = (lambda name: len(plan.shapes[name]) >= 2) if zero else (lambda name: True)
+        buckets = _buckets([(math.prod(plan.shapes[n]) * weight_bytes, decayed(n)) for n in mine], bucket_bytes)
         if zero == 0:
-            add_traffic(traffic, dim, "all_reduce", grad)
-        elif zero in (1, 2):
-            add_traffic(traffic, dim, "reduce_scatter", grad)
-            add_traffic(terms.forward_traffic, dim, "all_gather", weight_bytes * numel)  # the updated (bf16) weights
+            terms.add(dim, "all_reduce", grad, calls=buckets)
         else:
-            _fsdp_traffic(terms, rank, live, numel, grad)
+            terms.add(dim, "reduce_scatter", grad, calls=buckets)
+            terms.add(dim, "all_gather", weight_bytes * numel, calls=buckets, forward=True)  # the updated weights
+
+
+def _buckets(params: list[tuple[int, object]], bucket_bytes: int) -> int:
+    """How many buckets :func:`~lightning_ultrascale.parallel.data.buckets.plan_buckets` makes of ``params``
+    (``(bytes, key)`` in the model's order): walked in reverse, one open bucket per key, closed on overflow.
+
+    Example:
+        >>> _buckets([(64, "w"), (16, "b"), (64, "w"), (16, "b"), (64, "w"), (16, "b")], 96)  # (its example)
+        4
+    """
+    closed, open_bytes = 0, {}
+    for nbytes, key in reversed(params):
+        held = open_bytes.get(key)
+        if held is not None and held + nbytes > bucket_bytes:
+            closed, held = closed + 1, None
+        open_bytes[key] = (held or 0) + nbytes
+    return closed + len(open_bytes)
+
+
+def _fsdp_units(rank: RankView, names: list[str], own: bool) -> int:
+    """FSDP units holding ``names`` on ``rank``: a group of its own (experts) one per block holding it; the
+    model's every block and the root unit of each part (a pipeline stage: a run of consecutive blocks)."""
+    prefix = f"{rank.spec.layers}."
+    blocks = {n[len(prefix) :].split(".")[0] for n in names if n.startswith(prefix)}
+    if own:
+        return len(blocks)
+    parts = 1 + sum(1 for a, b in itertools.pairwise(rank.layers) if b != a + 1)
+    return len(rank.layers) + parts
 
 
 def _fp8_gathered_saving(rank: RankView, live: list[str], numel: int) -> int:
@@ -184,20 +220,22 @@ def _fp8_gathered_saving(rank: RankView, live: list[str], numel: int) -> int:
     return min(converted // shards, numel) * (rank.element_bytes - 1)
 
 
-def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int) -> None:
+def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int, units: int) -> None:
     """FSDP2 gathers every parameter twice (forward, backward; once under a pipeline, which keeps them
     gathered for its microbatches): payload the gathered output; reduce-scatters the unsharded
     gradient (payload its input) every micro-step. (bf16-mixed gathers bf16 copies: FSDP2's
     MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas.
     The forward's gathers overlap the forward, the backward's (and the reductions) the backward."""
-    plan, traffic = rank.plan, terms.traffic
+    plan = rank.plan
     shard_dims = [d for d in live if d != "dp_replicate"]
     n = math.prod(plan.sizes[d] for d in shard_dims)
+    calls = units * rank.accumulation
     if shard_dims:
+        dim = dim_name(shard_dims)
         gathered = (rank.element_bytes * numel - _fp8_gathered_saving(rank, live, numel)) * n * rank.accumulation
-        add_traffic(terms.forward_traffic, dim_name(shard_dims), "all_gather", gathered)
+        terms.add(dim, "all_gather", gathered, calls=calls, forward=True)
         if rank.layout.pp == 1:
-            add_traffic(traffic, dim_name(shard_dims), "all_gather", gathered)
-        add_traffic(traffic, dim_name(shard_dims), "reduce_scatter", grad * n * rank.accumulation)
+            terms.add(dim, "all_gather", gathered, calls=calls)
+        terms.add(dim, "reduce_scatter", grad * n * rank.accumulation, calls=calls)
     if "dp_replicate" in live:
-        add_traffic(traffic, "dp_replicate", "all_reduce", grad)
+        terms.add("dp_replicate", "all_reduce", grad, calls=units)

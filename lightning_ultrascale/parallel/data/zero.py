@@ -186,7 +186,7 @@ class ZeRO(ParallelPlugin):
                 "reduce_dtype": self.reduce_dtype}  # fmt: skip
 
     def plan_cost(self, rank: RankView) -> CostTerms:
-        return data_parallel_cost(rank, self.stage, self.reduce_dtype)
+        return data_parallel_cost(rank, self.stage, self.reduce_dtype, int(self.bucket_mb * 2**20))
 
     def validate(self, dims: ParallelDims, spec: ModelSpec, data: DataShape | None) -> None:
         if self.stage in (1, 2) and dims.dp_shard * dims.cp == 1:  # (context-parallel ranks share the shards)

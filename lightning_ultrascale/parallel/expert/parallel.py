@@ -45,7 +45,6 @@ from lightning_ultrascale.parallel.pricing import (
     RankView,
     SearchContext,
     SearchPoint,
-    add_traffic,
     moe_fold,
     powers_of_two,
 )
@@ -186,7 +185,8 @@ class ExpertParallel(ParallelPlugin):
             weights = slots * 3 * rank.widths.h * spec.expert_ffn_dim * rank.element_bytes
             payload += 2 * weights * moe_layers * rank.forwards
             terms.working += 2 * weights
-        add_traffic(terms.traffic, "ep", "all_to_all", payload)
+        # (a call for each of the four, and one for the split sizes of a forward)
+        terms.add("ep", "all_to_all", payload, calls=(5 + (2 if self.placed else 0)) * moe_layers * rank.forwards)
         return terms
 
     def apply(self, model: nn.Module, layout: Layout) -> nn.Module:

@@ -53,7 +53,6 @@ from lightning_ultrascale.parallel.pricing import (
     RankView,
     SearchContext,
     SearchPoint,
-    add_traffic,
 )
 from lightning_ultrascale.parallel.tied import TiedCopy, TiedGroup, find_tied
 from lightning_ultrascale.utils.memo import memoized
@@ -243,8 +242,8 @@ class PipelineParallel(ParallelPlugin):
         s = rank.widths
         boundary = rank.tokens * s.h / s.sp * rank.element_bytes * rank.forwards
         sends = 2 * timeline.stages_per_rank - (1 if rank.last else 0) - (1 if rank.first else 0)
-        add_traffic(terms.traffic, "pp", "send", sends * boundary)
-        add_traffic(terms.traffic, "pp", "recv", sends * boundary)
+        terms.add("pp", "send", sends * boundary, calls=sends * rank.forwards)
+        terms.add("pp", "recv", sends * boundary, calls=sends * rank.forwards)
         return terms
 
     def plan_shards(self, model: nn.Module, plan: ShardPlan) -> None:
