@@ -30,9 +30,9 @@ any.
 
 Example:
     >>> terms = CostTerms(in_step=False, hidden_by=2 / 3)
-    >>> add_traffic(terms.traffic, "dp_shard", "all_gather", 1e6)
-    >>> terms.traffic
-    {'dp_shard:all_gather': 1000000}
+    >>> terms.add("dp_shard", "all_gather", 1e6, calls=4)  # 1 MB in 4 calls, each paying a collective's latency
+    >>> terms.traffic, terms.calls
+    ({'dp_shard:all_gather': 1000000}, {'dp_shard:all_gather': 4})
 """
 
 from __future__ import annotations

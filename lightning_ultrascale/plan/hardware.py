@@ -182,7 +182,14 @@ def _interpolated(table: tuple[tuple[int, float], ...], width: float, beyond: fl
     return beyond
 
 
-_MAY_BE_ZERO = ("reserved_bytes", "op_overhead", "step_overhead", "intra_node_latency", "inter_node_latency")
+_MAY_BE_ZERO = (
+    "reserved_bytes",
+    "op_overhead",
+    "step_overhead",
+    "collective_base_latency",
+    "intra_node_latency",
+    "inter_node_latency",
+)
 
 #: Fitted on one published run (see ``GPUS["h100"]``); every other figure is a datasheet's.
 H100_MATMUL_EFFICIENCY = 0.60

@@ -281,6 +281,26 @@ def test_a_ring_across_nodes_leaves_each_node_through_all_its_nics():
         assert cost.time_parts["dp_shard"] == pytest.approx(ring + latency, rel=1e-3)
 
 
+def test_each_call_pays_nccl_s_latency_so_a_small_model_shards_inside_nodes_at_512_gpus():
+    # Before: one latency per kind of collective and step, however many calls. FSDP over 512 ranks of 64 nodes
+    # makes 2 gathers and a reduction per unit and micro-step (17 units of Llama 3 1B, 2 micro-steps), each a ring
+    # of 448 NVLink and 63 network steps: 2.4 ms a call (NCCL's model) against 0.1 s of compute a step. HSDP's
+    # rings stay inside a node (and its all-reduce across replicas takes the tree); with no latency, plain FSDP's
+    # fewer bytes win.
+    from lightning_ultrascale.plan import search
+
+    assert H100.collective_latency("all_gather", 512, nodes=64) == pytest.approx(8.4e-6 + 448 * 3.4e-6 + 63 * 14e-6)
+    work = Workload(get_model_config("llama3_1b"), 4096, 1024, precision="bf16-mixed")
+    pins = {"tp": [1], "pp": [1], "cp": [1], "zero": [3]}
+    priced = search(work, 512, H100, space=pins)
+    fsdp = next(p for p in priced.fitting if p.candidate.label() == "dp512 zero3 mb1")
+    assert priced.best.candidate.label() == "dp512 zero3 hsdp64 mb1" and fsdp.mfu < 0.5 * priced.best.mfu
+    cost = fsdp.costs[0]
+    assert cost.calls == {"dp_shard:all_gather": 2 * 17 * 2, "dp_shard:reduce_scatter": 17 * 2}
+    free = replace(H100, collective_base_latency=0.0, intra_node_latency=0.0, inter_node_latency=0.0)
+    assert search(work, 512, free, space=pins).best.candidate.label() == "dp512 zero3 mb1"
+
+
 @pytest.mark.parametrize("model", ["deepseek_v2_lite", "deepseek_v3"])
 def test_mla_s_projections_are_priced_at_their_low_rank_shapes(model):
     # The GEMMs' FLOPs as priced equal 6 x the matmul parameters one token runs through, as the model counts them:
