@@ -389,6 +389,7 @@ class FSDPEngine(GradientSync):
         reshard = layout.forwards_per_step == 1 if reshard_after_forward is None else reshard_after_forward
         policy = _mixed_precision(layout.precision, REDUCE_DTYPES[reduce_dtype])
         self.roots: list[FSDPModule] = []
+        self.replicated = replicate > 1 and "dp_replicate" in group.dims  # (HSDP: an all-reduce across replicas)
         if group.params is None:
             cast = _cast_for_fp8_all_gather(model, layout)
             self._shard_model(model, reshard, policy)
@@ -438,7 +439,20 @@ class FSDPEngine(GradientSync):
         # choice. The cost: one reduce-scatter per micro-step instead of per optimizer step.
         # (Under a pipeline schedule torch's stages reduce-scatter after their last backward
         # themselves: reduce() has nothing left to do.)
-        yield
+        # HSDP's all-reduce across the replicas, though, waits for the last micro-step: FSDP2 holds each
+        # micro-step's reduce-scattered shard (set_requires_all_reduce(False): one buffer the size of the
+        # sharded gradients, which they would hold anyway) and sums them into that one all-reduce, one per
+        # optimizer step instead of one per micro-step, on the links between replicas (nodes, as a rule).
+        if not self.replicated:
+            yield
+            return
+        for root in self.roots:
+            root.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            for root in self.roots:
+                root.set_requires_all_reduce(True)
 
 
 #: torch >= 2.12 names it all_gather_single (all_gather_into_tensor is deprecated there).
