@@ -16,6 +16,7 @@ from lightning_ultrascale.models import build_model, get_model_config
 from lightning_ultrascale.parallel.dims import ParallelDims
 from lightning_ultrascale.testing import run_pooled, run_workers
 from lightning_ultrascale.testing.parity import QUIET_TRAINER, assert_parity
+from lightning_ultrascale.utils.comm import CommTracer
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +284,42 @@ def test_zero3_accumulates_sharded_gradients_between_micro_steps():
     for grads in run_pooled(_accumulated_grads, 2):
         assert grads and all(g is not None for g in grads.values()), grads
         assert all(local <= -(-full // 2) for local, full in grads.values()), grads
+
+
+class _TraceFirstStep(L.Callback):
+    """Every collective launch of the first optimizer step (its micro-steps)."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        if not hasattr(self, "tracer"):
+            self.tracer = CommTracer(trainer.strategy.mesh.root).__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 1 and not hasattr(self, "launches"):
+            self.tracer.__exit__(None, None, None)
+            self.launches = self.tracer.launches(min_bytes=256)
+
+
+def _hsdp_launches(precision: str, reduce_dtype: str) -> dict[str, int]:
+    probe = _TraceFirstStep()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=UltraScaleStrategy(ZeRO(3, replicate=2, reduce_dtype=reduce_dtype)),
+        max_steps=1, accumulate_grad_batches=2, callbacks=[probe], precision=precision, **QUIET_TRAINER,
+    )  # fmt: skip
+    trainer.fit(LlamaModule("llama_tiny"), datamodule=UltraScaleDataModule(seq_len=16, micro_batch_size=1))
+    return probe.launches
+
+
+@pytest.mark.parametrize(
+    ("precision", "reduce_dtype", "micro_steps"), [("32-true", "fp32", 1), ("bf16-mixed", "bf16", 2)]
+)
+def test_hsdp_all_reduces_across_replicas_once_a_step_where_fp32_holds_the_sum(precision, reduce_dtype, micro_steps):
+    # Each micro-step reduce-scatters inside its shard group; the all-reduce across the replicas waits for the
+    # last one (FSDP2 holds the micro-steps' sums, set_requires_all_reduce), one per FSDP unit (4 blocks, the
+    # root) a step. It all-reduced every micro-step before. Under a bf16 reduction FSDP2 would hold that sum in
+    # bf16, so there it still all-reduces every micro-step. Parity: the HSDP tests above (accumulate=2).
+    for launches in run_workers(_hsdp_launches, 4, precision, reduce_dtype, timeout_s=300):
+        assert launches["dp_replicate:all_reduce"] == 5 * micro_steps, launches
+        assert sum(n for key, n in launches.items() if key.endswith(":reduce_scatter")) == 5 * 2, launches
 
 
 TIED = dataclasses.replace(get_model_config("llama_tiny"), name="llama_tiny_tied", tie_embeddings=True)

@@ -389,7 +389,9 @@ class FSDPEngine(GradientSync):
         reshard = layout.forwards_per_step == 1 if reshard_after_forward is None else reshard_after_forward
         policy = _mixed_precision(layout.precision, REDUCE_DTYPES[reduce_dtype])
         self.roots: list[FSDPModule] = []
-        self.replicated = replicate > 1 and "dp_replicate" in group.dims  # (HSDP: an all-reduce across replicas)
+        # HSDP all-reduces across replicas once a step where FSDP2 holds the micro-steps' sums in fp32 (no_sync)
+        wide = policy.reduce_dtype in (None, torch.float32)
+        self.defers_all_reduce = replicate > 1 and "dp_replicate" in group.dims and wide
         if group.params is None:
             cast = _cast_for_fp8_all_gather(model, layout)
             self._shard_model(model, reshard, policy)
@@ -443,7 +445,10 @@ class FSDPEngine(GradientSync):
         # micro-step's reduce-scattered shard (set_requires_all_reduce(False): one buffer the size of the
         # sharded gradients, which they would hold anyway) and sums them into that one all-reduce, one per
         # optimizer step instead of one per micro-step, on the links between replicas (nodes, as a rule).
-        if not self.replicated:
+        # FSDP2 holds that sum in the reduction's dtype: under reduce_dtype="bf16" it would round every
+        # micro-step's share into bf16, where the sharded fp32 gradients add them exactly, so there the
+        # all-reduce stays per micro-step.
+        if not self.defers_all_reduce:
             yield
             return
         for root in self.roots:

@@ -22,6 +22,9 @@ __all__ = ["data_parallel_cost", "group_numels", "model_state"]
 #: Data-parallel traffic overlaps backward, about two thirds of a step's compute.
 BACKWARD_SHARE = 2 / 3
 
+#: The precisions whose FSDP2 policy reduces in ``reduce_dtype`` (``engines._mixed_precision``; others in fp32).
+_REDUCED_IN_POLICY = ("bf16-mixed", "bf16-true")
+
 
 def group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
     """Elements of each parameter this rank holds, by the mesh dims its gradient is reduced over."""
@@ -114,7 +117,9 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str, bucket_byte
         shards = math.prod(plan.sizes[d] for d in DATA_DIMS if d != "dp_replicate")
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
-    _traffic(terms, rank, zero, grad_bytes, bucket_bytes)
+    # (HSDP all-reduces once a step where FSDP2 holds the micro-steps' sums in fp32: FSDPEngine.no_sync)
+    once = w.precision not in _REDUCED_IN_POLICY or reduce_dtype == "fp32"
+    _traffic(terms, rank, zero, grad_bytes, bucket_bytes, once)
     terms.step_bytes = _step_bytes(adamw_optimizer, w.precision, zero)  # (Muon's own passes: muon_cost)
     return terms
 
@@ -149,7 +154,9 @@ def _held_grads(rank: RankView, zero: int, grads: int, unsharded: int, grad_byte
     return held
 
 
-def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, bucket_bytes: int) -> None:
+def _traffic(
+    terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, bucket_bytes: int, replicas_once: bool = True
+) -> None:
     """Gradients and parameters over the data dims (each group its own dims, e.g. experts over edp).
 
     Reductions overlap backward; parameter all-gathers overlap a forward: ZeRO-1/2's updated
@@ -170,7 +177,8 @@ def _traffic(terms: CostTerms, rank: RankView, zero: int, grad_bytes: int, bucke
         dim = dim_name(live)
         grad = grad_bytes * numel
         if zero == 3:
-            _fsdp_traffic(terms, rank, live, numel, grad, _fsdp_units(rank, mine, own=dims != DATA_DIMS))
+            units = _fsdp_units(rank, mine, own=dims != DATA_DIMS)
+            _fsdp_traffic(terms, rank, live, numel, grad, units, replicas_once)
             continue
         # (buckets fill with the parameters' own dtype; ZeRO-1/2 key them by the optimizer's param group too)
         decayed = (lambda name: len(plan.shapes[name]) >= 2) if zero else (lambda name: True)
@@ -220,11 +228,14 @@ def _fp8_gathered_saving(rank: RankView, live: list[str], numel: int) -> int:
     return min(converted // shards, numel) * (rank.element_bytes - 1)
 
 
-def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int, units: int) -> None:
+def _fsdp_traffic(
+    terms: CostTerms, rank: RankView, live: list[str], numel: int, grad: int, units: int, replicas_once: bool
+) -> None:
     """FSDP2 gathers every parameter twice (forward, backward; once under a pipeline, which keeps them
     gathered for its microbatches): payload the gathered output; reduce-scatters the unsharded
     gradient (payload its input) every micro-step. (bf16-mixed gathers bf16 copies: FSDP2's
-    MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas.
+    MixedPrecisionPolicy param_dtype.) HSDP all-reduces the shards' gradients across replicas: once a step
+    (``replicas_once``: FSDP2 holds the micro-steps' sums in fp32), else every micro-step.
     The forward's gathers overlap the forward, the backward's (and the reductions) the backward."""
     plan = rank.plan
     shard_dims = [d for d in live if d != "dp_replicate"]
@@ -238,4 +249,5 @@ def _fsdp_traffic(terms: CostTerms, rank: RankView, live: list[str], numel: int,
             terms.add(dim, "all_gather", gathered, calls=calls)
         terms.add(dim, "reduce_scatter", grad * n * rank.accumulation, calls=calls)
     if "dp_replicate" in live:
-        terms.add("dp_replicate", "all_reduce", grad, calls=units)
+        times = 1 if replicas_once else rank.accumulation
+        terms.add("dp_replicate", "all_reduce", grad * times, calls=units * times)
