@@ -286,6 +286,15 @@ def test_zero3_accumulates_sharded_gradients_between_micro_steps():
         assert all(local <= -(-full // 2) for local, full in grads.values()), grads
 
 
+def test_hsdp_under_a_pipeline_with_accumulation_matches_one_process(reference_sgd):
+    # The replica all-reduce deferred to the last micro-step (FSDPEngine.no_sync) meets torch's pipeline stages,
+    # which hold their own reduction to the last microbatch: pp2 x 2 replicas x 1 shard, 2 micro-steps.
+    from lightning_ultrascale import PipelineParallel
+
+    plugins = lambda: [PipelineParallel(2, "1f1b", microbatches=2), ZeRO(stage=3, replicate=2, size=1)]  # noqa: E731
+    assert_parity(run_tiny_llama(SGD, plugins, 4, accumulate=2, dp=2), reference_sgd, rtol=1e-5)
+
+
 class _TraceFirstStep(L.Callback):
     """Every collective launch of the first optimizer step (its micro-steps)."""
 
