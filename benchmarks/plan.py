@@ -92,6 +92,8 @@ ACCUMULATED: list[tuple[str, Candidate, int]] = [
     ("llama_tiny", _(dp=2, zero=3, micro_batch_size=2), 2),
     ("llama_tiny", _(dp=2, zero=2, micro_batch_size=2), 2),
     ("llama_tiny", _(dp=2, zero=3, pp=2, schedule="1f1b", microbatches=4, micro_batch_size=1), 1),
+    # (a rank holding a middle stage: its part's root holds no parameters, so gathers nothing)
+    ("llama_tiny", _(dp=2, zero=3, pp=2, schedule="interleaved_1f1b", microbatches=4, micro_batch_size=1), 1),
     # HSDP: reduce-scattered every micro-step, all-reduced across the replicas once, at the last
     ("llama_tiny", _(dp=4, zero=3, replicate=2, micro_batch_size=2), 2),
 ]  # fmt: skip

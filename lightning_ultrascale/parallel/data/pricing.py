@@ -7,7 +7,6 @@ planner and a run agree by construction; ``benchmarks/plan.py`` holds them again
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 
@@ -208,14 +207,15 @@ def _buckets(params: list[tuple[int, object]], bucket_bytes: int) -> int:
 
 
 def _fsdp_units(rank: RankView, names: list[str], own: bool) -> int:
-    """FSDP units holding ``names`` on ``rank``: a group of its own (experts) one per block holding it; the
-    model's every block and the root unit of each part (a pipeline stage: a run of consecutive blocks)."""
+    """FSDP units holding ``names`` on ``rank`` (each one gather and one reduction): a group of its own (experts)
+    one per block holding it; the model's every block, and the root unit of each part holding parameters beside
+    its blocks (the embedding's stage, the head's; without a pipeline the model's root)."""
     prefix = f"{rank.spec.layers}."
     blocks = {n[len(prefix) :].split(".")[0] for n in names if n.startswith(prefix)}
     if own:
         return len(blocks)
-    parts = 1 + sum(1 for a, b in itertools.pairwise(rank.layers) if b != a + 1)
-    return len(rank.layers) + parts
+    roots = 1 if rank.layout.pp == 1 else int(rank.first) + int(rank.last)
+    return len(rank.layers) + roots
 
 
 def _fp8_gathered_saving(rank: RankView, live: list[str], numel: int) -> int:
