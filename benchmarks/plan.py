@@ -84,6 +84,8 @@ LAYOUTS: list[tuple[str, Candidate]] = [
     ("llama_tiny", _(dp=1, zero=0, tp=2, sequence_parallel=False, micro_batch_size=2, recompute="full")),
     ("moe_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, recompute="full")),
     ("moe_tiny", _(dp=1, zero=0, tp=2, micro_batch_size=2, regather=True)),
+    # ZeRO-3 of a folded MoE: its experts over edp, its router and shared experts over dp x tp, module by module
+    ("moe_tiny", _(dp=2, zero=3, tp=2, ep=2, micro_batch_size=2)),
 ]
 #: (model, candidate, micro-steps per optimizer step): what gradient accumulation and a pipeline
 #: keep between micro-steps (ZeRO-3: sharded gradients; ZeRO-2: full buckets; ZeRO-3 under a

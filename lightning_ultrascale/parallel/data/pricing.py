@@ -207,13 +207,12 @@ def _buckets(params: list[tuple[int, object]], bucket_bytes: int) -> int:
 
 
 def _fsdp_units(rank: RankView, names: list[str], own: bool) -> int:
-    """FSDP units holding ``names`` on ``rank`` (each one gather and one reduction): a group of its own (experts)
-    one per block holding it; the model's every block, and the root unit of each part holding parameters beside
-    its blocks (the embedding's stage, the head's; without a pipeline the model's root)."""
-    prefix = f"{rank.spec.layers}."
-    blocks = {n[len(prefix) :].split(".")[0] for n in names if n.startswith(prefix)}
+    """FSDP units holding ``names`` on ``rank`` (each one gather and one reduction): a group of its own (experts,
+    a folded MoE's replicated router and shared experts) one per module holding its parameters directly
+    (``engines._owners``); the model's every block, and the root unit of each part holding parameters beside its
+    blocks (the embedding's stage, the head's; without a pipeline the model's root)."""
     if own:
-        return len(blocks)
+        return len({name.rpartition(".")[0] for name in names})
     roots = 1 if rank.layout.pp == 1 else int(rank.first) + int(rank.last)
     return len(rank.layers) + roots
 
