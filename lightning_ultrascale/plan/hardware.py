@@ -41,7 +41,7 @@ class Hardware:
     inter_node_bandwidth: float = 50e9  # bytes/s per GPU per direction (one 400 Gb/s NIC)
     #: a collective call's latency beyond its bytes, as NCCL's own tuning model prices it (``src/graph/tuning.cc``,
     #: ring and tree algorithms, Simple protocol, the one large messages run): a fixed cost per call, plus a cost per
-    #: step of the ring (or level of the tree) over NVLink and over the network (:func:`collective_latency`)
+    #: step of the ring (or level of the tree) over NVLink and over the network (:meth:`collective_latency`)
     collective_base_latency: float = 8.4e-6
     intra_node_latency: float = 3.4e-6  # seconds per NVLink step
     inter_node_latency: float = 14e-6  # seconds per network step
