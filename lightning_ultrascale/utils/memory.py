@@ -203,6 +203,17 @@ def playbook_model_state_bytes(
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def reduces_in_fp32(precision: str, reduce_dtype: str) -> bool:
+    """Whether the engines reduce gradients in fp32: always in ``32-true``; over bf16 parameters, unless
+    ``reduce_dtype="bf16"`` (FSDP2's ``MixedPrecisionPolicy.reduce_dtype``, the ZeRO-0/2 buckets' dtype).
+
+    Example:
+        >>> [reduces_in_fp32(p, r) for p, r in (("32-true", "bf16"), ("bf16-mixed", "fp32"), ("bf16-true", "bf16"))]
+        [True, True, False]
+    """
+    return precision not in ("bf16-mixed", "bf16-true") or reduce_dtype == "fp32"
+
+
 def layout_model_state_bytes(
     n_params: int, stage: int, dp: int, precision: str, reduce_dtype: str = "fp32", k_optimizer: int | None = None
 ) -> ModelStateBytes:

@@ -51,7 +51,7 @@ from lightning_ultrascale.parallel.data.buckets import BucketedAllReduce, Gradie
 from lightning_ultrascale.parallel.data.master import MASTER_PRECISION, to_bf16_with_masters
 from lightning_ultrascale.parallel.data.sharded_optimizer import ZeroEngine
 from lightning_ultrascale.parallel.layout import GradientGroup, Layout
-from lightning_ultrascale.utils.memory import ModelStateBytes, layout_model_state_bytes
+from lightning_ultrascale.utils.memory import ModelStateBytes, layout_model_state_bytes, reduces_in_fp32
 from lightning_ultrascale.utils.tensors import local_tensor
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -390,8 +390,8 @@ class FSDPEngine(GradientSync):
         policy = _mixed_precision(layout.precision, REDUCE_DTYPES[reduce_dtype])
         self.roots: list[FSDPModule] = []
         # HSDP all-reduces across replicas once a step where FSDP2 holds the micro-steps' sums in fp32 (no_sync)
-        wide = policy.reduce_dtype in (None, torch.float32)
-        self.defers_all_reduce = replicate > 1 and "dp_replicate" in group.dims and wide
+        replicated = replicate > 1 and "dp_replicate" in group.dims
+        self.defers_all_reduce = replicated and reduces_in_fp32(layout.precision, reduce_dtype)
         if group.params is None:
             cast = _cast_for_fp8_all_gather(model, layout)
             self._shard_model(model, reshard, policy)

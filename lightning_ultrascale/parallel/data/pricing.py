@@ -14,15 +14,12 @@ from lightning_ultrascale.parallel.dims import DATA_DIMS
 from lightning_ultrascale.parallel.layout import ShardPlan
 from lightning_ultrascale.parallel.muon import muon_matrices
 from lightning_ultrascale.parallel.pricing import CostTerms, RankView, dim_name
-from lightning_ultrascale.utils.memory import layout_model_state_bytes, one_moment_k
+from lightning_ultrascale.utils.memory import layout_model_state_bytes, one_moment_k, reduces_in_fp32
 
 __all__ = ["data_parallel_cost", "group_numels", "model_state"]
 
 #: Data-parallel traffic overlaps backward, about two thirds of a step's compute.
 BACKWARD_SHARE = 2 / 3
-
-#: The precisions whose FSDP2 policy reduces in ``reduce_dtype`` (``engines._mixed_precision``; others in fp32).
-_REDUCED_IN_POLICY = ("bf16-mixed", "bf16-true")
 
 
 def group_numels(plan: ShardPlan) -> dict[tuple[str, ...], list[int]]:
@@ -117,8 +114,7 @@ def data_parallel_cost(rank: RankView, zero: int, reduce_dtype: str, bucket_byte
         per_block = state["params"] // max(1, len(rank.layers)) * shards
         terms.working = 2 * per_block * compute_b // 4  # (gathered in compute_b from fp32 shards)
     # (HSDP all-reduces once a step where FSDP2 holds the micro-steps' sums in fp32: FSDPEngine.no_sync)
-    once = w.precision not in _REDUCED_IN_POLICY or reduce_dtype == "fp32"
-    _traffic(terms, rank, zero, grad_bytes, bucket_bytes, once)
+    _traffic(terms, rank, zero, grad_bytes, bucket_bytes, reduces_in_fp32(w.precision, reduce_dtype))
     terms.step_bytes = _step_bytes(adamw_optimizer, w.precision, zero)  # (Muon's own passes: muon_cost)
     return terms
 
