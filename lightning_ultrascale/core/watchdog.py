@@ -97,10 +97,14 @@ class Watchdog:
             self.store.set(f"{_FAILED}{self.rank}", reason)
             reporter = self.store.compare_set(_REPORTER, "", str(self.rank)).decode() == str(self.rank)
             # Fellow ranks in the same timeout fail alike; the others' watchdogs post within poll_s.
+            started = time.monotonic()
             wait_s = max(min(self.grace_s, 2.0), self.poll_s + 0.5 if reporter else 0.0)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and len(self._failed()) < self.world_size:
+            while time.monotonic() < started + wait_s and len(self._failed()) < self.world_size:
                 time.sleep(0.1)
+            if reporter:  # and every rank's post, which a loaded machine's watchdog may make later than poll_s
+                states = [f"{_STATE}{r}" for r in range(self.world_size)]  # (one that never posts: gone or stuck)
+                while time.monotonic() < started + max(self.grace_s, wait_s) and not self.store.check(states):
+                    time.sleep(0.1)
             silent = [r for r in range(self.world_size) if r not in self._failed()]
             if silent:
                 why = "hung, or waiting for it in a collective"
